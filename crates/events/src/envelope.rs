@@ -1,0 +1,430 @@
+//! The envelope every event travels in, and decoding into typed events.
+
+use std::fmt;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::v1::{OrderPlacedV1, ParcelDeliveredV1, PaymentReceivedV1};
+use crate::{event_types, AGGREGATE_TYPE_ORDER};
+
+/// A typed event payload: a payload struct bound to its event type and
+/// schema (major) version.
+///
+/// Implementations must serialise as a JSON object and must not fail to
+/// serialise for values built from valid input.
+pub trait EventPayload: Serialize + DeserializeOwned {
+    /// The `event_type` of envelopes carrying this payload (also the AMQP
+    /// `type` property and the routing key).
+    const EVENT_TYPE: &'static str;
+    /// The `schema_version` (major version) of this payload.
+    const SCHEMA_VERSION: u32;
+}
+
+/// The JSON body of every AMQP message. Field order on the wire is the
+/// declaration order below.
+///
+/// Unknown envelope fields are ignored on read.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope<P> {
+    /// Unique id of the event; fixed when the outbox row is written and never
+    /// changed on retry (the consumers' de-duplication key). Also the AMQP
+    /// `message_id`.
+    pub event_id: Uuid,
+    /// What happened: `OrderPlaced`, ... (see [`crate::event_types`]).
+    pub event_type: String,
+    /// Major version of the payload schema for `event_type`.
+    pub schema_version: u32,
+    /// The tenant the event belongs to.
+    pub tenant_id: String,
+    /// The kind of aggregate: `"order"` for every current event.
+    pub aggregate_type: String,
+    /// The aggregate's id: the order id (UUID, hyphenated) for order events.
+    pub aggregate_id: String,
+    /// 1, 2, 3 ... per aggregate, with no gaps.
+    pub aggregate_sequence: i64,
+    /// When the event happened (RFC 3339).
+    #[serde(with = "crate::timestamp")]
+    pub occurred_at: OffsetDateTime,
+    /// The event-specific payload.
+    pub payload: P,
+}
+
+/// An envelope whose payload is not decoded yet. Every header field is
+/// readable even when the event type or schema version is unknown to this
+/// build.
+///
+/// Note: the payload is a [`serde_json::Value`], so re-serialising a raw
+/// envelope keeps the header field order but not necessarily the payload's
+/// key order.
+pub type RawEnvelope = Envelope<serde_json::Value>;
+
+impl<P: EventPayload> Envelope<P> {
+    /// Builds an envelope for `payload`, filling `event_type`,
+    /// `schema_version` and `aggregate_type` (`"order"`) from the payload type.
+    pub fn new(
+        event_id: Uuid,
+        tenant_id: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        aggregate_sequence: i64,
+        occurred_at: OffsetDateTime,
+        payload: P,
+    ) -> Self {
+        Envelope {
+            event_id,
+            event_type: P::EVENT_TYPE.to_owned(),
+            schema_version: P::SCHEMA_VERSION,
+            tenant_id: tenant_id.into(),
+            aggregate_type: AGGREGATE_TYPE_ORDER.to_owned(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_sequence,
+            occurred_at,
+            payload,
+        }
+    }
+}
+
+impl<P: Serialize> Envelope<P> {
+    /// The compact JSON body of the AMQP message.
+    ///
+    /// Fails only for values that have no wire form (e.g. an `occurred_at`
+    /// outside years 0000-9999 or with a seconds-precision UTC offset, which
+    /// RFC 3339 cannot express).
+    pub fn to_json_bytes(&self) -> Result<Vec<u8>, EncodeError> {
+        serde_json::to_vec(self).map_err(|source| EncodeError {
+            event_type: self.event_type.clone(),
+            source,
+        })
+    }
+
+    /// The envelope with its payload as a JSON value (e.g. to store the
+    /// payload in an outbox row). Fails like [`Envelope::to_json_bytes`].
+    pub fn into_raw(self) -> Result<RawEnvelope, EncodeError> {
+        let payload = match serde_json::to_value(&self.payload) {
+            Ok(payload) => payload,
+            Err(source) => {
+                return Err(EncodeError {
+                    event_type: self.event_type,
+                    source,
+                })
+            }
+        };
+        Ok(Envelope {
+            event_id: self.event_id,
+            event_type: self.event_type,
+            schema_version: self.schema_version,
+            tenant_id: self.tenant_id,
+            aggregate_type: self.aggregate_type,
+            aggregate_id: self.aggregate_id,
+            aggregate_sequence: self.aggregate_sequence,
+            occurred_at: self.occurred_at,
+            payload,
+        })
+    }
+}
+
+impl RawEnvelope {
+    /// Parses an AMQP message body into a raw envelope.
+    ///
+    /// Fails with [`DecodeError::Malformed`] when the bytes are not a JSON
+    /// object, an envelope field is missing or has the wrong type, or a
+    /// header field is invalid (`event_type`, `tenant_id`, `aggregate_type`
+    /// or `aggregate_id` empty; `aggregate_sequence` below 1). A malformed
+    /// message is poison.
+    /// The payload is not looked at: see [`RawEnvelope::decode`].
+    pub fn parse_raw(bytes: &[u8]) -> Result<RawEnvelope, DecodeError> {
+        // serde's derive would also accept a JSON array of the fields in
+        // order; the contract is an object.
+        if let Some(&first) = bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+            if first != b'{' {
+                return Err(DecodeError::Malformed(
+                    "the message body must be a JSON object".to_owned(),
+                ));
+            }
+        }
+        let envelope: RawEnvelope =
+            serde_json::from_slice(bytes).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        envelope.check_header()?;
+        Ok(envelope)
+    }
+
+    /// Same as [`RawEnvelope::parse_raw`].
+    pub fn parse(bytes: &[u8]) -> Result<RawEnvelope, DecodeError> {
+        RawEnvelope::parse_raw(bytes)
+    }
+
+    fn check_header(&self) -> Result<(), DecodeError> {
+        let empty = |name: &str| DecodeError::Malformed(format!("{name} must not be empty"));
+        if self.event_type.is_empty() {
+            return Err(empty("event_type"));
+        }
+        if self.tenant_id.is_empty() {
+            return Err(empty("tenant_id"));
+        }
+        if self.aggregate_type.is_empty() {
+            return Err(empty("aggregate_type"));
+        }
+        if self.aggregate_id.is_empty() {
+            return Err(empty("aggregate_id"));
+        }
+        if self.aggregate_sequence < 1 {
+            return Err(DecodeError::Malformed(format!(
+                "aggregate_sequence must be 1 or more, got {}",
+                self.aggregate_sequence
+            )));
+        }
+        Ok(())
+    }
+
+    /// Decodes the payload according to `event_type` and `schema_version`.
+    ///
+    /// - an event type this build does not know: [`DecodeError::UnknownEventType`]
+    ///   (consumers acknowledge and ignore it);
+    /// - a known type with a version this build does not know:
+    ///   [`DecodeError::UnsupportedSchemaVersion`] (poison);
+    /// - a payload that does not match the schema, or an order event whose
+    ///   `aggregate_type` is not `"order"` or whose `order_id` differs from
+    ///   `aggregate_id`: [`DecodeError::InvalidPayload`] (poison).
+    pub fn decode(&self) -> Result<Event, DecodeError> {
+        match self.event_type.as_str() {
+            event_types::ORDER_PLACED => {
+                self.decode_order_event::<OrderPlacedV1>(|p| p.order_id, Event::OrderPlaced)
+            }
+            event_types::PAYMENT_RECEIVED => {
+                self.decode_order_event::<PaymentReceivedV1>(|p| p.order_id, Event::PaymentReceived)
+            }
+            event_types::PARCEL_DELIVERED => {
+                self.decode_order_event::<ParcelDeliveredV1>(|p| p.order_id, Event::ParcelDelivered)
+            }
+            _ => Err(DecodeError::UnknownEventType {
+                event_type: self.event_type.clone(),
+            }),
+        }
+    }
+
+    fn decode_order_event<P: EventPayload>(
+        &self,
+        order_id: impl FnOnce(&P) -> Uuid,
+        wrap: impl FnOnce(P) -> Event,
+    ) -> Result<Event, DecodeError> {
+        if self.schema_version != P::SCHEMA_VERSION {
+            return Err(DecodeError::UnsupportedSchemaVersion {
+                event_type: self.event_type.clone(),
+                version: self.schema_version,
+                supported: supported_versions(P::EVENT_TYPE),
+            });
+        }
+        let invalid = |reason: String| DecodeError::InvalidPayload {
+            event_type: self.event_type.clone(),
+            version: self.schema_version,
+            reason,
+        };
+        if self.aggregate_type != AGGREGATE_TYPE_ORDER {
+            return Err(invalid(format!(
+                "aggregate_type must be {AGGREGATE_TYPE_ORDER:?}, got {:?}",
+                self.aggregate_type
+            )));
+        }
+        let payload = P::deserialize(&self.payload).map_err(|e| invalid(e.to_string()))?;
+        let order_id = order_id(&payload);
+        if Uuid::parse_str(&self.aggregate_id).ok() != Some(order_id) {
+            return Err(invalid(format!(
+                "payload order_id {order_id} does not match aggregate_id {:?}",
+                self.aggregate_id
+            )));
+        }
+        Ok(wrap(payload))
+    }
+}
+
+/// The schema versions this build decodes for `event_type` (empty for an
+/// unknown type).
+#[must_use]
+pub fn supported_versions(event_type: &str) -> &'static [u32] {
+    match event_type {
+        event_types::ORDER_PLACED
+        | event_types::PAYMENT_RECEIVED
+        | event_types::PARCEL_DELIVERED => &[1],
+        _ => &[],
+    }
+}
+
+/// A decoded event of a known type and version.
+///
+/// `#[non_exhaustive]`: new event types will be added, and a consumer must
+/// handle the ones it does not care about with a `_` arm, so adding a type
+/// never breaks it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// `OrderPlaced` v1.
+    OrderPlaced(OrderPlacedV1),
+    /// `PaymentReceived` v1.
+    PaymentReceived(PaymentReceivedV1),
+    /// `ParcelDelivered` v1.
+    ParcelDelivered(ParcelDeliveredV1),
+}
+
+impl Event {
+    /// The event type name (`OrderPlaced`, ...).
+    #[must_use]
+    pub fn event_type(&self) -> &'static str {
+        match self {
+            Event::OrderPlaced(_) => OrderPlacedV1::EVENT_TYPE,
+            Event::PaymentReceived(_) => PaymentReceivedV1::EVENT_TYPE,
+            Event::ParcelDelivered(_) => ParcelDeliveredV1::EVENT_TYPE,
+        }
+    }
+
+    /// The schema version the event was decoded from.
+    #[must_use]
+    pub fn schema_version(&self) -> u32 {
+        match self {
+            Event::OrderPlaced(_) => OrderPlacedV1::SCHEMA_VERSION,
+            Event::PaymentReceived(_) => PaymentReceivedV1::SCHEMA_VERSION,
+            Event::ParcelDelivered(_) => ParcelDeliveredV1::SCHEMA_VERSION,
+        }
+    }
+
+    /// The order the event is about.
+    #[must_use]
+    pub fn order_id(&self) -> Uuid {
+        match self {
+            Event::OrderPlaced(p) => p.order_id,
+            Event::PaymentReceived(p) => p.order_id,
+            Event::ParcelDelivered(p) => p.order_id,
+        }
+    }
+}
+
+impl From<OrderPlacedV1> for Event {
+    fn from(p: OrderPlacedV1) -> Event {
+        Event::OrderPlaced(p)
+    }
+}
+
+impl From<PaymentReceivedV1> for Event {
+    fn from(p: PaymentReceivedV1) -> Event {
+        Event::PaymentReceived(p)
+    }
+}
+
+impl From<ParcelDeliveredV1> for Event {
+    fn from(p: ParcelDeliveredV1) -> Event {
+        Event::ParcelDelivered(p)
+    }
+}
+
+/// Why a message could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Not JSON, not an envelope (a field missing or of the wrong type), or
+    /// an invalid header field. Carries serde's message. Poison.
+    Malformed(String),
+    /// An event type this build does not know. Not an error for a consumer:
+    /// acknowledge and ignore.
+    UnknownEventType {
+        /// The envelope's `event_type`.
+        event_type: String,
+    },
+    /// A known event type in a schema version this build does not know. Poison.
+    UnsupportedSchemaVersion {
+        /// The envelope's `event_type`.
+        event_type: String,
+        /// The envelope's `schema_version`.
+        version: u32,
+        /// The versions this build decodes.
+        supported: &'static [u32],
+    },
+    /// The payload does not match the schema of its known type and version
+    /// (or contradicts the envelope). Poison.
+    InvalidPayload {
+        /// The envelope's `event_type`.
+        event_type: String,
+        /// The envelope's `schema_version`.
+        version: u32,
+        /// What is wrong, with serde's message where there is one.
+        reason: String,
+    },
+}
+
+impl DecodeError {
+    /// `true` for [`DecodeError::UnknownEventType`]: the consumer should
+    /// acknowledge and ignore the message.
+    #[must_use]
+    pub fn is_unknown_event_type(&self) -> bool {
+        matches!(self, DecodeError::UnknownEventType { .. })
+    }
+
+    /// `true` for every other error: the message can never be processed by
+    /// this build (dead-letter it, do not retry it).
+    #[must_use]
+    pub fn is_poison(&self) -> bool {
+        !self.is_unknown_event_type()
+    }
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecodeError::Malformed(reason) => write!(f, "malformed event envelope: {reason}"),
+            DecodeError::UnknownEventType { event_type } => {
+                write!(f, "unknown event type {event_type:?}")
+            }
+            DecodeError::UnsupportedSchemaVersion {
+                event_type,
+                version,
+                supported,
+            } => {
+                write!(
+                    f,
+                    "unsupported schema version {version} of event type {event_type:?} (supported:"
+                )?;
+                for v in *supported {
+                    write!(f, " {v}")?;
+                }
+                f.write_str(")")
+            }
+            DecodeError::InvalidPayload {
+                event_type,
+                version,
+                reason,
+            } => write!(f, "invalid {event_type} v{version} payload: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+/// An envelope could not be serialised.
+#[derive(Debug)]
+pub struct EncodeError {
+    event_type: String,
+    source: serde_json::Error,
+}
+
+impl EncodeError {
+    /// The event type of the envelope that failed to serialise.
+    #[must_use]
+    pub fn event_type(&self) -> &str {
+        &self.event_type
+    }
+}
+
+impl fmt::Display for EncodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cannot encode {} event: {}",
+            self.event_type, self.source
+        )
+    }
+}
+
+impl std::error::Error for EncodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}

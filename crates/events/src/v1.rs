@@ -1,0 +1,145 @@
+//! Schema version 1 of the order event payloads.
+//!
+//! Unknown payload fields are ignored (no `deny_unknown_fields`), so a
+//! producer may add optional fields without bumping the version. Optional
+//! fields use `#[serde(default)]` so that older producers stay readable.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::{event_types, Currency, EventPayload, Money};
+
+/// An order was accepted and committed (`OrderPlaced`, v1).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrderPlacedV1 {
+    /// The order id (also the envelope's `aggregate_id`).
+    pub order_id: Uuid,
+    /// The customer, in the tenant's own id space.
+    pub customer_id: String,
+    /// The client's checkout id, when it sent one (unique per tenant).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkout_id: Option<String>,
+    /// The ordered lines.
+    pub lines: Vec<OrderLineV1>,
+    /// Shipping charged to the customer.
+    pub shipping: Money,
+    /// Tax charged to the customer.
+    pub tax: Money,
+    /// The amount the customer pays: merchandise + shipping + tax.
+    pub total: Money,
+    /// The currency of every amount in this payload.
+    pub currency: Currency,
+    /// The stock location the order is fulfilled from (e.g. `WH-1`).
+    pub location: String,
+}
+
+/// One line of an [`OrderPlacedV1`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrderLineV1 {
+    /// Stock keeping unit.
+    pub sku: String,
+    /// Quantity ordered.
+    pub qty: u32,
+    /// Price per unit charged to the customer.
+    pub unit_price: Money,
+    /// Cost per unit to the business (for cost of goods sold).
+    pub unit_cost: Money,
+}
+
+impl OrderLineV1 {
+    /// `qty * unit_price`, or `None` on overflow.
+    #[must_use]
+    pub fn line_price(&self) -> Option<Money> {
+        self.unit_price.checked_mul(i64::from(self.qty))
+    }
+
+    /// `qty * unit_cost`, or `None` on overflow.
+    #[must_use]
+    pub fn line_cost(&self) -> Option<Money> {
+        self.unit_cost.checked_mul(i64::from(self.qty))
+    }
+}
+
+impl OrderPlacedV1 {
+    /// Sum of `qty * unit_price` over all lines, or `None` on overflow.
+    #[must_use]
+    pub fn merchandise(&self) -> Option<Money> {
+        self.lines
+            .iter()
+            .try_fold(Money::ZERO, |acc, l| acc.checked_add(l.line_price()?))
+    }
+
+    /// Sum of `qty * unit_cost` over all lines, or `None` on overflow.
+    #[must_use]
+    pub fn cost_of_goods(&self) -> Option<Money> {
+        self.lines
+            .iter()
+            .try_fold(Money::ZERO, |acc, l| acc.checked_add(l.line_cost()?))
+    }
+
+    /// `merchandise + shipping + tax`, or `None` on overflow.
+    ///
+    /// The decoder does not require this to equal [`OrderPlacedV1::total`]
+    /// (a later additive field such as a discount could legitimately make
+    /// them differ for a v1 reader); consumers that book the amounts decide.
+    #[must_use]
+    pub fn computed_total(&self) -> Option<Money> {
+        self.merchandise()?
+            .checked_add(self.shipping)?
+            .checked_add(self.tax)
+    }
+}
+
+/// A payment for an order was received (`PaymentReceived`, v1).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PaymentReceivedV1 {
+    /// The order paid for.
+    pub order_id: Uuid,
+    /// The payment's id.
+    pub payment_id: String,
+    /// The amount received.
+    pub amount: Money,
+    /// The currency of `amount`.
+    pub currency: Currency,
+    /// How it was paid: `card`, ...
+    pub method: String,
+}
+
+/// An order's parcel was delivered (`ParcelDelivered`, v1).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParcelDeliveredV1 {
+    /// The order delivered.
+    pub order_id: Uuid,
+    /// The delivery's id.
+    pub delivery_id: String,
+    /// When the parcel was delivered (RFC 3339).
+    #[serde(with = "crate::timestamp")]
+    pub delivered_at: OffsetDateTime,
+    /// What was delivered.
+    pub lines: Vec<DeliveredLineV1>,
+}
+
+/// One line of a [`ParcelDeliveredV1`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeliveredLineV1 {
+    /// Stock keeping unit.
+    pub sku: String,
+    /// Quantity delivered.
+    pub qty: u32,
+}
+
+impl EventPayload for OrderPlacedV1 {
+    const EVENT_TYPE: &'static str = event_types::ORDER_PLACED;
+    const SCHEMA_VERSION: u32 = 1;
+}
+
+impl EventPayload for PaymentReceivedV1 {
+    const EVENT_TYPE: &'static str = event_types::PAYMENT_RECEIVED;
+    const SCHEMA_VERSION: u32 = 1;
+}
+
+impl EventPayload for ParcelDeliveredV1 {
+    const EVENT_TYPE: &'static str = event_types::PARCEL_DELIVERED;
+    const SCHEMA_VERSION: u32 = 1;
+}

@@ -1,0 +1,441 @@
+//! What the decoder refuses, and how it says so.
+
+mod common;
+
+use common::*;
+use events::{DecodeError, Event, RawEnvelope};
+use serde_json::{json, Value};
+use time::macros::datetime;
+
+const JSON_NUMBER: &str = "money must be a decimal string like \"40.00\", not a JSON number";
+
+/// The golden file with `edit` applied to its JSON.
+fn edited(file: &str, edit: impl FnOnce(&mut Value)) -> Vec<u8> {
+    let mut value: Value = serde_json::from_str(file).expect("golden is JSON");
+    edit(&mut value);
+    serde_json::to_vec(&value).expect("encode")
+}
+
+/// Sets the JSON value at `pointer` (which must exist).
+fn set(file: &str, pointer: &str, new: Value) -> Vec<u8> {
+    edited(file, |v| {
+        *v.pointer_mut(pointer)
+            .unwrap_or_else(|| panic!("{pointer} not in golden")) = new;
+    })
+}
+
+fn remove(file: &str, parent: &str, key: &str) -> Vec<u8> {
+    edited(file, |v| {
+        v.pointer_mut(parent)
+            .and_then(Value::as_object_mut)
+            .and_then(|o| o.remove(key))
+            .unwrap_or_else(|| panic!("{parent}/{key} not in golden"));
+    })
+}
+
+fn malformed(bytes: &[u8]) -> String {
+    match RawEnvelope::parse_raw(bytes) {
+        Err(e @ DecodeError::Malformed(_)) => {
+            assert!(e.is_poison());
+            assert!(!e.is_unknown_event_type());
+            let text = e.to_string();
+            assert!(text.starts_with("malformed event envelope: "), "{text}");
+            text
+        }
+        other => panic!("expected Malformed, got {other:?}"),
+    }
+}
+
+/// Parses (must succeed) then decodes (must fail with InvalidPayload);
+/// returns the error text.
+fn invalid_payload(bytes: &[u8]) -> String {
+    let raw = RawEnvelope::parse_raw(bytes).expect("envelope is fine");
+    match raw.decode() {
+        Err(e @ DecodeError::InvalidPayload { .. }) => {
+            assert!(e.is_poison());
+            if let DecodeError::InvalidPayload {
+                event_type,
+                version,
+                ..
+            } = &e
+            {
+                assert_eq!(event_type, &raw.event_type);
+                assert_eq!(*version, 1);
+            }
+            e.to_string()
+        }
+        other => panic!("expected InvalidPayload, got {other:?}"),
+    }
+}
+
+fn assert_contains(text: &str, needle: &str) {
+    assert!(
+        text.contains(needle),
+        "{text:?} does not contain {needle:?}"
+    );
+}
+
+#[test]
+fn malformed_json_is_malformed() {
+    let text = malformed(b"{not json");
+    assert_contains(&text, "key must be a string at line 1 column 2");
+    assert_contains(&malformed(b""), "EOF while parsing a value");
+    assert_contains(&malformed(b"[1, 2]"), "must be a JSON object");
+    assert_contains(&malformed(b"null"), "must be a JSON object");
+    assert_contains(&malformed(b" \n 42"), "must be a JSON object");
+    let mut trailing = ORDER_PLACED_JSON.as_bytes().to_vec();
+    trailing.extend_from_slice(b"{}");
+    assert_contains(&malformed(&trailing), "trailing characters");
+    assert_contains(&malformed(&[0xff, 0xfe, 0x00]), "must be a JSON object");
+    assert_contains(
+        &malformed(b"{\"event_id\": \"\xff\"}"),
+        "invalid unicode code point",
+    );
+}
+
+#[test]
+fn missing_envelope_fields_are_malformed() {
+    for field in [
+        "event_id",
+        "event_type",
+        "schema_version",
+        "tenant_id",
+        "aggregate_type",
+        "aggregate_id",
+        "aggregate_sequence",
+        "occurred_at",
+        "payload",
+    ] {
+        let text = malformed(&remove(ORDER_PLACED_JSON, "", field));
+        assert_contains(&text, &format!("missing field `{field}`"));
+    }
+}
+
+#[test]
+fn wrongly_typed_or_invalid_envelope_fields_are_malformed() {
+    let cases: [(&str, Value, &str); 10] = [
+        ("/event_id", json!("evt_5001"), "UUID"),
+        ("/event_type", json!(7), "invalid type: integer `7`"),
+        ("/schema_version", json!(-1), "invalid value: integer `-1`"),
+        ("/schema_version", json!("1"), "invalid type: string \"1\""),
+        (
+            "/aggregate_sequence",
+            json!("1"),
+            "invalid type: string \"1\"",
+        ),
+        (
+            "/aggregate_sequence",
+            json!(0),
+            "aggregate_sequence must be 1 or more, got 0",
+        ),
+        (
+            "/occurred_at",
+            json!("yesterday"),
+            "invalid RFC 3339 timestamp \"yesterday\"",
+        ),
+        (
+            "/occurred_at",
+            json!(1_715_332_500),
+            "expected an RFC 3339 timestamp",
+        ),
+        ("/tenant_id", json!(""), "tenant_id must not be empty"),
+        ("/event_type", json!(""), "event_type must not be empty"),
+    ];
+    for (pointer, value, needle) in cases {
+        let text = malformed(&set(ORDER_PLACED_JSON, pointer, value));
+        assert_contains(&text, needle);
+    }
+    assert_contains(
+        &malformed(&set(ORDER_PLACED_JSON, "/aggregate_id", json!(""))),
+        "aggregate_id must not be empty",
+    );
+}
+
+#[test]
+fn unknown_event_type_is_ignorable_and_headers_stay_readable() {
+    let bytes = edited(PAYMENT_RECEIVED_JSON, |v| {
+        v["event_type"] = json!("RefundIssued");
+        v["schema_version"] = json!(3);
+        v["aggregate_sequence"] = json!(4);
+        v["payload"] = json!({ "refund_id": "r-1", "amount": 12.5, "whatever": [1, 2] });
+    });
+    let raw = RawEnvelope::parse_raw(&bytes).expect("headers of unknown types parse");
+    assert_eq!(raw.event_id, EVT_5002);
+    assert_eq!(raw.event_type, "RefundIssued");
+    assert_eq!(raw.schema_version, 3);
+    assert_eq!(raw.tenant_id, "acme");
+    assert_eq!(raw.aggregate_type, "order");
+    assert_eq!(raw.aggregate_id, ORDER_1042.to_string());
+    assert_eq!(raw.aggregate_sequence, 4);
+    assert_eq!(raw.occurred_at, datetime!(2024-05-10 09:16:30 UTC));
+    assert_eq!(raw.payload["refund_id"], "r-1");
+
+    let err = raw.decode().expect_err("unknown type");
+    assert_eq!(
+        err,
+        DecodeError::UnknownEventType {
+            event_type: "RefundIssued".to_owned()
+        }
+    );
+    assert!(err.is_unknown_event_type());
+    assert!(!err.is_poison());
+    assert_eq!(err.to_string(), "unknown event type \"RefundIssued\"");
+}
+
+#[test]
+fn unknown_schema_version_is_poison() {
+    for (file, event_type) in [
+        (ORDER_PLACED_JSON, "OrderPlaced"),
+        (PAYMENT_RECEIVED_JSON, "PaymentReceived"),
+        (PARCEL_DELIVERED_JSON, "ParcelDelivered"),
+    ] {
+        let raw = RawEnvelope::parse_raw(&set(file, "/schema_version", json!(2))).expect("parse");
+        let err = raw.decode().expect_err("v2 is unknown");
+        assert_eq!(
+            err,
+            DecodeError::UnsupportedSchemaVersion {
+                event_type: event_type.to_owned(),
+                version: 2,
+                supported: &[1],
+            }
+        );
+        assert!(err.is_poison());
+        assert_eq!(
+            err.to_string(),
+            format!("unsupported schema version 2 of event type \"{event_type}\" (supported: 1)")
+        );
+    }
+    let raw = RawEnvelope::parse_raw(&set(ORDER_PLACED_JSON, "/schema_version", json!(0)))
+        .expect("parse");
+    assert!(matches!(
+        raw.decode(),
+        Err(DecodeError::UnsupportedSchemaVersion { version: 0, .. })
+    ));
+}
+
+#[test]
+fn money_as_json_number_is_rejected() {
+    for number in [json!(40.0), json!(40), json!(4000), json!(-1), json!(1e3)] {
+        let text = invalid_payload(&set(
+            ORDER_PLACED_JSON,
+            "/payload/lines/0/unit_price",
+            number.clone(),
+        ));
+        assert_contains(&text, JSON_NUMBER);
+        assert_contains(&text, "invalid OrderPlaced v1 payload: ");
+        let text = invalid_payload(&set(PAYMENT_RECEIVED_JSON, "/payload/amount", number));
+        assert_contains(&text, JSON_NUMBER);
+    }
+    // Straight from the bytes too (not only via an edited Value).
+    let text = ORDER_PLACED_JSON.replace("\"total\": \"93.00\"", "\"total\": 93.0");
+    assert_contains(&invalid_payload(text.as_bytes()), JSON_NUMBER);
+}
+
+#[test]
+fn malformed_money_strings_are_rejected() {
+    let cases = [
+        ("40", "no decimal point"),
+        ("40.0", "exactly two decimal places, found 1"),
+        ("40.000", "exactly two decimal places, found 3"),
+        ("1e3", "exponent"),
+        (" 40.00", "whitespace"),
+        ("40.00 ", "whitespace"),
+        ("+40.00", "'+'"),
+        ("040.00", "leading zeros"),
+        ("", "empty"),
+        ("40,00", "invalid character ','"),
+        ("92233720368547758.08", "out of range"),
+        ("-92233720368547758.09", "out of range"),
+    ];
+    for (bad, needle) in cases {
+        for pointer in [
+            "/payload/lines/0/unit_price",
+            "/payload/lines/0/unit_cost",
+            "/payload/shipping",
+            "/payload/tax",
+            "/payload/total",
+        ] {
+            let text = invalid_payload(&set(ORDER_PLACED_JSON, pointer, json!(bad)));
+            assert_contains(&text, &format!("invalid money {bad:?}"));
+            assert_contains(&text, needle);
+        }
+        let text = invalid_payload(&set(PAYMENT_RECEIVED_JSON, "/payload/amount", json!(bad)));
+        assert_contains(&text, needle);
+    }
+}
+
+#[test]
+fn boundary_money_is_accepted() {
+    let bytes = set(
+        PAYMENT_RECEIVED_JSON,
+        "/payload/amount",
+        json!("92233720368547758.07"),
+    );
+    let raw = RawEnvelope::parse_raw(&bytes).expect("parse");
+    let Ok(Event::PaymentReceived(p)) = raw.decode() else {
+        panic!("{:?}", raw.decode());
+    };
+    assert_eq!(p.amount.minor(), i64::MAX);
+    // merchandise() of an order whose line total overflows is None, not a panic.
+    let bytes = set(
+        ORDER_PLACED_JSON,
+        "/payload/lines/0/unit_price",
+        json!("92233720368547758.07"),
+    );
+    let raw = RawEnvelope::parse_raw(&bytes).expect("parse");
+    let Ok(Event::OrderPlaced(p)) = raw.decode() else {
+        panic!("{:?}", raw.decode());
+    };
+    assert_eq!(p.merchandise(), None);
+    assert_eq!(p.computed_total(), None);
+    assert_eq!(p.cost_of_goods(), Some(money("44.00")));
+}
+
+#[test]
+fn unsupported_currencies_are_rejected() {
+    let text = invalid_payload(&set(ORDER_PLACED_JSON, "/payload/currency", json!("XYZ")));
+    assert_contains(&text, "unknown currency \"XYZ\"");
+    let text = invalid_payload(&set(
+        PAYMENT_RECEIVED_JSON,
+        "/payload/currency",
+        json!("JPY"),
+    ));
+    assert_contains(&text, "unsupported currency \"JPY\"");
+    assert_contains(&text, "0 decimal places");
+    let text = invalid_payload(&set(
+        PAYMENT_RECEIVED_JSON,
+        "/payload/currency",
+        json!("usd"),
+    ));
+    assert_contains(&text, "invalid currency \"usd\"");
+    let text = invalid_payload(&remove(PAYMENT_RECEIVED_JSON, "/payload", "currency"));
+    assert_contains(&text, "missing field `currency`");
+}
+
+#[test]
+fn bad_quantities_are_rejected() {
+    for (file, pointer) in [
+        (ORDER_PLACED_JSON, "/payload/lines/0/qty"),
+        (PARCEL_DELIVERED_JSON, "/payload/lines/0/qty"),
+    ] {
+        let text = invalid_payload(&set(file, pointer, json!(-1)));
+        assert_contains(&text, "invalid value: integer `-1`, expected u32");
+        let text = invalid_payload(&set(file, pointer, json!(1.5)));
+        assert_contains(&text, "invalid type: floating point `1.5`, expected u32");
+        let text = invalid_payload(&set(file, pointer, json!(4_294_967_296_u64)));
+        assert_contains(&text, "expected u32");
+        let text = invalid_payload(&set(file, pointer, json!("2")));
+        assert_contains(&text, "invalid type: string \"2\", expected u32");
+    }
+}
+
+#[test]
+fn other_payload_errors_are_invalid_payload() {
+    let text = invalid_payload(&remove(ORDER_PLACED_JSON, "/payload", "customer_id"));
+    assert_contains(&text, "missing field `customer_id`");
+    let text = invalid_payload(&set(ORDER_PLACED_JSON, "/payload", json!(null)));
+    assert_contains(&text, "invalid type: null");
+    let text = invalid_payload(&set(ORDER_PLACED_JSON, "/payload/order_id", json!("1042")));
+    assert_contains(&text, "UUID");
+    let text = invalid_payload(&set(
+        PARCEL_DELIVERED_JSON,
+        "/payload/delivered_at",
+        json!("2024-05-13 14:00"),
+    ));
+    assert_contains(&text, "invalid ParcelDelivered v1 payload: ");
+    assert_contains(&text, "invalid RFC 3339 timestamp \"2024-05-13 14:00\"");
+    let text = invalid_payload(&set(PAYMENT_RECEIVED_JSON, "/payload/method", json!(null)));
+    assert_contains(&text, "invalid type: null, expected a string");
+}
+
+#[test]
+fn payload_must_agree_with_the_envelope() {
+    let text = invalid_payload(&set(
+        PAYMENT_RECEIVED_JSON,
+        "/payload/order_id",
+        json!("00000000-0000-7000-8000-000000001043"),
+    ));
+    assert_contains(
+        &text,
+        "payload order_id 00000000-0000-7000-8000-000000001043 does not match aggregate_id \"00000000-0000-7000-8000-000000001042\"",
+    );
+    let text = invalid_payload(&set(
+        ORDER_PLACED_JSON,
+        "/aggregate_id",
+        json!("order-1042"),
+    ));
+    assert_contains(&text, "does not match aggregate_id \"order-1042\"");
+    let text = invalid_payload(&set(
+        ORDER_PLACED_JSON,
+        "/aggregate_type",
+        json!("customer"),
+    ));
+    assert_contains(&text, "aggregate_type must be \"order\", got \"customer\"");
+}
+
+#[test]
+fn unknown_fields_are_ignored_additive_changes_stay_compatible() {
+    let bytes = edited(ORDER_PLACED_JSON, |v| {
+        v["x_routing_hint"] = json!("eu");
+        v["payload"]["discount"] = json!("1.00");
+        v["payload"]["lines"][0]["gift_wrap"] = json!(true);
+    });
+    let raw = RawEnvelope::parse_raw(&bytes).expect("parse");
+    assert_eq!(raw.decode(), Ok(Event::OrderPlaced(order_placed().payload)));
+}
+
+#[test]
+fn optional_checkout_id_is_read_when_present() {
+    let bytes = edited(ORDER_PLACED_JSON, |v| {
+        v["payload"]["checkout_id"] = json!("chk-9");
+    });
+    let Ok(Event::OrderPlaced(p)) = RawEnvelope::parse_raw(&bytes).expect("parse").decode() else {
+        panic!("expected OrderPlaced");
+    };
+    assert_eq!(p.checkout_id.as_deref(), Some("chk-9"));
+    let bytes = edited(ORDER_PLACED_JSON, |v| {
+        v["payload"]["checkout_id"] = json!(null);
+    });
+    let Ok(Event::OrderPlaced(p)) = RawEnvelope::parse_raw(&bytes).expect("parse").decode() else {
+        panic!("expected OrderPlaced");
+    };
+    assert_eq!(p.checkout_id, None);
+}
+
+#[test]
+fn other_timezones_are_the_same_instant() {
+    let bytes = set(
+        ORDER_PLACED_JSON,
+        "/occurred_at",
+        json!("2024-05-10T14:45:00+05:30"),
+    );
+    let raw = RawEnvelope::parse_raw(&bytes).expect("parse");
+    assert_eq!(raw.occurred_at, datetime!(2024-05-10 09:15:00 UTC));
+}
+
+/// Every prefix of every golden file, and every single-byte corruption of
+/// it, yields a result (ok or error) and never a panic.
+#[test]
+fn never_panics_on_corrupted_input() {
+    for file in [
+        ORDER_PLACED_JSON,
+        PAYMENT_RECEIVED_JSON,
+        PARCEL_DELIVERED_JSON,
+    ] {
+        let bytes = file.as_bytes();
+        for end in 0..bytes.len() {
+            if let Ok(raw) = RawEnvelope::parse_raw(&bytes[..end]) {
+                let _ = raw.decode();
+            }
+        }
+        for i in 0..bytes.len() {
+            for replacement in [b'0', b'9', b'-', b'"', b'.', b'e', b' ', b'{', 0xff] {
+                let mut corrupted = bytes.to_vec();
+                corrupted[i] = replacement;
+                if let Ok(raw) = RawEnvelope::parse_raw(&corrupted) {
+                    let _ = raw.decode();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! The RabbitMQ connection (lapin).
+//!
+//! lapin does not reconnect by itself, so services own a loop: [`connect`]
+//! (retrying with capped exponential backoff until it succeeds or shutdown),
+//! declare their topology, work until the connection or a channel fails, then
+//! go round again. [`Connected`] tracks the state for `/readyz`.
+
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc,
+};
+use std::time::Duration;
+
+use lapin::{
+    options::ExchangeDeclareOptions, types::FieldTable, Channel, Confirmation, Connection,
+    ConnectionProperties, ExchangeKind,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::settings::{redact_url, AmqpSettings};
+
+pub use lapin;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    #[error("shut down while connecting to the broker")]
+    Cancelled,
+    #[error(transparent)]
+    Lapin(#[from] lapin::Error),
+}
+
+/// Whether a service currently holds a working broker connection (for `/readyz`).
+#[derive(Clone, Debug, Default)]
+pub struct Connected(Arc<AtomicBool>);
+
+impl Connected {
+    pub fn set(&self, connected: bool) {
+        self.0.store(connected, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Connect, retrying with capped exponential backoff (100 ms .. 5 s) until the
+/// broker accepts or `shutdown` is cancelled.
+pub async fn connect(
+    settings: &AmqpSettings,
+    connection_name: &str,
+    shutdown: &CancellationToken,
+) -> Result<Connection, AmqpError> {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let properties =
+            ConnectionProperties::default().with_connection_name(connection_name.into());
+        match Connection::connect(&settings.url, properties).await {
+            Ok(connection) => {
+                tracing::info!(url = %redact_url(&settings.url), "connected to RabbitMQ");
+                return Ok(connection);
+            }
+            Err(error) => tracing::warn!(
+                url = %redact_url(&settings.url),
+                %error,
+                retry_in_ms = delay.as_millis() as u64,
+                "RabbitMQ not reachable"
+            ),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(AmqpError::Cancelled),
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Declare the topic exchange every order event is published to (idempotent;
+/// the relay and every consumer declare it with the same arguments).
+pub async fn declare_order_events_exchange(channel: &Channel) -> Result<(), lapin::Error> {
+    channel
+        .exchange_declare(
+            events::EXCHANGE.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+}
+
+/// Why a confirmed publish did not make it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PublishRejected {
+    /// `mandatory` and no queue bound: lapin reports an Ack carrying the
+    /// returned message (reply 312 NO_ROUTE). That is a failure, not a publish.
+    #[error("unroutable: returned by the broker ({code} {text})")]
+    Returned { code: u16, text: String },
+    #[error("negatively acknowledged by the broker")]
+    Nacked,
+    #[error("publisher confirms are not enabled on this channel")]
+    NotConfirmed,
+}
+
+/// Interpret a publisher confirmation: only a plain Ack is a success.
+pub fn check_confirmation(confirmation: Confirmation) -> Result<(), PublishRejected> {
+    match confirmation {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
+            Err(PublishRejected::Returned {
+                code: returned.reply_code,
+                text: returned.reply_text.to_string(),
+            })
+        }
+        Confirmation::Nack(None) => Err(PublishRejected::Nacked),
+        Confirmation::NotRequested => Err(PublishRejected::NotConfirmed),
+    }
+}
+
+/// Run `work` on a fresh connection, and again on a new one whenever it fails,
+/// until `shutdown` is cancelled. `work` returns `Ok(())` only on shutdown;
+/// any `Err` (connection or channel lost, declaration refused) means
+/// "reconnect". `connected` is up while `work` holds a connection.
+pub async fn supervise<F, Fut>(
+    settings: &AmqpSettings,
+    connection_name: &str,
+    connected: &Connected,
+    shutdown: &CancellationToken,
+    mut work: F,
+) where
+    F: FnMut(Connection) -> Fut,
+    Fut: std::future::Future<Output = Result<(), lapin::Error>>,
+{
+    let mut delay = Duration::from_millis(200);
+    while !shutdown.is_cancelled() {
+        let connection = match connect(settings, connection_name, shutdown).await {
+            Ok(connection) => connection,
+            Err(_) => return, // cancelled
+        };
+        connected.set(true);
+        let result = work(connection).await;
+        connected.set(false);
+        match result {
+            Ok(()) => return,
+            Err(error) => {
+                tracing::warn!(%error, retry_in_ms = delay.as_millis() as u64, "broker connection lost; reconnecting");
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Resolve when `connection` is no longer usable (closed by the broker, a
+/// network error, a missed heartbeat). lapin exposes the state, not an event we
+/// can await portably, so this polls it.
+pub async fn closed(connection: &Connection) -> lapin::Error {
+    loop {
+        let status = connection.status();
+        let state = if status.closed() || status.closing() {
+            Some(lapin::ConnectionState::Closed)
+        } else if status.errored() {
+            Some(lapin::ConnectionState::Error)
+        } else {
+            None
+        };
+        if let Some(state) = state {
+            return lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(state));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}

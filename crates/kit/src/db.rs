@@ -1,0 +1,79 @@
+//! PostgreSQL connection pools (deadpool-postgres over tokio-postgres).
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+use tokio_util::sync::CancellationToken;
+
+use crate::settings::{redact_url, DatabaseSettings};
+
+pub use deadpool_postgres::{Object as Client, Pool as PgPool, Transaction};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("bad database url {url}: {source}")]
+    BadUrl {
+        url: String,
+        source: tokio_postgres::Error,
+    },
+    #[error("building the pool: {0}")]
+    Build(String),
+    #[error("shut down while waiting for the database")]
+    Cancelled,
+}
+
+/// Build a pool. Connections are opened lazily, so this never touches the
+/// network; use [`wait_until_ready`] to wait for the server.
+pub fn pool(settings: &DatabaseSettings) -> Result<Pool, DbError> {
+    let pg: tokio_postgres::Config = settings.url.parse().map_err(|source| DbError::BadUrl {
+        url: redact_url(&settings.url),
+        source,
+    })?;
+    let manager = Manager::from_config(
+        pg,
+        NoTls,
+        ManagerConfig {
+            // `Verified` runs a trivial query when a connection is taken from the pool,
+            // so connections killed by a server restart are discarded, not handed out.
+            recycling_method: RecyclingMethod::Verified,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(settings.pool_size)
+        .wait_timeout(Some(Duration::from_millis(settings.acquire_timeout_ms)))
+        .create_timeout(Some(Duration::from_secs(5)))
+        .recycle_timeout(Some(Duration::from_secs(5)))
+        .runtime(Runtime::Tokio1)
+        .build()
+        .map_err(|e| DbError::Build(e.to_string()))
+}
+
+/// Wait (with capped exponential backoff) until the pool hands out a working
+/// connection, or until `shutdown` is cancelled.
+pub async fn wait_until_ready(pool: &Pool, shutdown: &CancellationToken) -> Result<(), DbError> {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match ping(pool).await {
+            Ok(()) => return Ok(()),
+            Err(error) => {
+                tracing::warn!(%error, retry_in_ms = delay.as_millis() as u64, "database not ready");
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(DbError::Cancelled),
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// One round trip to the server.
+pub async fn ping(pool: &Pool) -> Result<(), String> {
+    let client = pool.get().await.map_err(|e| e.to_string())?;
+    client
+        .simple_query("SELECT 1")
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}

@@ -1,0 +1,39 @@
+//! Crash fail points at durability boundaries.
+//!
+//! `crash_point("relay.after_ack_before_mark")` is a no-op unless the crate is
+//! built with the `failpoints` feature. With it, the environment variable
+//! `FAILPOINTS` configures points with the `fail` crate's actions, separated by
+//! `;`, e.g. `FAILPOINTS="relay.after_ack_before_mark=return"`:
+//! - `return` (optionally `N*return` to fire on the N-th... see `fail`'s syntax)
+//!   aborts the whole process right there (SIGABRT: no destructors, no flush,
+//!   exactly like a `kill -9` at that line; a panic would only kill a task);
+//! - `sleep(ms)`, `pause`, `panic`, `off` behave as in the `fail` crate.
+
+/// Read `FAILPOINTS` and configure the named points. Call once at start-up.
+pub fn init_from_env() {
+    #[cfg(feature = "failpoints")]
+    if let Ok(spec) = std::env::var("FAILPOINTS") {
+        for entry in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+            let Some((name, actions)) = entry.split_once('=') else {
+                tracing::error!(entry, "FAILPOINTS entry without '=' ignored");
+                continue;
+            };
+            match fail::cfg(name.trim(), actions.trim()) {
+                Ok(()) => tracing::warn!(name, actions, "fail point armed"),
+                Err(error) => tracing::error!(name, actions, %error, "bad fail point action"),
+            }
+        }
+    }
+}
+
+/// A named crash boundary. See the module documentation.
+#[inline]
+pub fn crash_point(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    if fail::eval(name, |_| ()).is_some() {
+        eprintln!("fail point {name} fired: aborting the process");
+        std::process::abort();
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}

@@ -1,0 +1,170 @@
+//! HTTP plumbing shared by every service: `application/problem+json` errors
+//! (RFC 9457) and the `/healthz`, `/readyz`, `/metrics` routes.
+
+use std::time::Duration;
+
+use actix_web::{
+    dev::ServerHandle, http::StatusCode, web, HttpResponse, HttpResponseBuilder, ResponseError,
+};
+use deadpool_postgres::Pool;
+use prometheus::Registry;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::Connected;
+
+pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
+
+/// An RFC 9457 problem. `code` is the stable, machine-readable identifier
+/// clients match on; `title` and `detail` are for humans.
+#[derive(Debug, Clone, Serialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub type_uri: String,
+    pub title: String,
+    pub status: u16,
+    pub code: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// The request field at fault, for validation errors (e.g. `lines[0].qty`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// Seconds, sent as the `Retry-After` header too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, code: &'static str, title: impl Into<String>) -> Self {
+        Self {
+            type_uri: format!("/problems/{code}"),
+            title: title.into(),
+            status: status.as_u16(),
+            code,
+            detail: None,
+            field: None,
+            retry_after: None,
+        }
+    }
+
+    pub fn detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
+    }
+
+    pub fn field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    pub fn status_code(&self) -> StatusCode {
+        StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    /// The exact bytes of the body (stored by the idempotency layer for replays).
+    pub fn to_body(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.title, self.code)?;
+        if let Some(detail) = &self.detail {
+            write!(f, ": {detail}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ResponseError for Problem {
+    fn status_code(&self) -> StatusCode {
+        Problem::status_code(self)
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut response = HttpResponseBuilder::new(self.status_code());
+        response.content_type(PROBLEM_CONTENT_TYPE);
+        if let Some(seconds) = self.retry_after {
+            response.insert_header(("Retry-After", seconds.to_string()));
+        }
+        response.body(self.to_body())
+    }
+}
+
+/// What `/readyz` checks and what `/metrics` renders.
+#[derive(Clone)]
+pub struct Health {
+    pub service: &'static str,
+    pub registry: Registry,
+    pub database: Option<Pool>,
+    pub broker: Option<Connected>,
+}
+
+/// Mount `/healthz` (liveness: the process serves HTTP), `/readyz` (the
+/// database answers and the broker connection is up) and `/metrics`.
+pub fn health_routes(health: Health) -> impl FnOnce(&mut web::ServiceConfig) {
+    move |cfg| {
+        cfg.app_data(web::Data::new(health))
+            .route("/healthz", web::get().to(healthz))
+            .route("/readyz", web::get().to(readyz))
+            .route("/metrics", web::get().to(metrics));
+    }
+}
+
+async fn healthz(health: web::Data<Health>) -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({ "status": "ok", "service": health.service }))
+}
+
+async fn readyz(health: web::Data<Health>) -> HttpResponse {
+    let database = match &health.database {
+        None => None,
+        Some(pool) => Some(
+            match tokio::time::timeout(Duration::from_secs(2), crate::db::ping(pool)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(error)) => Err(error),
+                Err(_) => Err("timed out".to_owned()),
+            },
+        ),
+    };
+    let broker = health.broker.as_ref().map(Connected::get);
+    let ready = database.as_ref().is_none_or(Result::is_ok) && broker.unwrap_or(true);
+    let body = serde_json::json!({
+        "status": if ready { "ready" } else { "not_ready" },
+        "service": health.service,
+        "database": database.map(|r| r.err().unwrap_or_else(|| "ok".to_owned())),
+        "broker": broker.map(|up| if up { "ok" } else { "disconnected" }),
+    });
+    if ready {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
+    }
+}
+
+async fn metrics(health: web::Data<Health>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4; charset=utf-8")
+        .body(crate::metrics::render(&health.registry))
+}
+
+/// Run an actix server until `shutdown` is cancelled, then stop it gracefully
+/// (in-flight requests finish; bounded by the server's shutdown timeout).
+pub async fn run_until_stopped(
+    server: actix_web::dev::Server,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let handle: ServerHandle = server.handle();
+    let stopper = tokio::spawn(async move {
+        shutdown.cancelled().await;
+        handle.stop(true).await;
+    });
+    let result = server.await;
+    stopper.abort();
+    result
+}

@@ -1,0 +1,122 @@
+//! Schema migrations (refinery), embedded from `migrations/<database>/`.
+//!
+//! Each service migrates its own database at start-up (and `make migrate` runs
+//! the same code through each service's `migrate` subcommand). Several instances
+//! may start at once, so the run is serialised by a PostgreSQL advisory lock: the
+//! crash window "two instances create the same table" does not exist.
+//!
+//! The consumer databases hold two independent migration sets: the consumer
+//! runtime's own tables (inbox and per-order progress; `migrations/consumer-runtime/`,
+//! history table `consumer_runtime_schema_history`) and the consumer's domain
+//! tables (`migrations/<database>/`, refinery's default history table).
+
+use deadpool_postgres::Pool;
+
+mod embedded {
+    pub mod orders {
+        refinery::embed_migrations!("../../migrations/orders");
+    }
+    pub mod consumer_runtime {
+        refinery::embed_migrations!("../../migrations/consumer-runtime");
+    }
+    pub mod inventory {
+        refinery::embed_migrations!("../../migrations/inventory");
+    }
+    pub mod ledger {
+        refinery::embed_migrations!("../../migrations/ledger");
+    }
+    pub mod loyalty {
+        refinery::embed_migrations!("../../migrations/loyalty");
+    }
+}
+
+/// The four databases of the system, one per service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Database {
+    Orders,
+    Inventory,
+    Ledger,
+    Loyalty,
+}
+
+impl Database {
+    pub const ALL: [Database; 4] = [
+        Database::Orders,
+        Database::Inventory,
+        Database::Ledger,
+        Database::Loyalty,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Database::Orders => "orders",
+            Database::Inventory => "inventory",
+            Database::Ledger => "ledger",
+            Database::Loyalty => "loyalty",
+        }
+    }
+
+    fn runners(self) -> Vec<refinery::Runner> {
+        let consumer = |domain: refinery::Runner| {
+            let mut runtime = embedded::consumer_runtime::migrations::runner();
+            runtime.set_migration_table_name("consumer_runtime_schema_history");
+            vec![runtime, domain]
+        };
+        match self {
+            Database::Orders => vec![embedded::orders::migrations::runner()],
+            Database::Inventory => consumer(embedded::inventory::migrations::runner()),
+            Database::Ledger => consumer(embedded::ledger::migrations::runner()),
+            Database::Loyalty => consumer(embedded::loyalty::migrations::runner()),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    #[error("no database connection: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    #[error("advisory lock: {0}")]
+    Lock(#[from] tokio_postgres::Error),
+    #[error("migrating {database}: {source}")]
+    Refinery {
+        database: &'static str,
+        source: refinery::Error,
+    },
+}
+
+/// Arbitrary constant shared by every service: the advisory lock key for migrations.
+const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
+
+/// Apply every pending migration of `database`; returns the names applied.
+pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, MigrationError> {
+    let mut client = pool.get().await?;
+    // Session-level lock on this connection; released explicitly below, or by the
+    // server when the connection dies (a crash mid-migration releases it too, and
+    // refinery's per-migration transactions leave no half-applied migration).
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+        .await?;
+    let mut applied = Vec::new();
+    let mut result = Ok(());
+    for runner in database.runners() {
+        match runner.run_async(&mut **client).await {
+            Ok(report) => applied.extend(report.applied_migrations().iter().map(|m| m.to_string())),
+            Err(source) => {
+                result = Err(MigrationError::Refinery {
+                    database: database.name(),
+                    source,
+                });
+                break;
+            }
+        }
+    }
+    let unlock = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
+        .await;
+    result?;
+    unlock?;
+    if !applied.is_empty() {
+        tracing::info!(database = database.name(), ?applied, "migrations applied");
+    }
+    Ok(applied)
+}

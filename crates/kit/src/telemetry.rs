@@ -1,0 +1,121 @@
+//! Telemetry, set up once per process by [`init`].
+//!
+//! - Logs: `tracing` with JSON lines on stdout (`LOG_FORMAT=text` for
+//!   human-readable lines, as `make run` uses), filtered by `RUST_LOG`
+//!   (default `info`).
+//! - Traces: an OpenTelemetry SDK tracer provider is always installed, so spans
+//!   carry W3C trace context that can be stored (outbox `traceparent`) and
+//!   propagated (AMQP headers). Spans are exported over OTLP/HTTP only when
+//!   `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set; the other
+//!   standard `OTEL_*` variables apply (`OTEL_SERVICE_NAME` overrides the name).
+
+use std::collections::HashMap;
+
+use opentelemetry::{propagation::TextMapPropagator, trace::TracerProvider as _};
+use opentelemetry_sdk::{propagation::TraceContextPropagator, trace::SdkTracerProvider, Resource};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::{layer::SubscriberExt, util::SubscriberInitExt, EnvFilter, Layer};
+
+/// Keeps the tracer provider alive; flushes pending spans when dropped.
+pub struct TelemetryGuard {
+    provider: SdkTracerProvider,
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Err(error) = self.provider.shutdown() {
+            eprintln!("telemetry shutdown: {error}");
+        }
+    }
+}
+
+fn otlp_configured() -> bool {
+    [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ]
+    .iter()
+    .any(|name| std::env::var(name).is_ok_and(|v| !v.trim().is_empty()))
+}
+
+/// Install logging and tracing for `service`. Call once, early in `main`.
+pub fn init(service: &'static str) -> TelemetryGuard {
+    let mut resource = Resource::builder();
+    if std::env::var("OTEL_SERVICE_NAME").is_err() {
+        resource = resource.with_service_name(service);
+    }
+    let mut provider = SdkTracerProvider::builder().with_resource(resource.build());
+    let mut export_error = None;
+    if otlp_configured() {
+        match opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .build()
+        {
+            Ok(exporter) => provider = provider.with_batch_exporter(exporter),
+            Err(error) => export_error = Some(error.to_string()),
+        }
+    }
+    let provider = provider.build();
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    let tracer = provider.tracer(service);
+
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,lapin=warn,actix_server=warn"));
+    let text = std::env::var("LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("text"));
+    let fmt_layer = if text {
+        tracing_subscriber::fmt::layer().with_target(false).boxed()
+    } else {
+        tracing_subscriber::fmt::layer()
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .boxed()
+    };
+    let init = tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt_layer)
+        .with(tracing_opentelemetry::layer().with_tracer(tracer))
+        .try_init();
+    if let Err(error) = init {
+        eprintln!("telemetry already initialised: {error}");
+    }
+    if let Some(error) = export_error {
+        tracing::error!(%error, "OTLP exporter not started; spans are not exported");
+    }
+    tracing::info!(service, otlp_export = otlp_configured(), "telemetry ready");
+    TelemetryGuard { provider }
+}
+
+/// W3C trace-context headers (`traceparent`, and `tracestate` when non-empty)
+/// of `span`, to store with an outbox row or send with a message.
+pub fn trace_headers(span: &tracing::Span) -> HashMap<String, String> {
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(&span.context(), &mut carrier);
+    carrier
+}
+
+/// Make `span` a child of the remote context carried by `traceparent` /
+/// `tracestate` (a malformed or missing header leaves the span a root).
+pub fn set_remote_parent(
+    span: &tracing::Span,
+    traceparent: Option<&str>,
+    tracestate: Option<&str>,
+) {
+    let Some(traceparent) = traceparent else {
+        return;
+    };
+    let mut carrier = HashMap::new();
+    carrier.insert(
+        events::headers::TRACEPARENT.to_owned(),
+        traceparent.to_owned(),
+    );
+    if let Some(state) = tracestate {
+        carrier.insert(events::headers::TRACESTATE.to_owned(), state.to_owned());
+    }
+    let context = TraceContextPropagator::new().extract(&carrier);
+    if let Err(error) = span.set_parent(context) {
+        tracing::debug!(?error, "could not set the remote parent");
+    }
+}

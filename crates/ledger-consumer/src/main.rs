@@ -1,0 +1,4 @@
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    consumer_runtime::main::<ledger_consumer::Ledger>().await
+}

@@ -1,0 +1,4 @@
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    order_api::cli::main().await
+}

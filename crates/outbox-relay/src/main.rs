@@ -1,0 +1,4 @@
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    outbox_relay::cli::main().await
+}
