@@ -1,1 +1,151 @@
-//! Shared helpers of the cross-service tests.
+//! Shared helpers of the cross-service tests: connections to the real
+//! PostgreSQL and RabbitMQ started by `scripts/infra-up.sh` (through `make
+//! test`), and the service binaries run as child processes.
+
+use std::{
+    net::TcpListener,
+    path::PathBuf,
+    process::{Child, Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+pub use kit::migrations::Database;
+
+/// URL of database `db`: `PG_URL_<DB>` (exported by `scripts/infra-env.sh`)
+/// or the local default.
+pub fn pg_url(db: Database) -> String {
+    let var = format!("PG_URL_{}", db.name().to_uppercase());
+    std::env::var(var).unwrap_or_else(|_| kit::settings::DatabaseSettings::local(db.name()).url)
+}
+
+/// `AMQP_URL` or the local default.
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| kit::settings::AmqpSettings::default().url)
+}
+
+/// A plain tokio-postgres client to `db`.
+pub async fn pg(db: Database) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(&pg_url(db), tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {}: {e} (is `make up` running?)", db.name()));
+    tokio::spawn(connection);
+    client
+}
+
+/// A deadpool pool to `db` (what the services use).
+pub fn pool(db: Database) -> kit::db::PgPool {
+    let mut settings = kit::settings::DatabaseSettings::local(db.name());
+    settings.url = pg_url(db);
+    settings.pool_size = 4;
+    kit::db::pool(&settings).expect("pool")
+}
+
+/// A TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Path of a workspace binary, next to the test executable's directory
+/// (`target/<profile>/`). `make test` builds them before running the tests.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not built: run `cargo build --workspace` first (make test does)",
+        path.display()
+    );
+    path
+}
+
+/// A service binary running as a child process; killed (SIGKILL) on drop.
+pub struct Service {
+    pub name: String,
+    child: Child,
+}
+
+impl Service {
+    /// Start `name` with `env` added to the inherited environment.
+    pub fn start(name: &str, args: &[&str], env: &[(&str, String)]) -> Self {
+        let mut command = Command::new(bin(name));
+        command
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdin(Stdio::null());
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        Self {
+            name: name.to_owned(),
+            child,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Send a signal by name (`TERM`, `KILL`, `INT`).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{signal} {}", self.pid());
+    }
+
+    /// Wait for the process to exit, at most `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Poll `url` until it answers 200, at most `timeout`; returns the body.
+pub async fn wait_for_ok(url: &str, timeout: Duration) -> Result<String, String> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + timeout;
+    let mut last = String::from("never answered");
+    while Instant::now() < deadline {
+        match client.get(url).timeout(Duration::from_secs(2)).send().await {
+            Ok(response) if response.status().is_success() => {
+                return response.text().await.map_err(|e| e.to_string());
+            }
+            Ok(response) => {
+                last = format!(
+                    "{}: {}",
+                    response.status(),
+                    response.text().await.unwrap_or_default()
+                )
+            }
+            Err(error) => last = error.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(format!("{url} not OK after {timeout:?}: {last}"))
+}

@@ -2,10 +2,12 @@
 //!
 //! Every service has a settings struct whose `Default` is the zero-configuration
 //! local setup (`make up`'s PostgreSQL and RabbitMQ). Layers, later wins:
-//! 1. the struct's defaults, 2. an optional TOML file named by `<PREFIX>__CONFIG_FILE`
-//! (e.g. `ORDER_API__CONFIG_FILE=/etc/order-api.toml`), 3. environment variables
-//! `<PREFIX>__<SECTION>__<FIELD>`, e.g. `ORDER_API__DATABASE__URL` or
-//! `INVENTORY_CONSUMER__HTTP__PORT`.
+//!
+//! 1. the struct's defaults;
+//! 2. an optional TOML file named by `<PREFIX>__CONFIG_FILE`
+//!    (e.g. `ORDER_API__CONFIG_FILE=/etc/order-api.toml`);
+//! 3. environment variables `<PREFIX>__<SECTION>__<FIELD>`, e.g.
+//!    `ORDER_API__DATABASE__URL` or `INVENTORY_CONSUMER__HTTP__PORT`.
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
@@ -31,7 +33,7 @@ where
 }
 
 /// A PostgreSQL database.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DatabaseSettings {
     /// `postgres://user:password@host:port/database`
     pub url: String,
@@ -53,7 +55,7 @@ impl DatabaseSettings {
 }
 
 /// The RabbitMQ broker.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AmqpSettings {
     /// `amqp://user:password@host:port/vhost` (vhost `/` is `%2f`).
     pub url: String,
@@ -68,7 +70,7 @@ impl Default for AmqpSettings {
 }
 
 /// Where a service listens for HTTP (API, health, metrics).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HttpSettings {
     pub host: String,
     pub port: u16,

@@ -1,0 +1,46 @@
+# The two commands a newcomer needs:
+#   make run    start PostgreSQL + RabbitMQ (installing them if missing) and all five services
+#   make test   the whole test suite against real PostgreSQL and RabbitMQ (started here)
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+CARGO ?= cargo
+ENV := source scripts/infra-env.sh &&
+
+.PHONY: help up down migrate build run test lint bench
+
+help:
+	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops them)"
+	@echo "make test     run the whole test suite (starts what it needs)"
+	@echo "make up       install where missing and start PostgreSQL + RabbitMQ, create the databases"
+	@echo "make down     stop what 'make up' started"
+	@echo "make migrate  apply every database's migrations"
+	@echo "make lint     rustfmt check + clippy -D warnings"
+	@echo "make bench    benchmarks (see BENCHMARKS.md)"
+
+up:
+	scripts/infra-up.sh
+
+down:
+	scripts/infra-down.sh
+
+build:
+	$(CARGO) build --workspace --bins
+
+migrate: up build
+	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
+		target/debug/$$svc migrate || exit 1; \
+	done
+
+run: up build
+	scripts/run.sh
+
+test: up
+	$(CARGO) build --workspace --all-targets
+	$(ENV) $(CARGO) test --workspace --no-fail-fast
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+bench:
+	@echo "make bench: the benchmark suite is not written yet (issue 9)"

@@ -1,0 +1,271 @@
+//! The foundation against the real infrastructure: all four databases migrate,
+//! a confirmed publish on the order-events exchange is confirmed (and an
+//! unroutable mandatory one is not), and every service binary starts with no
+//! configuration but its port, serves /healthz, /readyz and /metrics, and
+//! stops cleanly on SIGTERM.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use kit::amqp::{check_confirmation, lapin, PublishRejected};
+use lapin::{
+    options::{
+        BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+        QueueDeclareOptions,
+    },
+    types::FieldTable,
+    BasicProperties,
+};
+use system_tests::{amqp_url, free_port, pg, pool, wait_for_ok, Database, Service};
+
+async fn tables(db: Database) -> Vec<String> {
+    pg(db)
+        .await
+        .query(
+            "SELECT table_name::text FROM information_schema.tables \
+             WHERE table_schema = 'public' ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("list tables")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+#[tokio::test]
+async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
+    for db in Database::ALL {
+        let pool = pool(db);
+        // Twice, concurrently: the advisory lock serialises them and the second
+        // run applies nothing.
+        let (a, b) = tokio::join!(
+            kit::migrations::run(&pool, db),
+            kit::migrations::run(&pool, db)
+        );
+        a.expect("migrate");
+        b.expect("migrate");
+        assert!(kit::migrations::run(&pool, db)
+            .await
+            .expect("migrate")
+            .is_empty());
+
+        let tables = tables(db).await;
+        let expected: &[&str] = match db {
+            Database::Orders => &[
+                "api_keys",
+                "deliveries",
+                "idempotency_requests",
+                "order_lines",
+                "orders",
+                "outbox_events",
+                "payments",
+                "tenants",
+            ],
+            _ => &["order_progress", "processed_events"],
+        };
+        for table in expected {
+            assert!(
+                tables.iter().any(|t| t == table),
+                "{}: table {table} missing (has {tables:?})",
+                db.name()
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn outbox_rows_enforce_the_seed_000_contract() {
+    let client = pg(Database::Orders).await;
+    kit::migrations::run(&pool(Database::Orders), Database::Orders)
+        .await
+        .expect("migrate");
+    let aggregate = uuid::Uuid::now_v7().to_string();
+    let insert = "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+                  aggregate_sequence, event_type, schema_version, payload) \
+                  VALUES ($1, 'acme', 'order', $2, $3, 'OrderPlaced', 1, '{}')";
+    client
+        .execute(insert, &[&uuid::Uuid::now_v7(), &aggregate, &1_i64])
+        .await
+        .expect("first event");
+    // Two events cannot take the same logical position of one order.
+    let duplicate = client
+        .execute(insert, &[&uuid::Uuid::now_v7(), &aggregate, &1_i64])
+        .await
+        .expect_err("same aggregate_sequence twice must be rejected");
+    assert_eq!(
+        duplicate.code(),
+        Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+    );
+    let pending: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE aggregate_id = $1 AND published_at IS NULL",
+            &[&aggregate],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(pending, 1);
+    client
+        .execute(
+            "DELETE FROM outbox_events WHERE aggregate_id = $1",
+            &[&aggregate],
+        )
+        .await
+        .expect("clean up");
+}
+
+#[tokio::test]
+async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
+    let shutdown = kit::CancellationToken::new();
+    let settings = kit::settings::AmqpSettings { url: amqp_url() };
+    let connection = kit::amqp::connect(&settings, "foundation-test", &shutdown)
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    kit::amqp::declare_order_events_exchange(&channel)
+        .await
+        .expect("declare exchange");
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+
+    // A private, exclusive queue bound to a routing key no real event uses.
+    let routing_key = format!("FoundationTest.{}", uuid::Uuid::now_v7());
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            events::EXCHANGE.into(),
+            routing_key.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+
+    let body = br#"{"hello":"order-events"}"#;
+    let publish = |key: String| {
+        let channel = channel.clone();
+        async move {
+            channel
+                .basic_publish(
+                    events::EXCHANGE.into(),
+                    key.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    body,
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .expect("publish")
+                .await
+                .expect("confirmation")
+        }
+    };
+
+    let routed = publish(routing_key.clone()).await;
+    assert_eq!(check_confirmation(routed), Ok(()));
+
+    // Unroutable + mandatory: lapin reports an Ack carrying the returned message;
+    // the kit must call it a failure.
+    let unroutable = publish(format!("NoSuchEvent.{}", uuid::Uuid::now_v7())).await;
+    match check_confirmation(unroutable) {
+        Err(PublishRejected::Returned { code, .. }) => assert_eq!(code, 312),
+        other => panic!("unroutable publish must be Returned(312), got {other:?}"),
+    }
+
+    // The routed message is in the queue, byte for byte.
+    let mut consumer = channel
+        .basic_consume(
+            queue.name().clone(),
+            "foundation-test".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
+    let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("a delivery within 10 s")
+        .expect("stream open")
+        .expect("delivery");
+    assert_eq!(delivery.data, body);
+    assert_eq!(delivery.routing_key.as_str(), routing_key);
+    connection.close(200, "done".into()).await.expect("close");
+}
+
+/// Every service binary: zero configuration except its HTTP port (given by
+/// environment variable, which also proves the override path), healthy and
+/// ready against the local PostgreSQL and RabbitMQ, then a clean SIGTERM exit.
+#[tokio::test]
+async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
+    let services = [
+        ("order-api", "ORDER_API"),
+        ("outbox-relay", "OUTBOX_RELAY"),
+        ("inventory-consumer", "INVENTORY_CONSUMER"),
+        ("ledger-consumer", "LEDGER_CONSUMER"),
+        ("loyalty-consumer", "LOYALTY_CONSUMER"),
+    ];
+    let mut running = Vec::new();
+    for (name, prefix) in services {
+        let port = free_port();
+        let service = Service::start(
+            name,
+            &[],
+            &[(&format!("{prefix}__HTTP__PORT"), port.to_string())],
+        );
+        running.push((service, port));
+    }
+    for (service, port) in &running {
+        let base = format!("http://127.0.0.1:{port}");
+        let health = wait_for_ok(&format!("{base}/healthz"), Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", service.name));
+        assert!(
+            health.contains(&format!("\"service\":\"{}\"", service.name)),
+            "{health}"
+        );
+        let ready = wait_for_ok(&format!("{base}/readyz"), Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", service.name));
+        assert!(
+            ready.contains("\"status\":\"ready\""),
+            "{}: {ready}",
+            service.name
+        );
+        let metrics = reqwest::get(format!("{base}/metrics"))
+            .await
+            .expect("metrics");
+        assert!(metrics.status().is_success());
+        assert!(metrics
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/plain")));
+    }
+    for (mut service, _) in running {
+        service.signal("TERM");
+        let status = service
+            .wait_exit(Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("{} did not stop within 20 s of SIGTERM", service.name));
+        assert!(status.success(), "{} exited with {status}", service.name);
+    }
+}
