@@ -5,6 +5,9 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 ENV := source scripts/infra-env.sh &&
+# Tests run the service binaries with their fail points compiled in (inert
+# unless FAILPOINTS is set), so crash tests can abort them at named boundaries.
+FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,inventory-consumer/failpoints,ledger-consumer/failpoints,loyalty-consumer/failpoints
 
 .PHONY: help up down migrate build run test lint bench
 
@@ -35,8 +38,8 @@ run: up build
 	scripts/run.sh
 
 test: up
-	$(CARGO) build --workspace --all-targets
-	$(ENV) $(CARGO) test --workspace --no-fail-fast
+	$(CARGO) build --workspace --all-targets $(FAILPOINTS_FEATURES)
+	$(ENV) $(CARGO) test --workspace --no-fail-fast $(FAILPOINTS_FEATURES)
 
 lint:
 	$(CARGO) fmt --all -- --check
