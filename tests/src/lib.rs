@@ -149,3 +149,56 @@ pub async fn wait_for_ok(url: &str, timeout: Duration) -> Result<String, String>
     }
     Err(format!("{url} not OK after {timeout:?}: {last}"))
 }
+
+/// A tenant id no other test uses.
+pub fn unique_tenant(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// Create a tenant and an API key with the real CLI (`order-api api-key create`).
+pub fn api_key(tenant: &str) -> String {
+    let output = Command::new(bin("order-api"))
+        .args(["api-key", "create", "--tenant", tenant])
+        .output()
+        .expect("run order-api api-key create");
+    assert!(
+        output.status.success(),
+        "api-key create failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let key = String::from_utf8(output.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned();
+    assert!(key.starts_with("oek_"), "unexpected key output {key:?}");
+    key
+}
+
+/// A running order-api on a free port.
+pub struct OrderApi {
+    pub service: Service,
+    pub base: String,
+}
+
+impl OrderApi {
+    /// Start order-api with `env` (e.g. `FAILPOINTS`, idempotency settings) and
+    /// wait until it is ready.
+    pub async fn start(env: &[(&str, String)]) -> Self {
+        let port = free_port();
+        let mut all = vec![("ORDER_API__HTTP__PORT", port.to_string())];
+        all.extend(env.iter().cloned());
+        let service = Service::start("order-api", &[], &all);
+        let base = format!("http://127.0.0.1:{port}");
+        wait_for_ok(&format!("{base}/readyz"), Duration::from_secs(60))
+            .await
+            .expect("order-api ready");
+        Self { service, base }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+}

@@ -26,10 +26,23 @@ pub enum DbError {
 /// Build a pool. Connections are opened lazily, so this never touches the
 /// network; use [`wait_until_ready`] to wait for the server.
 pub fn pool(settings: &DatabaseSettings) -> Result<Pool, DbError> {
-    let pg: tokio_postgres::Config = settings.url.parse().map_err(|source| DbError::BadUrl {
-        url: redact_url(&settings.url),
-        source,
-    })?;
+    pool_with_options(settings, None)
+}
+
+/// Like [`pool`], with server settings for every session of the pool, e.g.
+/// `-c lock_timeout=2000 -c statement_timeout=10000` (bounds every lock wait).
+pub fn pool_with_options(
+    settings: &DatabaseSettings,
+    options: Option<&str>,
+) -> Result<Pool, DbError> {
+    let mut pg: tokio_postgres::Config =
+        settings.url.parse().map_err(|source| DbError::BadUrl {
+            url: redact_url(&settings.url),
+            source,
+        })?;
+    if let Some(options) = options {
+        pg.options(options);
+    }
     let manager = Manager::from_config(
         pg,
         NoTls,

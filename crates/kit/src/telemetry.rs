@@ -1,6 +1,6 @@
 //! Telemetry, set up once per process by [`init`].
 //!
-//! - Logs: `tracing` with JSON lines on stdout (`LOG_FORMAT=text` for
+//! - Logs: `tracing` with JSON lines on stderr (stdout is left to command output) (`LOG_FORMAT=text` for
 //!   human-readable lines, as `make run` uses), filtered by `RUST_LOG`
 //!   (default `info`).
 //! - Traces: an OpenTelemetry SDK tracer provider is always installed, so spans
@@ -60,13 +60,18 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     opentelemetry::global::set_tracer_provider(provider.clone());
     let tracer = provider.tracer(service);
 
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,lapin=warn,actix_server=warn"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new("info,lapin=warn,actix_server=warn,tokio_postgres=warn")
+    });
     let text = std::env::var("LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("text"));
     let fmt_layer = if text {
-        tracing_subscriber::fmt::layer().with_target(false).boxed()
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .boxed()
     } else {
         tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
             .json()
             .flatten_event(true)
             .with_current_span(true)

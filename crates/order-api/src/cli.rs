@@ -21,6 +21,21 @@ enum Command {
     Serve,
     /// Apply pending migrations of the `orders` database, then exit.
     Migrate,
+    /// Manage API keys.
+    #[command(subcommand, name = "api-key")]
+    ApiKey(ApiKeyCommand),
+    /// Delete expired idempotency keys now, then exit.
+    CleanupKeys,
+}
+
+#[derive(Debug, Subcommand)]
+enum ApiKeyCommand {
+    /// Create a key for a tenant (and the tenant if new). Prints the key once,
+    /// alone on stdout; only its blake3 hash is stored.
+    Create {
+        #[arg(long)]
+        tenant: String,
+    },
 }
 
 pub async fn main() -> anyhow::Result<()> {
@@ -33,9 +48,27 @@ pub async fn main() -> anyhow::Result<()> {
                 app.run_until_stopped(shutdown).await
             }
             Command::Migrate => {
-                let pool = kit::db::pool(&settings.database)?;
+                let pool = crate::pool(&settings)?;
                 let applied = kit::migrations::run(&pool, Database::Orders).await?;
                 println!("orders: {} migration(s) applied", applied.len());
+                Ok(())
+            }
+            Command::ApiKey(ApiKeyCommand::Create { tenant }) => {
+                let pool = crate::pool(&settings)?;
+                kit::migrations::run(&pool, Database::Orders).await?;
+                let key = crate::auth::create_key(&pool, &tenant).await?;
+                eprintln!("API key for tenant {tenant} (shown once; only its hash is stored):");
+                println!("{key}");
+                Ok(())
+            }
+            Command::CleanupKeys => {
+                let pool = crate::pool(&settings)?;
+                let deleted = crate::cleanup::delete_expired(
+                    &pool,
+                    settings.idempotency.cleanup_batch.max(1),
+                )
+                .await?;
+                println!("{deleted} expired idempotency key(s) deleted");
                 Ok(())
             }
         }

@@ -10,6 +10,21 @@ pub const ENV_PREFIX: &str = "ORDER_API";
 pub struct Settings {
     pub http: HttpSettings,
     pub database: DatabaseSettings,
+    pub idempotency: IdempotencySettings,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct IdempotencySettings {
+    /// How long a loser waits for the key's owner before 409 idempotency_in_progress
+    /// (PostgreSQL `lock_timeout` of every session).
+    pub lock_timeout_ms: u64,
+    /// Key retention (`expires_at = created_at + ttl`); default 24 h.
+    pub ttl_seconds: u64,
+    /// How often expired keys are deleted, and how many per statement.
+    pub cleanup_interval_seconds: u64,
+    pub cleanup_batch: i64,
+    /// Request body limit.
+    pub max_body_bytes: usize,
 }
 
 impl Default for Settings {
@@ -17,6 +32,13 @@ impl Default for Settings {
         Self {
             http: HttpSettings::local(8080),
             database: DatabaseSettings::local("orders"),
+            idempotency: IdempotencySettings {
+                lock_timeout_ms: 2_000,
+                ttl_seconds: 24 * 60 * 60,
+                cleanup_interval_seconds: 60,
+                cleanup_batch: 1_000,
+                max_body_bytes: 256 * 1024,
+            },
         }
     }
 }

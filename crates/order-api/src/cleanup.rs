@@ -1,0 +1,61 @@
+//! Expired idempotency keys are deleted in bounded batches (short statements,
+//! no lock storms); several instances may run it at once (SKIP LOCKED).
+//! After expiry a key is a new operation; `orders (tenant_id, checkout_id)`
+//! still rejects a second order for the same checkout.
+
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use kit::CancellationToken;
+
+use crate::{idempotency::InFlight, metrics::Metrics};
+
+const DELETE_EXPIRED: &str = "\
+DELETE FROM idempotency_requests
+ WHERE ctid IN (SELECT ctid FROM idempotency_requests
+                 WHERE expires_at <= now()
+                 LIMIT $1 FOR UPDATE SKIP LOCKED)";
+
+/// Delete every expired key now, batch by batch; returns how many.
+pub async fn delete_expired(pool: &Pool, batch: i64) -> Result<u64, crate::error::ApiError> {
+    let mut total = 0;
+    loop {
+        let client = pool.get().await?;
+        let statement = client.prepare_cached(DELETE_EXPIRED).await?;
+        let deleted = client.execute(&statement, &[&batch]).await?;
+        total += deleted;
+        if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
+            return Ok(total);
+        }
+    }
+}
+
+/// The background task: cleanup every `interval`, and the in-flight gauge every second.
+pub async fn run(
+    pool: Pool,
+    metrics: Metrics,
+    in_flight: InFlight,
+    interval: Duration,
+    batch: i64,
+    shutdown: CancellationToken,
+) {
+    let mut cleanup = tokio::time::interval(interval);
+    let mut gauge = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = gauge.tick() => {
+                let age = i64::try_from(in_flight.oldest().as_secs()).unwrap_or(i64::MAX);
+                metrics.oldest_incomplete_key_seconds.set(age);
+            }
+            _ = cleanup.tick() => match delete_expired(&pool, batch).await {
+                Ok(0) => {}
+                Ok(deleted) => {
+                    metrics.expired_deleted.inc_by(deleted);
+                    tracing::info!(deleted, "expired idempotency keys deleted");
+                }
+                Err(error) => tracing::warn!(%error, "idempotency key cleanup failed"),
+            },
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The one error type of order-api and its one mapping to HTTP
+//! (`application/problem+json` with a stable `code`).
+
+use actix_web::{http::StatusCode, HttpResponse, ResponseError};
+use kit::http::Problem;
+
+/// A deterministic business rejection decided inside the transaction. It is
+/// stored with the idempotency key and replayed like a success.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    CheckoutAlreadyOrdered { checkout_id: String },
+    OrderNotFound,
+    OrderAlreadyPaid,
+    AmountMismatch { expected: String, got: String },
+    CurrencyMismatch { expected: String, got: String },
+    OrderNotPaid,
+    OrderAlreadyDelivered,
+    DeliveryLinesMismatch,
+}
+
+impl Rejection {
+    pub fn problem(&self) -> Problem {
+        use Rejection::*;
+        match self {
+            CheckoutAlreadyOrdered { checkout_id } => Problem::new(
+                StatusCode::CONFLICT,
+                "checkout_already_ordered",
+                "This checkout already has an order",
+            )
+            .detail(format!(
+                "checkout_id {checkout_id} was ordered under another idempotency key"
+            ))
+            .field("checkout_id"),
+            OrderNotFound => {
+                Problem::new(StatusCode::NOT_FOUND, "order_not_found", "No such order")
+            }
+            OrderAlreadyPaid => Problem::new(
+                StatusCode::CONFLICT,
+                "order_already_paid",
+                "The order is already paid",
+            ),
+            AmountMismatch { expected, got } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "amount_mismatch",
+                "The payment amount must equal the amount due",
+            )
+            .detail(format!("amount due is {expected}, got {got}"))
+            .field("amount"),
+            CurrencyMismatch { expected, got } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "currency_mismatch",
+                "The payment currency must be the order's currency",
+            )
+            .detail(format!("order currency is {expected}, got {got}"))
+            .field("currency"),
+            OrderNotPaid => Problem::new(
+                StatusCode::CONFLICT,
+                "order_not_paid",
+                "An unpaid order cannot be delivered",
+            ),
+            OrderAlreadyDelivered => Problem::new(
+                StatusCode::CONFLICT,
+                "order_already_delivered",
+                "The order is already delivered",
+            ),
+            DeliveryLinesMismatch => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "delivery_lines_mismatch",
+                "The delivered lines must match the order's lines",
+            )
+            .field("lines"),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("missing or invalid API key")]
+    Unauthorized,
+    #[error("invalid Idempotency-Key: {0}")]
+    IdempotencyKey(&'static str),
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+    #[error("{field}: {message}")]
+    Validation { field: String, message: String },
+    #[error("unsupported content type")]
+    UnsupportedMediaType,
+    #[error("body larger than {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("not found")]
+    NotFound,
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("idempotency key reused with a different request")]
+    KeyReused,
+    #[error("a request with this idempotency key is still in progress")]
+    InProgress,
+    #[error("order is busy")]
+    Busy,
+    #[error(transparent)]
+    Rejected(#[from] RejectedError),
+    #[error("database: {0}")]
+    Database(#[from] tokio_postgres::Error),
+    #[error("database pool: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+/// Wrapper so a [`Rejection`] can travel as an error (used by GET, where
+/// nothing is stored).
+#[derive(Debug, thiserror::Error)]
+#[error("{0:?}")]
+pub struct RejectedError(pub Rejection);
+
+impl ApiError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Invalid {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn validation(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Validation {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The request field at fault, if any.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            Self::Invalid { field, .. } | Self::Validation { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+
+    /// SQLSTATE 55P03: a bounded lock wait (`lock_timeout`) ran out.
+    pub fn is_lock_timeout(error: &tokio_postgres::Error) -> bool {
+        error.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
+    }
+
+    /// The single mapping from errors to problems.
+    pub fn problem(&self) -> Problem {
+        match self {
+            Self::Unauthorized => Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Missing or invalid API key",
+            )
+            .detail("send Authorization: Bearer <api key>"),
+            Self::IdempotencyKey(why) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_idempotency_key",
+                "The Idempotency-Key header is missing or malformed",
+            )
+            .detail(*why)
+            .field("Idempotency-Key"),
+            Self::Invalid { field, message } => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "The request body is malformed",
+            )
+            .detail(message.clone())
+            .field(field.clone()),
+            Self::Validation { field, message } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "validation_failed",
+                "The request is not valid",
+            )
+            .detail(format!("{field} {message}"))
+            .field(field.clone()),
+            Self::UnsupportedMediaType => Problem::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "Send the body as application/json",
+            ),
+            Self::PayloadTooLarge { limit } => Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "The request body is too large",
+            )
+            .detail(format!("at most {limit} bytes")),
+            Self::NotFound => Problem::new(StatusCode::NOT_FOUND, "not_found", "No such resource"),
+            Self::MethodNotAllowed => Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "Method not allowed on this resource",
+            ),
+            Self::KeyReused => Problem::new(
+                StatusCode::CONFLICT,
+                "idempotency_key_reused",
+                "This Idempotency-Key was used with a different request",
+            )
+            .detail("use a new key for a new request; nothing was executed"),
+            Self::InProgress => Problem::new(
+                StatusCode::CONFLICT,
+                "idempotency_in_progress",
+                "A request with this Idempotency-Key is still being processed",
+            )
+            .detail("retry with the same key after the Retry-After delay")
+            .retry_after(1),
+            Self::Busy => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "order_busy",
+                "The order is being changed by another request",
+            )
+            .detail("nothing was stored; retry with the same key")
+            .retry_after(1),
+            Self::Rejected(RejectedError(rejection)) => rejection.problem(),
+            Self::Database(error) if !is_transient(error) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "Internal error",
+            ),
+            Self::Database(_) | Self::Pool(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "The service cannot reach its database",
+            )
+            .detail("nothing was stored; retry with the same key")
+            .retry_after(1),
+            Self::Internal(_) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "Internal error",
+            ),
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.problem().status_code()
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        match self {
+            Self::Database(_) | Self::Pool(_) | Self::Internal(_) => {
+                tracing::error!(error = %self, "request failed")
+            }
+            _ => tracing::debug!(error = %self, "request rejected"),
+        }
+        self.problem().error_response()
+    }
+}
+
+/// Connection loss, server shutdown, resource exhaustion, serialization
+/// failure or deadlock: the client may retry the same request.
+fn is_transient(error: &tokio_postgres::Error) -> bool {
+    match error.code() {
+        None => true,
+        Some(code) => {
+            let code = code.code();
+            code.starts_with("08")
+                || code.starts_with("53")
+                || code.starts_with("57P")
+                || code == "40001"
+                || code == "40P01"
+                || code == "55P03"
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! The idempotency contract of seed 004.
+//!
+//! One short transaction per request: claim `(tenant, endpoint, key)` with an
+//! `INSERT ... ON CONFLICT` (the unique primary key picks exactly one owner;
+//! no SELECT-then-INSERT race); the owner runs the operation, stores status +
+//! body + resource id in the same row and commits once; the response is sent
+//! only after that commit. A loser waits on the owner's uncommitted row, at
+//! most `lock_timeout` (set on every pooled session), then reads the committed
+//! record: another fingerprint is 409 `idempotency_key_reused`; the same one is
+//! the stored response byte for byte; a timeout is 409 `idempotency_in_progress`.
+//!
+//! Crash windows: before commit nothing is stored (the client retries and the
+//! retry becomes the owner); after commit, before the response, the retry
+//! replays the stored response. Both are fail points.
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use actix_web::{http::StatusCode, HttpRequest, HttpResponse};
+use kit::failpoint::crash_point;
+use uuid::Uuid;
+
+use crate::{error::ApiError, operations, AppState};
+
+pub const HEADER: &str = "Idempotency-Key";
+pub const REPLAYED_HEADER: &str = "Idempotent-Replayed";
+
+/// The `Idempotency-Key` header: 1..=255 visible ASCII characters.
+pub fn key(request: &HttpRequest) -> Result<String, ApiError> {
+    let mut values = request.headers().get_all(HEADER);
+    let value = values
+        .next()
+        .ok_or(ApiError::IdempotencyKey("the header is required"))?;
+    if values.next().is_some() {
+        return Err(ApiError::IdempotencyKey("send the header once"));
+    }
+    let bytes = value.as_bytes();
+    if bytes.is_empty() {
+        return Err(ApiError::IdempotencyKey("must not be empty"));
+    }
+    if bytes.len() > 255 {
+        return Err(ApiError::IdempotencyKey("at most 255 characters"));
+    }
+    if !bytes.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(ApiError::IdempotencyKey(
+            "only visible ASCII characters (no spaces or control characters)",
+        ));
+    }
+    Ok(String::from_utf8_lossy(bytes).into_owned())
+}
+
+/// A response as stored with its key.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    pub status: u16,
+    pub body: Vec<u8>,
+    pub resource_id: Option<Uuid>,
+}
+
+impl Stored {
+    fn response(&self, replayed: bool) -> HttpResponse {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = HttpResponse::build(status);
+        response.content_type(if status.is_success() {
+            "application/json"
+        } else {
+            kit::http::PROBLEM_CONTENT_TYPE
+        });
+        if let (true, Some(id)) = (status == StatusCode::CREATED, self.resource_id) {
+            response.insert_header(("Location", format!("/orders/{id}")));
+        }
+        if replayed {
+            response.insert_header((REPLAYED_HEADER, "true"));
+        }
+        response.body(self.body.clone())
+    }
+}
+
+/// Requests whose owning transaction is running in this process, for the
+/// "oldest incomplete key" gauge.
+#[derive(Clone, Default)]
+pub struct InFlight {
+    next: Arc<AtomicU64>,
+    started: Arc<Mutex<BTreeMap<u64, Instant>>>,
+}
+
+pub struct InFlightGuard {
+    id: u64,
+    started: Arc<Mutex<BTreeMap<u64, Instant>>>,
+}
+
+impl InFlight {
+    fn enter(&self) -> InFlightGuard {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut started) = self.started.lock() {
+            started.insert(id, Instant::now());
+        }
+        InFlightGuard {
+            id,
+            started: self.started.clone(),
+        }
+    }
+
+    /// Age of the oldest running owner transaction.
+    pub fn oldest(&self) -> Duration {
+        self.started
+            .lock()
+            .ok()
+            .and_then(|s| s.values().min().map(Instant::elapsed))
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if let Ok(mut started) = self.started.lock() {
+            started.remove(&self.id);
+        }
+    }
+}
+
+/// Claim the key (or take over an expired record). Waiting on an in-flight
+/// owner is bounded by the session's `lock_timeout`.
+const CLAIM: &str = "\
+INSERT INTO idempotency_requests AS r
+    (tenant_id, endpoint, idempotency_key, request_fingerprint, expires_at)
+VALUES ($1, $2, $3, $4, now() + ($5::bigint || ' seconds')::interval)
+ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE
+    SET request_fingerprint = EXCLUDED.request_fingerprint,
+        response_status = NULL, response_body = NULL, resource_id = NULL,
+        created_at = now(), expires_at = EXCLUDED.expires_at
+    WHERE r.expires_at <= now()
+RETURNING 1";
+
+const STORE: &str = "\
+UPDATE idempotency_requests
+   SET response_status = $4, response_body = $5, resource_id = $6
+ WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
+
+const READ: &str = "\
+SELECT request_fingerprint, response_status, response_body, resource_id
+  FROM idempotency_requests
+ WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
+
+/// Run `operation` at most once per `(tenant, endpoint, key)` and answer with
+/// its response, or with the stored response of the run that did.
+pub async fn execute(
+    state: &AppState,
+    tenant: &str,
+    endpoint: &'static str,
+    key: &str,
+    fingerprint: &str,
+    operation: operations::Operation,
+) -> Result<HttpResponse, ApiError> {
+    let metrics = &state.metrics;
+    let key_hash = blake3::hash(key.as_bytes()).to_hex();
+    let key_hash = &key_hash.as_str()[..16];
+    let ttl = i64::try_from(state.settings.idempotency.ttl_seconds).unwrap_or(i64::MAX);
+
+    let mut client = state.pool.get().await?;
+    let tx = client.transaction().await?;
+    let claim = tx.prepare_cached(CLAIM).await?;
+    let claimed = match tx
+        .query_opt(&claim, &[&tenant, &endpoint, &key, &fingerprint, &ttl])
+        .await
+    {
+        Ok(row) => row.is_some(),
+        Err(error) if ApiError::is_lock_timeout(&error) => {
+            metrics.in_progress.with_label_values(&[endpoint]).inc();
+            tracing::info!(endpoint, key_hash, "idempotency key in progress");
+            return Err(ApiError::InProgress);
+        }
+        Err(error) => return Err(error.into()),
+    };
+
+    if !claimed {
+        let read = tx.prepare_cached(READ).await?;
+        let row = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+        drop(tx); // read-only: rolled back
+        let Some(row) = row else {
+            // Deleted by cleanup between the two statements: ask for a retry.
+            return Err(ApiError::InProgress);
+        };
+        let stored_fingerprint: String = row.get(0);
+        if stored_fingerprint != fingerprint {
+            metrics.key_conflicts.with_label_values(&[endpoint]).inc();
+            tracing::info!(
+                endpoint,
+                key_hash,
+                "idempotency key reused with another request"
+            );
+            return Err(ApiError::KeyReused);
+        }
+        let status: Option<i32> = row.get(1);
+        let body: Option<Vec<u8>> = row.get(2);
+        let (Some(status), Some(body)) = (status, body) else {
+            // Cannot be committed without a response (one transaction); defensive.
+            return Err(ApiError::InProgress);
+        };
+        metrics.replays.with_label_values(&[endpoint]).inc();
+        tracing::info!(endpoint, key_hash, status, "idempotent replay");
+        let stored = Stored {
+            status: u16::try_from(status).unwrap_or(500),
+            body,
+            resource_id: row.get(3),
+        };
+        return Ok(stored.response(true));
+    }
+
+    // The owner. Any error below drops `tx` uncommitted: nothing is stored.
+    let _in_flight = state.in_flight.enter();
+    let rollback = |error: ApiError| {
+        metrics.rollbacks.with_label_values(&[endpoint]).inc();
+        tracing::warn!(endpoint, key_hash, %error, "owner transaction rolled back");
+        if let ApiError::Database(db) = &error {
+            if ApiError::is_lock_timeout(db) {
+                return ApiError::Busy;
+            }
+        }
+        error
+    };
+    let stored = match operations::run(&tx, tenant, operation).await {
+        Ok(Ok(stored)) => stored,
+        Ok(Err(rejection)) => {
+            let problem = rejection.problem();
+            metrics.rejections.with_label_values(&[problem.code]).inc();
+            Stored {
+                status: problem.status,
+                body: problem.to_body(),
+                resource_id: None,
+            }
+        }
+        Err(error) => return Err(rollback(error)),
+    };
+    let status = i32::from(stored.status);
+    let store = tx
+        .prepare_cached(STORE)
+        .await
+        .map_err(|e| rollback(e.into()))?;
+    tx.execute(
+        &store,
+        &[
+            &tenant,
+            &endpoint,
+            &key,
+            &status,
+            &stored.body,
+            &stored.resource_id,
+        ],
+    )
+    .await
+    .map_err(|e| rollback(e.into()))?;
+    crash_point("order_api.before_commit");
+    tx.commit().await.map_err(|e| rollback(e.into()))?;
+    crash_point("order_api.after_commit");
+    metrics.claims.with_label_values(&[endpoint]).inc();
+    tracing::info!(
+        endpoint,
+        key_hash,
+        status,
+        "idempotency key claimed and committed"
+    );
+    Ok(stored.response(false))
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::test::TestRequest;
+
+    use super::*;
+
+    fn check(value: Option<&[u8]>) -> Result<String, ApiError> {
+        let mut request = TestRequest::default();
+        if let Some(v) = value {
+            request = request.insert_header((
+                HEADER,
+                actix_web::http::header::HeaderValue::from_bytes(v).expect("header"),
+            ));
+        }
+        key(&request.to_http_request())
+    }
+
+    #[test]
+    fn keys_are_one_to_255_visible_ascii_characters() {
+        assert_eq!(check(Some(b"a")).expect("ok"), "a");
+        assert!(check(Some("k".repeat(255).as_bytes())).is_ok());
+        assert!(check(Some(b"order-1042:retry/1~")).is_ok());
+        for bad in [
+            None,
+            Some(&b""[..]),
+            Some("k".repeat(256).as_bytes()),
+            Some(&b"has space"[..]),
+            Some(&b"tab\there"[..]),
+            Some("caf\u{e9}".as_bytes()),
+        ] {
+            let error = check(bad).expect_err("must be rejected");
+            assert_eq!(error.problem().status, 400, "{bad:?}");
+            assert_eq!(error.problem().code, "invalid_idempotency_key");
+        }
+    }
+}

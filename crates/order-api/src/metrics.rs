@@ -1,0 +1,89 @@
+//! order-api metrics (Prometheus names; rendered at `/metrics`).
+
+use kit::metrics::prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    /// Requests that won the idempotency key and executed (by endpoint).
+    pub claims: IntCounterVec,
+    /// Requests answered from a stored response.
+    pub replays: IntCounterVec,
+    /// Key reused with a different fingerprint (409 idempotency_key_reused).
+    pub key_conflicts: IntCounterVec,
+    /// Bounded wait on the winner ran out (409 idempotency_in_progress).
+    pub in_progress: IntCounterVec,
+    /// Owner transactions rolled back by an infrastructure failure (nothing stored).
+    pub rollbacks: IntCounterVec,
+    /// Business rejections stored with the key (by code).
+    pub rejections: IntCounterVec,
+    /// Expired idempotency rows deleted by the cleanup task.
+    pub expired_deleted: IntCounter,
+    /// Age of the oldest owner transaction still running in this process.
+    pub oldest_incomplete_key_seconds: IntGauge,
+}
+
+fn counter_vec(registry: &Registry, name: &str, help: &str, label: &str) -> IntCounterVec {
+    let counter = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric");
+    kit::metrics::register(registry, &counter);
+    counter
+}
+
+impl Metrics {
+    pub fn new(service: &str) -> Self {
+        let registry = kit::metrics::registry(service);
+        let expired_deleted = IntCounter::new(
+            "idempotency_expired_keys_deleted_total",
+            "Expired idempotency keys deleted by the cleanup task",
+        )
+        .expect("valid metric");
+        kit::metrics::register(&registry, &expired_deleted);
+        let oldest = IntGauge::new(
+            "idempotency_oldest_incomplete_key_seconds",
+            "Age of the oldest idempotency key whose owning transaction is still running here",
+        )
+        .expect("valid metric");
+        kit::metrics::register(&registry, &oldest);
+        Self {
+            claims: counter_vec(
+                &registry,
+                "idempotency_claims_total",
+                "Idempotency keys claimed (operation executed)",
+                "endpoint",
+            ),
+            replays: counter_vec(
+                &registry,
+                "idempotency_replays_total",
+                "Responses replayed from a stored idempotency record",
+                "endpoint",
+            ),
+            key_conflicts: counter_vec(
+                &registry,
+                "idempotency_key_conflicts_total",
+                "Idempotency keys reused with a different request",
+                "endpoint",
+            ),
+            in_progress: counter_vec(
+                &registry,
+                "idempotency_in_progress_total",
+                "Requests that gave up waiting for the key's owner",
+                "endpoint",
+            ),
+            rollbacks: counter_vec(
+                &registry,
+                "idempotency_rollbacks_total",
+                "Owner transactions rolled back by an infrastructure failure",
+                "endpoint",
+            ),
+            rejections: counter_vec(
+                &registry,
+                "order_business_rejections_total",
+                "Deterministic business rejections (stored and replayed)",
+                "code",
+            ),
+            expired_deleted,
+            oldest_incomplete_key_seconds: oldest,
+            registry,
+        }
+    }
+}

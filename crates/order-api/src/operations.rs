@@ -1,0 +1,449 @@
+//! The business operations, each run inside the idempotency owner's
+//! transaction: the mutation, the next per-order event sequence (under the
+//! order row's lock) and the outbox row commit together or not at all.
+
+use std::collections::{BTreeMap, HashMap};
+
+use deadpool_postgres::Transaction;
+use events::{
+    DeliveredLineV1, EventPayload, Money, OrderPlacedV1, ParcelDeliveredV1, PaymentReceivedV1,
+};
+use serde::Serialize;
+use time::OffsetDateTime;
+use tokio_postgres::types::Json;
+use uuid::Uuid;
+
+use crate::{
+    error::{ApiError, Rejection},
+    idempotency::Stored,
+    request::{DeliveryRequest, NewOrder, PaymentRequest},
+};
+
+/// W3C trace context of the request's span, stored with the outbox row.
+pub type TraceContext = HashMap<String, String>;
+
+pub enum Operation {
+    CreateOrder(NewOrder, TraceContext),
+    Pay(Uuid, PaymentRequest, TraceContext),
+    Deliver(Uuid, DeliveryRequest, TraceContext),
+}
+
+pub async fn run(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    operation: Operation,
+) -> Result<Result<Stored, Rejection>, ApiError> {
+    match operation {
+        Operation::CreateOrder(order, trace) => create_order(tx, tenant, order, &trace).await,
+        Operation::Pay(order_id, payment, trace) => {
+            pay(tx, tenant, order_id, payment, &trace).await
+        }
+        Operation::Deliver(order_id, delivery, trace) => {
+            deliver(tx, tenant, order_id, delivery, &trace).await
+        }
+    }
+}
+
+fn created<T: Serialize>(body: &T, resource_id: Uuid) -> Result<Stored, ApiError> {
+    Ok(Stored {
+        status: 201,
+        body: serde_json::to_vec(body).map_err(|e| ApiError::Internal(e.to_string()))?,
+        resource_id: Some(resource_id),
+    })
+}
+
+const INSERT_OUTBOX: &str = "\
+INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
+                           event_type, schema_version, payload, traceparent, tracestate, occurred_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+
+/// Write the event's durable intent: one outbox row with a fresh, stable
+/// event id (never changed on retry: the relay re-sends this row as is).
+async fn write_outbox<P: EventPayload + std::fmt::Debug + Sync>(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order_id: Uuid,
+    sequence: i64,
+    occurred_at: OffsetDateTime,
+    payload: &P,
+    trace: &TraceContext,
+) -> Result<Uuid, ApiError> {
+    let event_id = Uuid::now_v7();
+    let statement = tx.prepare_cached(INSERT_OUTBOX).await?;
+    let schema_version = i32::try_from(P::SCHEMA_VERSION).unwrap_or(i32::MAX);
+    tx.execute(
+        &statement,
+        &[
+            &event_id,
+            &tenant,
+            &events::AGGREGATE_TYPE_ORDER,
+            &order_id.to_string(),
+            &sequence,
+            &P::EVENT_TYPE,
+            &schema_version,
+            &Json(payload),
+            &trace.get(events::headers::TRACEPARENT),
+            &trace.get(events::headers::TRACESTATE),
+            &occurred_at,
+        ],
+    )
+    .await?;
+    Ok(event_id)
+}
+
+// ------------------------------------------------------------------ orders
+
+/// The order as the API shows it (POST /orders response and GET /orders/{id}).
+#[derive(Debug, Serialize)]
+pub struct OrderView {
+    pub order_id: Uuid,
+    pub status: String,
+    pub customer_id: String,
+    pub checkout_id: Option<String>,
+    pub currency: String,
+    pub location: String,
+    pub lines: Vec<events::OrderLineV1>,
+    pub merchandise: Money,
+    pub shipping: Money,
+    pub tax: Money,
+    pub total: Money,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+const INSERT_ORDER: &str = "\
+INSERT INTO orders (order_id, tenant_id, customer_id, checkout_id, currency, location,
+                    merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1)
+ON CONFLICT (tenant_id, checkout_id) WHERE checkout_id IS NOT NULL DO NOTHING
+RETURNING created_at";
+
+const INSERT_LINES: &str = "\
+INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor)
+SELECT $1, line_no, sku, qty, price, cost
+  FROM unnest($2::int[], $3::text[], $4::int[], $5::bigint[], $6::bigint[])
+       AS l(line_no, sku, qty, price, cost)";
+
+async fn create_order(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order: NewOrder,
+    trace: &TraceContext,
+) -> Result<Result<Stored, Rejection>, ApiError> {
+    let order_id = Uuid::now_v7();
+    let insert = tx.prepare_cached(INSERT_ORDER).await?;
+    let created_at: Option<OffsetDateTime> = tx
+        .query_opt(
+            &insert,
+            &[
+                &order_id,
+                &tenant,
+                &order.customer_id,
+                &order.checkout_id,
+                &order.currency.as_str(),
+                &order.location,
+                &order.merchandise.minor(),
+                &order.shipping.minor(),
+                &order.tax.minor(),
+                &order.total.minor(),
+            ],
+        )
+        .await?
+        .map(|row| row.get(0));
+    let Some(created_at) = created_at else {
+        return Ok(Err(Rejection::CheckoutAlreadyOrdered {
+            checkout_id: order.checkout_id.unwrap_or_default(),
+        }));
+    };
+
+    let line_nos: Vec<i32> = (1..=order.lines.len())
+        .map(|n| i32::try_from(n).unwrap_or(i32::MAX))
+        .collect();
+    let skus: Vec<&str> = order.lines.iter().map(|l| l.sku.as_str()).collect();
+    let qtys: Vec<i32> = order
+        .lines
+        .iter()
+        .map(|l| i32::try_from(l.qty).unwrap_or(i32::MAX))
+        .collect();
+    let prices: Vec<i64> = order.lines.iter().map(|l| l.unit_price.minor()).collect();
+    let costs: Vec<i64> = order.lines.iter().map(|l| l.unit_cost.minor()).collect();
+    let lines = tx.prepare_cached(INSERT_LINES).await?;
+    tx.execute(
+        &lines,
+        &[&order_id, &line_nos, &skus, &qtys, &prices, &costs],
+    )
+    .await?;
+
+    let payload = OrderPlacedV1 {
+        order_id,
+        customer_id: order.customer_id.clone(),
+        checkout_id: order.checkout_id.clone(),
+        lines: order.lines.clone(),
+        shipping: order.shipping,
+        tax: order.tax,
+        total: order.total,
+        currency: order.currency.clone(),
+        location: order.location.clone(),
+    };
+    write_outbox(tx, tenant, order_id, 1, created_at, &payload, trace).await?;
+
+    let view = OrderView {
+        order_id,
+        status: "placed".to_owned(),
+        customer_id: order.customer_id,
+        checkout_id: order.checkout_id,
+        currency: order.currency.as_str().to_owned(),
+        location: order.location,
+        lines: order.lines,
+        merchandise: order.merchandise,
+        shipping: order.shipping,
+        tax: order.tax,
+        total: order.total,
+        created_at,
+    };
+    Ok(Ok(created(&view, order_id)?))
+}
+
+/// Lock the order row (the per-order sequence is assigned under this lock)
+/// and return (status, total, currency), or None if not the tenant's order.
+const LOCK_ORDER: &str = "\
+SELECT status, total_minor, currency FROM orders
+ WHERE order_id = $1 AND tenant_id = $2
+   FOR UPDATE";
+
+/// Advance the order: new status and the next event sequence, in one statement.
+const ADVANCE_ORDER: &str = "\
+UPDATE orders SET status = $2, last_event_sequence = last_event_sequence + 1, updated_at = now()
+ WHERE order_id = $1
+RETURNING last_event_sequence, updated_at";
+
+async fn advance(
+    tx: &Transaction<'_>,
+    order_id: Uuid,
+    status: &str,
+) -> Result<(i64, OffsetDateTime), ApiError> {
+    let statement = tx.prepare_cached(ADVANCE_ORDER).await?;
+    let row = tx.query_one(&statement, &[&order_id, &status]).await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+// ---------------------------------------------------------------- payments
+
+#[derive(Debug, Serialize)]
+pub struct PaymentView {
+    pub order_id: Uuid,
+    pub payment_id: String,
+    pub amount: Money,
+    pub currency: String,
+    pub method: String,
+    pub order_status: &'static str,
+    pub event_sequence: i64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub received_at: OffsetDateTime,
+}
+
+async fn pay(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order_id: Uuid,
+    payment: PaymentRequest,
+    trace: &TraceContext,
+) -> Result<Result<Stored, Rejection>, ApiError> {
+    let lock = tx.prepare_cached(LOCK_ORDER).await?;
+    let Some(order) = tx.query_opt(&lock, &[&order_id, &tenant]).await? else {
+        return Ok(Err(Rejection::OrderNotFound));
+    };
+    let status: String = order.get(0);
+    let total = Money::from_minor(order.get(1));
+    let currency: String = order.get(2);
+    if status != "placed" {
+        return Ok(Err(Rejection::OrderAlreadyPaid));
+    }
+    if let Some(given) = &payment.currency {
+        if given.as_str() != currency {
+            return Ok(Err(Rejection::CurrencyMismatch {
+                expected: currency,
+                got: given.as_str().to_owned(),
+            }));
+        }
+    }
+    if payment.amount != total {
+        return Ok(Err(Rejection::AmountMismatch {
+            expected: total.to_string(),
+            got: payment.amount.to_string(),
+        }));
+    }
+    let insert = tx
+        .prepare_cached(
+            "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .await?;
+    tx.execute(
+        &insert,
+        &[
+            &order_id,
+            &payment.payment_id,
+            &tenant,
+            &payment.amount.minor(),
+            &payment.method,
+        ],
+    )
+    .await?;
+    let (sequence, at) = advance(tx, order_id, "paid").await?;
+    let currency =
+        events::Currency::parse(&currency).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let event = PaymentReceivedV1 {
+        order_id,
+        payment_id: payment.payment_id.clone(),
+        amount: payment.amount,
+        currency: currency.clone(),
+        method: payment.method.clone(),
+    };
+    write_outbox(tx, tenant, order_id, sequence, at, &event, trace).await?;
+    let view = PaymentView {
+        order_id,
+        payment_id: payment.payment_id,
+        amount: payment.amount,
+        currency: currency.as_str().to_owned(),
+        method: payment.method,
+        order_status: "paid",
+        event_sequence: sequence,
+        received_at: at,
+    };
+    Ok(Ok(created(&view, order_id)?))
+}
+
+// -------------------------------------------------------------- deliveries
+
+#[derive(Debug, Serialize)]
+pub struct DeliveryView {
+    pub order_id: Uuid,
+    pub delivery_id: String,
+    pub lines: Vec<DeliveredLineV1>,
+    pub order_status: &'static str,
+    pub event_sequence: i64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub delivered_at: OffsetDateTime,
+}
+
+async fn deliver(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order_id: Uuid,
+    delivery: DeliveryRequest,
+    trace: &TraceContext,
+) -> Result<Result<Stored, Rejection>, ApiError> {
+    let lock = tx.prepare_cached(LOCK_ORDER).await?;
+    let Some(order) = tx.query_opt(&lock, &[&order_id, &tenant]).await? else {
+        return Ok(Err(Rejection::OrderNotFound));
+    };
+    let status: String = order.get(0);
+    match status.as_str() {
+        "placed" => return Ok(Err(Rejection::OrderNotPaid)),
+        "delivered" => return Ok(Err(Rejection::OrderAlreadyDelivered)),
+        _ => {}
+    }
+    // The delivered quantities per SKU must be exactly the order's.
+    let lines = tx
+        .prepare_cached(
+            "SELECT sku, sum(qty)::bigint FROM order_lines WHERE order_id = $1 GROUP BY sku",
+        )
+        .await?;
+    let ordered: BTreeMap<String, i64> = tx
+        .query(&lines, &[&order_id])
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let mut delivered: BTreeMap<String, i64> = BTreeMap::new();
+    for line in &delivery.lines {
+        *delivered.entry(line.sku.clone()).or_default() += i64::from(line.qty);
+    }
+    if delivered != ordered {
+        return Ok(Err(Rejection::DeliveryLinesMismatch));
+    }
+    let (sequence, at) = advance(tx, order_id, "delivered").await?;
+    let insert = tx
+        .prepare_cached(
+            "INSERT INTO deliveries (order_id, delivery_id, tenant_id, delivered_at) VALUES ($1, $2, $3, $4)",
+        )
+        .await?;
+    tx.execute(&insert, &[&order_id, &delivery.delivery_id, &tenant, &at])
+        .await?;
+    let lines: Vec<DeliveredLineV1> = delivery
+        .lines
+        .iter()
+        .map(|l| DeliveredLineV1 {
+            sku: l.sku.clone(),
+            qty: l.qty,
+        })
+        .collect();
+    let event = ParcelDeliveredV1 {
+        order_id,
+        delivery_id: delivery.delivery_id.clone(),
+        delivered_at: at,
+        lines: lines.clone(),
+    };
+    write_outbox(tx, tenant, order_id, sequence, at, &event, trace).await?;
+    let view = DeliveryView {
+        order_id,
+        delivery_id: delivery.delivery_id,
+        lines,
+        order_status: "delivered",
+        event_sequence: sequence,
+        delivered_at: at,
+    };
+    Ok(Ok(created(&view, order_id)?))
+}
+
+// --------------------------------------------------------------------- read
+
+/// GET /orders/{id}, scoped to the caller's tenant.
+pub async fn get_order(
+    client: &deadpool_postgres::Client,
+    tenant: &str,
+    order_id: Uuid,
+) -> Result<Option<OrderView>, ApiError> {
+    let statement = client
+        .prepare_cached(
+            "SELECT status, customer_id, checkout_id, currency, location, merchandise_minor, \
+                    shipping_minor, tax_minor, total_minor, created_at \
+               FROM orders WHERE order_id = $1 AND tenant_id = $2",
+        )
+        .await?;
+    let Some(row) = client.query_opt(&statement, &[&order_id, &tenant]).await? else {
+        return Ok(None);
+    };
+    let lines = client
+        .prepare_cached(
+            "SELECT sku, qty, unit_price_minor, unit_cost_minor FROM order_lines \
+              WHERE order_id = $1 ORDER BY line_no",
+        )
+        .await?;
+    let lines = client
+        .query(&lines, &[&order_id])
+        .await?
+        .iter()
+        .map(|l| events::OrderLineV1 {
+            sku: l.get(0),
+            qty: u32::try_from(l.get::<_, i32>(1)).unwrap_or_default(),
+            unit_price: Money::from_minor(l.get(2)),
+            unit_cost: Money::from_minor(l.get(3)),
+        })
+        .collect();
+    Ok(Some(OrderView {
+        order_id,
+        status: row.get(0),
+        customer_id: row.get(1),
+        checkout_id: row.get(2),
+        currency: row.get(3),
+        location: row.get(4),
+        lines,
+        merchandise: Money::from_minor(row.get(5)),
+        shipping: Money::from_minor(row.get(6)),
+        tax: Money::from_minor(row.get(7)),
+        total: Money::from_minor(row.get(8)),
+        created_at: row.get(9),
+    }))
+}

@@ -1,0 +1,455 @@
+//! Request bodies: parsing (400 with the field path), validation (422 with the
+//! field) and the canonical fingerprint of seed 004.
+//!
+//! The fingerprint is blake3 over a canonical encoding of the *validated*
+//! business fields plus the endpoint version, never the raw bytes: JSON field
+//! order, whitespace and defaulted fields (an absent `checkout_id` vs `null`,
+//! an omitted vs an explicit correct `total`) do not change it.
+
+use events::{Currency, Money};
+use serde::{de::DeserializeOwned, Deserialize};
+use uuid::Uuid;
+
+use crate::error::ApiError;
+
+/// Bounds that keep requests sane (and the canonical encoding small).
+const MAX_LINES: usize = 100;
+const MAX_QTY: u32 = 1_000_000;
+const MAX_TEXT: usize = 255;
+
+/// Parse a JSON body into `T`; a failure names the JSON path at fault.
+pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::invalid("body", "a JSON body is required"));
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let field = if path == "." { "body".to_owned() } else { path };
+        ApiError::invalid(field, error.into_inner().to_string())
+    })?;
+    deserializer
+        .end()
+        .map_err(|error| ApiError::invalid("body", error.to_string()))?;
+    Ok(value)
+}
+
+/// Builds the canonical encoding: `name=<len>:<value>;` per field, in a fixed
+/// order, after a version tag. Length prefixes make it unambiguous.
+struct Canonical(Vec<u8>);
+
+impl Canonical {
+    fn new(endpoint_version: &str) -> Self {
+        let mut c = Canonical(Vec::with_capacity(256));
+        c.field("v", endpoint_version);
+        c
+    }
+
+    fn field(&mut self, name: &str, value: &str) -> &mut Self {
+        self.0.extend_from_slice(name.as_bytes());
+        self.0.push(b'=');
+        self.0.extend_from_slice(value.len().to_string().as_bytes());
+        self.0.push(b':');
+        self.0.extend_from_slice(value.as_bytes());
+        self.0.push(b';');
+        self
+    }
+
+    fn optional(&mut self, name: &str, value: Option<&str>) -> &mut Self {
+        match value {
+            Some(v) => self.field(name, v),
+            None => self.field(name, "\u{0}absent"),
+        }
+    }
+
+    fn finish(&self) -> String {
+        blake3::hash(&self.0).to_hex().to_string()
+    }
+}
+
+fn text(field: &str, value: &str) -> Result<(), ApiError> {
+    if value.is_empty() {
+        return Err(ApiError::validation(field, "must not be empty"));
+    }
+    if value.len() > MAX_TEXT {
+        return Err(ApiError::validation(
+            field,
+            format!("must be at most {MAX_TEXT} bytes"),
+        ));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(ApiError::validation(
+            field,
+            "must not contain control characters",
+        ));
+    }
+    Ok(())
+}
+
+fn non_negative(field: &str, value: Money) -> Result<(), ApiError> {
+    if value.is_negative() {
+        return Err(ApiError::validation(field, "must not be negative"));
+    }
+    Ok(())
+}
+
+fn overflow(field: &str) -> ApiError {
+    ApiError::validation(field, "amount overflows")
+}
+
+// ---------------------------------------------------------------- POST /orders
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateOrderRequest {
+    pub customer_id: String,
+    #[serde(default)]
+    pub checkout_id: Option<String>,
+    pub lines: Vec<OrderLineRequest>,
+    pub shipping: Money,
+    pub tax: Money,
+    /// Optional; when given it must equal lines + shipping + tax.
+    #[serde(default)]
+    pub total: Option<Money>,
+    pub currency: Currency,
+    pub location: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrderLineRequest {
+    pub sku: String,
+    pub qty: u32,
+    pub unit_price: Money,
+    pub unit_cost: Money,
+}
+
+/// A validated order, with its server-computed amounts.
+#[derive(Debug, Clone)]
+pub struct NewOrder {
+    pub customer_id: String,
+    pub checkout_id: Option<String>,
+    pub lines: Vec<events::OrderLineV1>,
+    pub merchandise: Money,
+    pub shipping: Money,
+    pub tax: Money,
+    pub total: Money,
+    pub currency: Currency,
+    pub location: String,
+}
+
+impl CreateOrderRequest {
+    pub fn validate(self) -> Result<NewOrder, ApiError> {
+        text("customer_id", &self.customer_id)?;
+        if let Some(checkout) = &self.checkout_id {
+            text("checkout_id", checkout)?;
+        }
+        text("location", &self.location)?;
+        if self.lines.is_empty() {
+            return Err(ApiError::validation(
+                "lines",
+                "an order needs at least one line",
+            ));
+        }
+        if self.lines.len() > MAX_LINES {
+            return Err(ApiError::validation(
+                "lines",
+                format!("at most {MAX_LINES} lines"),
+            ));
+        }
+        let mut merchandise = Money::ZERO;
+        let mut lines = Vec::with_capacity(self.lines.len());
+        for (i, line) in self.lines.into_iter().enumerate() {
+            text(&format!("lines[{i}].sku"), &line.sku)?;
+            if line.qty == 0 || line.qty > MAX_QTY {
+                return Err(ApiError::validation(
+                    format!("lines[{i}].qty"),
+                    format!("must be between 1 and {MAX_QTY}"),
+                ));
+            }
+            non_negative(&format!("lines[{i}].unit_price"), line.unit_price)?;
+            non_negative(&format!("lines[{i}].unit_cost"), line.unit_cost)?;
+            let line_total = line
+                .unit_price
+                .checked_mul(i64::from(line.qty))
+                .ok_or_else(|| overflow(&format!("lines[{i}]")))?;
+            line.unit_cost
+                .checked_mul(i64::from(line.qty))
+                .ok_or_else(|| overflow(&format!("lines[{i}]")))?;
+            merchandise = merchandise
+                .checked_add(line_total)
+                .ok_or_else(|| overflow("lines"))?;
+            lines.push(events::OrderLineV1 {
+                sku: line.sku,
+                qty: line.qty,
+                unit_price: line.unit_price,
+                unit_cost: line.unit_cost,
+            });
+        }
+        non_negative("shipping", self.shipping)?;
+        non_negative("tax", self.tax)?;
+        let total = merchandise
+            .checked_add(self.shipping)
+            .and_then(|t| t.checked_add(self.tax))
+            .ok_or_else(|| overflow("total"))?;
+        if let Some(given) = self.total {
+            if given != total {
+                return Err(ApiError::validation(
+                    "total",
+                    format!("{given} does not equal lines + shipping + tax = {total}"),
+                ));
+            }
+        }
+        Ok(NewOrder {
+            customer_id: self.customer_id,
+            checkout_id: self.checkout_id,
+            lines,
+            merchandise,
+            shipping: self.shipping,
+            tax: self.tax,
+            total,
+            currency: self.currency,
+            location: self.location,
+        })
+    }
+}
+
+impl NewOrder {
+    pub fn fingerprint(&self) -> String {
+        let mut c = Canonical::new("POST /orders v1");
+        c.field("customer_id", &self.customer_id)
+            .optional("checkout_id", self.checkout_id.as_deref())
+            .field("currency", self.currency.as_str())
+            .field("location", &self.location)
+            .field("lines", &self.lines.len().to_string());
+        for line in &self.lines {
+            c.field("sku", &line.sku)
+                .field("qty", &line.qty.to_string())
+                .field("unit_price", &line.unit_price.minor().to_string())
+                .field("unit_cost", &line.unit_cost.minor().to_string());
+        }
+        c.field("shipping", &self.shipping.minor().to_string())
+            .field("tax", &self.tax.minor().to_string())
+            .field("total", &self.total.minor().to_string());
+        c.finish()
+    }
+}
+
+// ---------------------------------------------------- POST /orders/{id}/payments
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PaymentRequest {
+    pub payment_id: String,
+    pub amount: Money,
+    /// Optional; when given it must be the order's currency.
+    #[serde(default)]
+    pub currency: Option<Currency>,
+    pub method: String,
+}
+
+impl PaymentRequest {
+    pub fn validate(&self) -> Result<(), ApiError> {
+        text("payment_id", &self.payment_id)?;
+        if self.amount.is_negative() || self.amount.is_zero() {
+            return Err(ApiError::validation("amount", "must be positive"));
+        }
+        let method_ok = !self.method.is_empty()
+            && self.method.len() <= 32
+            && self
+                .method
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if !method_ok {
+            return Err(ApiError::validation(
+                "method",
+                "must be a lowercase identifier such as card, cash or bank_transfer",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn fingerprint(&self, order_id: Uuid) -> String {
+        let mut c = Canonical::new("POST /orders/{id}/payments v1");
+        c.field("order_id", &order_id.to_string())
+            .field("payment_id", &self.payment_id)
+            .field("amount", &self.amount.minor().to_string())
+            .optional("currency", self.currency.as_ref().map(Currency::as_str))
+            .field("method", &self.method);
+        c.finish()
+    }
+}
+
+// -------------------------------------------------- POST /orders/{id}/deliveries
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveryRequest {
+    pub delivery_id: String,
+    pub lines: Vec<DeliveryLineRequest>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveryLineRequest {
+    pub sku: String,
+    pub qty: u32,
+}
+
+impl DeliveryRequest {
+    pub fn validate(&self) -> Result<(), ApiError> {
+        text("delivery_id", &self.delivery_id)?;
+        if self.lines.is_empty() {
+            return Err(ApiError::validation(
+                "lines",
+                "a delivery needs at least one line",
+            ));
+        }
+        if self.lines.len() > MAX_LINES {
+            return Err(ApiError::validation(
+                "lines",
+                format!("at most {MAX_LINES} lines"),
+            ));
+        }
+        for (i, line) in self.lines.iter().enumerate() {
+            text(&format!("lines[{i}].sku"), &line.sku)?;
+            if line.qty == 0 || line.qty > MAX_QTY {
+                return Err(ApiError::validation(
+                    format!("lines[{i}].qty"),
+                    format!("must be between 1 and {MAX_QTY}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn fingerprint(&self, order_id: Uuid) -> String {
+        let mut c = Canonical::new("POST /orders/{id}/deliveries v1");
+        c.field("order_id", &order_id.to_string())
+            .field("delivery_id", &self.delivery_id)
+            .field("lines", &self.lines.len().to_string());
+        for line in &self.lines {
+            c.field("sku", &line.sku)
+                .field("qty", &line.qty.to_string());
+        }
+        c.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(body: &str) -> NewOrder {
+        parse::<CreateOrderRequest>(body.as_bytes())
+            .expect("parse")
+            .validate()
+            .expect("valid")
+    }
+
+    const SEED: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","currency":"USD","location":"WH-1"}"#;
+
+    #[test]
+    fn field_order_whitespace_and_defaults_do_not_change_the_fingerprint() {
+        let base = order(SEED).fingerprint();
+        let reordered = r#"
+        {
+            "location": "WH-1",  "currency": "USD", "tax": "8.00",
+            "lines": [ { "unit_cost": "22.00", "qty": 2, "unit_price": "40.00", "sku": "JKT-M" } ],
+            "shipping": "5.00",
+            "customer_id": "77"
+        }"#;
+        assert_eq!(order(reordered).fingerprint(), base);
+        let explicit_defaults = r#"{"customer_id":"77","checkout_id":null,"total":"93.00","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","currency":"USD","location":"WH-1"}"#;
+        assert_eq!(order(explicit_defaults).fingerprint(), base);
+    }
+
+    #[test]
+    fn any_business_change_changes_the_fingerprint() {
+        let base = order(SEED).fingerprint();
+        for changed in [
+            SEED.replace("\"77\"", "\"78\""),
+            SEED.replace("\"qty\":2", "\"qty\":3"),
+            SEED.replace("\"40.00\"", "\"40.01\""),
+            SEED.replace("\"22.00\"", "\"21.00\""),
+            SEED.replace("\"5.00\"", "\"6.00\""),
+            SEED.replace("\"USD\"", "\"EUR\""),
+            SEED.replace("WH-1", "WH-2"),
+            SEED.replace("JKT-M", "JKT-L"),
+            SEED.replace(
+                "{\"customer_id\"",
+                "{\"checkout_id\":\"c-1\",\"customer_id\"",
+            ),
+        ] {
+            assert_ne!(order(&changed).fingerprint(), base, "{changed}");
+        }
+    }
+
+    #[test]
+    fn the_canonical_encoding_is_unambiguous() {
+        // "a" + "bc" and "ab" + "c" must differ: values are length-prefixed.
+        let mut one = Canonical::new("v");
+        one.field("x", "a").field("y", "bc");
+        let mut two = Canonical::new("v");
+        two.field("x", "ab").field("y", "c");
+        assert_ne!(one.finish(), two.finish());
+    }
+
+    #[test]
+    fn the_server_computes_and_checks_the_total() {
+        let o = order(SEED);
+        assert_eq!(o.merchandise, Money::from_minor(8000));
+        assert_eq!(o.total, Money::from_minor(9300));
+        let wrong = SEED.replace("{\"customer_id\"", "{\"total\":\"90.00\",\"customer_id\"");
+        let error = parse::<CreateOrderRequest>(wrong.as_bytes())
+            .expect("parse")
+            .validate()
+            .expect_err("wrong total");
+        assert_eq!(error.field(), Some("total"));
+    }
+
+    #[test]
+    fn parse_errors_name_the_field() {
+        let cases = [
+            (SEED.replace("\"40.00\"", "40.0"), "lines[0].unit_price"),
+            (SEED.replace("\"40.00\"", "\"40.0\""), "lines[0].unit_price"),
+            (SEED.replace("\"qty\":2", "\"qty\":-1"), "lines[0].qty"),
+            (SEED.replace("\"qty\":2", "\"qty\":1.5"), "lines[0].qty"),
+            (SEED.replace("\"USD\"", "\"XYZ\""), "currency"),
+            (SEED.replace("\"tax\"", "\"taxes\""), "taxes"),
+            ("not json".to_owned(), "body"),
+            (format!("{SEED} trailing"), "body"),
+        ];
+        for (body, field) in cases {
+            let error = parse::<CreateOrderRequest>(body.as_bytes()).expect_err(&body);
+            let got = error.field().unwrap_or_default().to_owned();
+            assert!(
+                got == field || got.starts_with(field),
+                "{body}: field {got}, want {field}"
+            );
+        }
+    }
+
+    #[test]
+    fn validation_errors_name_the_field() {
+        let cases = [
+            (SEED.replace("\"qty\":2", "\"qty\":0"), "lines[0].qty"),
+            (SEED.replace("\"77\"", "\"\""), "customer_id"),
+            (SEED.replace("\"5.00\"", "\"-5.00\""), "shipping"),
+            (
+                SEED.replace(
+                    "[{\"sku\":\"JKT-M\",\"qty\":2,\"unit_price\":\"40.00\",\"unit_cost\":\"22.00\"}]",
+                    "[]",
+                ),
+                "lines",
+            ),
+        ];
+        for (body, field) in cases {
+            let error = parse::<CreateOrderRequest>(body.as_bytes())
+                .expect("parse")
+                .validate()
+                .expect_err(&body);
+            assert_eq!(error.field(), Some(field), "{body}");
+        }
+    }
+}

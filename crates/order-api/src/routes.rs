@@ -1,0 +1,192 @@
+//! HTTP handlers. Order of checks: authentication (401), Idempotency-Key
+//! (400), body (400/422), then the idempotent transaction.
+
+use actix_web::{http::header::CONTENT_TYPE, web, HttpRequest, HttpResponse};
+use futures_util::StreamExt;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::{
+    auth,
+    error::{ApiError, RejectedError, Rejection},
+    idempotency,
+    operations::{self, Operation, TraceContext},
+    request::{self, CreateOrderRequest, DeliveryRequest, PaymentRequest},
+    AppState,
+};
+
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/orders")
+            .route(web::post().to(create_order))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/orders/{id}")
+            .route(web::get().to(get_order))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/orders/{id}/payments")
+            .route(web::post().to(create_payment))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/orders/{id}/deliveries")
+            .route(web::post().to(create_delivery))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .route(
+        "/openapi.json",
+        web::get().to(|| async {
+            HttpResponse::Ok()
+                .content_type("application/json")
+                .body(OPENAPI)
+        }),
+    );
+}
+
+pub async fn not_found() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::NotFound)
+}
+
+async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
+    Err(ApiError::MethodNotAllowed)
+}
+
+/// Read the body up to the configured limit; only JSON (or no content type).
+async fn body(
+    state: &AppState,
+    request: &HttpRequest,
+    mut payload: web::Payload,
+) -> Result<Vec<u8>, ApiError> {
+    if let Some(content_type) = request.headers().get(CONTENT_TYPE) {
+        let content_type = content_type
+            .to_str()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        let essence = content_type.split(';').next().unwrap_or_default().trim();
+        if essence != "application/json" {
+            return Err(ApiError::UnsupportedMediaType);
+        }
+    }
+    let limit = state.settings.idempotency.max_body_bytes;
+    let mut bytes = Vec::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| ApiError::invalid("body", e.to_string()))?;
+        if bytes.len() + chunk.len() > limit {
+            return Err(ApiError::PayloadTooLarge { limit });
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(bytes)
+}
+
+fn order_id(path: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(path).map_err(|_| ApiError::invalid("id", "the order id must be a UUID"))
+}
+
+/// A span for the business operation, continuing the caller's trace if it
+/// sent `traceparent`; its context is what the outbox row stores.
+fn operation_span(request: &HttpRequest, name: &'static str) -> (tracing::Span, TraceContext) {
+    let span = tracing::info_span!("order_operation", operation = name);
+    let header = |n: &str| request.headers().get(n).and_then(|v| v.to_str().ok());
+    kit::telemetry::set_remote_parent(
+        &span,
+        header(events::headers::TRACEPARENT),
+        header(events::headers::TRACESTATE),
+    );
+    let trace = kit::telemetry::trace_headers(&span);
+    (span, trace)
+}
+
+async fn create_order(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let tenant = auth::tenant(&state.pool, &request).await?;
+    let key = idempotency::key(&request)?;
+    let body = body(&state, &request, payload).await?;
+    let order = request::parse::<CreateOrderRequest>(&body)?.validate()?;
+    let fingerprint = order.fingerprint();
+    let (span, trace) = operation_span(&request, "create_order");
+    idempotency::execute(
+        &state,
+        &tenant,
+        "POST /orders",
+        &key,
+        &fingerprint,
+        Operation::CreateOrder(order, trace),
+    )
+    .instrument(span)
+    .await
+}
+
+async fn create_payment(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let tenant = auth::tenant(&state.pool, &request).await?;
+    let key = idempotency::key(&request)?;
+    let order_id = order_id(&path)?;
+    let body = body(&state, &request, payload).await?;
+    let payment = request::parse::<PaymentRequest>(&body)?;
+    payment.validate()?;
+    let fingerprint = payment.fingerprint(order_id);
+    let (span, trace) = operation_span(&request, "receive_payment");
+    idempotency::execute(
+        &state,
+        &tenant,
+        "POST /orders/{id}/payments",
+        &key,
+        &fingerprint,
+        Operation::Pay(order_id, payment, trace),
+    )
+    .instrument(span)
+    .await
+}
+
+async fn create_delivery(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let tenant = auth::tenant(&state.pool, &request).await?;
+    let key = idempotency::key(&request)?;
+    let order_id = order_id(&path)?;
+    let body = body(&state, &request, payload).await?;
+    let delivery = request::parse::<DeliveryRequest>(&body)?;
+    delivery.validate()?;
+    let fingerprint = delivery.fingerprint(order_id);
+    let (span, trace) = operation_span(&request, "deliver_parcel");
+    idempotency::execute(
+        &state,
+        &tenant,
+        "POST /orders/{id}/deliveries",
+        &key,
+        &fingerprint,
+        Operation::Deliver(order_id, delivery, trace),
+    )
+    .instrument(span)
+    .await
+}
+
+async fn get_order(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let tenant = auth::tenant(&state.pool, &request).await?;
+    let order_id = order_id(&path)?;
+    let client = state.pool.get().await?;
+    match operations::get_order(&client, &tenant, order_id).await? {
+        Some(order) => Ok(HttpResponse::Ok().json(order)),
+        None => Err(RejectedError(Rejection::OrderNotFound).into()),
+    }
+}
