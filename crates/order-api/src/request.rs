@@ -25,8 +25,14 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
         let path = error.path().to_string();
-        let field = if path == "." { "body".to_owned() } else { path };
-        ApiError::invalid(field, error.into_inner().to_string())
+        let inner = error.into_inner();
+        // Not JSON at all (syntax, truncation): the whole body is at fault.
+        let field = if inner.is_syntax() || inner.is_eof() || path == "." || path.contains('?') {
+            "body".to_owned()
+        } else {
+            path
+        };
+        ApiError::invalid(field, inner.to_string())
     })?;
     deserializer
         .end()

@@ -1,0 +1,781 @@
+//! order-api over HTTP against the real binary and PostgreSQL: the idempotency
+//! contract of seed 004, payments and deliveries, tenants, malformed input.
+//! Every test uses its own tenant and counts that tenant's rows.
+
+use std::time::Duration;
+
+use reqwest::{Client, Response, StatusCode};
+use serde_json::{json, Value};
+use system_tests::{api_key, pg, unique_tenant, Database, OrderApi};
+
+const SEED_ORDER: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","total":"93.00","currency":"USD","location":"WH-1"}"#;
+
+struct Caller {
+    client: Client,
+    key: String,
+    tenant: String,
+}
+
+impl Caller {
+    fn new(prefix: &str) -> Self {
+        let tenant = unique_tenant(prefix);
+        let key = api_key(&tenant);
+        Self {
+            client: Client::new(),
+            key,
+            tenant,
+        }
+    }
+
+    async fn post(&self, url: &str, idempotency_key: &str, body: &str) -> Response {
+        self.client
+            .post(url)
+            .bearer_auth(&self.key)
+            .header("Idempotency-Key", idempotency_key)
+            .header("Content-Type", "application/json")
+            .body(body.to_owned())
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .expect("request")
+    }
+
+    async fn get(&self, url: &str) -> Response {
+        self.client
+            .get(url)
+            .bearer_auth(&self.key)
+            .send()
+            .await
+            .expect("request")
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct Counts {
+    orders: i64,
+    lines: i64,
+    keys: i64,
+    outbox: i64,
+}
+
+async fn counts(tenant: &str) -> Counts {
+    let client = pg(Database::Orders).await;
+    let row = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM orders WHERE tenant_id = $1),
+                    (SELECT count(*) FROM order_lines l JOIN orders o USING (order_id) WHERE o.tenant_id = $1),
+                    (SELECT count(*) FROM idempotency_requests WHERE tenant_id = $1),
+                    (SELECT count(*) FROM outbox_events WHERE tenant_id = $1)",
+            &[&tenant],
+        )
+        .await
+        .expect("counts");
+    Counts {
+        orders: row.get(0),
+        lines: row.get(1),
+        keys: row.get(2),
+        outbox: row.get(3),
+    }
+}
+
+async fn stored_body(tenant: &str, endpoint: &str, key: &str) -> Option<(String, i32, Vec<u8>)> {
+    pg(Database::Orders)
+        .await
+        .query_opt(
+            "SELECT request_fingerprint, response_status, response_body FROM idempotency_requests \
+             WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3",
+            &[&tenant, &endpoint, &key],
+        )
+        .await
+        .expect("read key")
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+}
+
+async fn json_of(response: Response) -> (StatusCode, Value) {
+    let status = response.status();
+    let body = response.bytes().await.expect("body");
+    let value = serde_json::from_slice(&body)
+        .unwrap_or_else(|e| panic!("{status}: body is not JSON ({e}): {body:?}"));
+    (status, value)
+}
+
+fn is_replay(response: &Response) -> bool {
+    response
+        .headers()
+        .get("Idempotent-Replayed")
+        .is_some_and(|v| v == "true")
+}
+
+#[tokio::test]
+async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
+    let api = OrderApi::start(&[]).await;
+    let caller = std::sync::Arc::new(Caller::new("conc"));
+    let url = api.url("/orders");
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let caller = caller.clone();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let response = caller.post(&url, "same-key", SEED_ORDER).await;
+            let status = response.status();
+            let body = response.bytes().await.expect("body").to_vec();
+            (status, body)
+        }));
+    }
+    let mut created = Vec::new();
+    for task in tasks {
+        let (status, body) = task.await.expect("task");
+        match status {
+            StatusCode::CREATED => created.push(body),
+            StatusCode::CONFLICT => {
+                let problem: Value = serde_json::from_slice(&body).expect("problem");
+                assert_eq!(problem["code"], "idempotency_in_progress", "{problem}");
+            }
+            other => panic!("unexpected {other}: {}", String::from_utf8_lossy(&body)),
+        }
+    }
+    assert!(!created.is_empty());
+    assert!(
+        created.iter().all(|b| *b == created[0]),
+        "every 201 must carry the same body byte for byte"
+    );
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 1,
+            outbox: 1
+        }
+    );
+    let (_, _, stored) = stored_body(&caller.tenant, "POST /orders", "same-key")
+        .await
+        .expect("stored");
+    assert_eq!(stored, created[0], "the stored response is what was sent");
+}
+
+#[tokio::test]
+async fn same_key_different_request_is_rejected_and_changes_nothing() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("reuse");
+    let first = caller.post(&api.url("/orders"), "k1", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let before = stored_body(&caller.tenant, "POST /orders", "k1").await;
+
+    let other = SEED_ORDER
+        .replace("\"5.00\"", "\"6.00\"")
+        .replace("\"93.00\"", "\"94.00\"");
+    let (status, problem) = json_of(caller.post(&api.url("/orders"), "k1", &other).await).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(problem["code"], "idempotency_key_reused");
+    assert_eq!(
+        stored_body(&caller.tenant, "POST /orders", "k1").await,
+        before
+    );
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 1,
+            outbox: 1
+        }
+    );
+}
+
+#[tokio::test]
+async fn field_order_whitespace_and_defaults_replay_the_same_order() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("canon");
+    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first_body = first.bytes().await.expect("body");
+    let same = r#"{ "location":"WH-1", "currency":"USD", "checkout_id": null,
+        "tax":"8.00", "shipping":"5.00",
+        "lines":[{"unit_cost":"22.00","sku":"JKT-M","unit_price":"40.00","qty":2}],
+        "customer_id":"77" }"#;
+    let replay = caller.post(&api.url("/orders"), "k", same).await;
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert!(is_replay(&replay));
+    assert_eq!(replay.bytes().await.expect("body"), first_body);
+    assert_eq!(counts(&caller.tenant).await.orders, 1);
+}
+
+#[tokio::test]
+async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
+    let caller = Caller::new("crash-after");
+    let mut api =
+        OrderApi::start(&[("FAILPOINTS", "order_api.after_commit=return".to_owned())]).await;
+    let lost = caller
+        .client
+        .post(api.url("/orders"))
+        .bearer_auth(&caller.key)
+        .header("Idempotency-Key", "retry-me")
+        .header("Content-Type", "application/json")
+        .body(SEED_ORDER)
+        .send()
+        .await;
+    assert!(
+        lost.is_err(),
+        "the process aborts before answering: {lost:?}"
+    );
+    let status = api
+        .service
+        .wait_exit(Duration::from_secs(10))
+        .expect("the fail point aborts the process");
+    assert!(!status.success());
+    // Committed: exactly one order, one outbox row, one key with the response.
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 1,
+            outbox: 1
+        }
+    );
+    let (_, stored_status, stored) = stored_body(&caller.tenant, "POST /orders", "retry-me")
+        .await
+        .expect("stored");
+    assert_eq!(stored_status, 201);
+
+    let api = OrderApi::start(&[]).await;
+    let retry = caller
+        .post(&api.url("/orders"), "retry-me", SEED_ORDER)
+        .await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(is_replay(&retry), "the retry replays the committed order");
+    assert_eq!(retry.bytes().await.expect("body").to_vec(), stored);
+    assert_eq!(counts(&caller.tenant).await.orders, 1);
+}
+
+#[tokio::test]
+async fn a_transaction_rolled_back_before_commit_stores_nothing_and_the_key_works_again() {
+    let caller = Caller::new("crash-before");
+    let mut api =
+        OrderApi::start(&[("FAILPOINTS", "order_api.before_commit=return".to_owned())]).await;
+    let lost = caller
+        .client
+        .post(api.url("/orders"))
+        .bearer_auth(&caller.key)
+        .header("Idempotency-Key", "again")
+        .header("Content-Type", "application/json")
+        .body(SEED_ORDER)
+        .send()
+        .await;
+    assert!(lost.is_err(), "{lost:?}");
+    api.service
+        .wait_exit(Duration::from_secs(10))
+        .expect("the fail point aborts the process");
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 0,
+            lines: 0,
+            keys: 0,
+            outbox: 0
+        },
+        "a rolled-back mutation leaves no order, no key and no outbox intent"
+    );
+
+    let api = OrderApi::start(&[]).await;
+    let retry = caller.post(&api.url("/orders"), "again", SEED_ORDER).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(!is_replay(&retry), "the retry is the first execution");
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 1,
+            outbox: 1
+        }
+    );
+}
+
+#[tokio::test]
+async fn after_expiry_a_key_is_new_but_the_checkout_backstop_holds() {
+    let api = OrderApi::start(&[
+        ("ORDER_API__IDEMPOTENCY__TTL_SECONDS", "1".to_owned()),
+        (
+            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+            "1".to_owned(),
+        ),
+    ])
+    .await;
+    let caller = Caller::new("expiry");
+    let with_checkout = SEED_ORDER.replace(
+        "{\"customer_id\"",
+        "{\"checkout_id\":\"chk-1042\",\"customer_id\"",
+    );
+    let first = caller
+        .post(&api.url("/orders"), "old-key", &with_checkout)
+        .await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let plain = caller
+        .post(&api.url("/orders"), "plain-key", SEED_ORDER)
+        .await;
+    assert_eq!(plain.status(), StatusCode::CREATED);
+
+    // The background task deletes expired keys.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while counts(&caller.tenant).await.keys > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "expired keys not cleaned up"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Same key, same checkout: a new operation, stopped by the permanent backstop.
+    let (status, problem) = json_of(
+        caller
+            .post(&api.url("/orders"), "old-key", &with_checkout)
+            .await,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(problem["code"], "checkout_already_ordered");
+    // The rejection is stored and replayed like any deterministic outcome.
+    let replay = caller
+        .post(&api.url("/orders"), "old-key", &with_checkout)
+        .await;
+    assert_eq!(replay.status(), StatusCode::CONFLICT);
+    assert!(is_replay(&replay));
+    // Without a checkout id the expired key simply orders again.
+    let again = caller
+        .post(&api.url("/orders"), "plain-key", SEED_ORDER)
+        .await;
+    assert_eq!(again.status(), StatusCode::CREATED);
+    assert!(!is_replay(&again));
+    let c = counts(&caller.tenant).await;
+    assert_eq!((c.orders, c.outbox), (3, 3));
+}
+
+#[tokio::test]
+async fn tenants_are_isolated_even_with_the_same_bare_key() {
+    let api = OrderApi::start(&[]).await;
+    let a = Caller::new("tenant-a");
+    let b = Caller::new("tenant-b");
+    let (status, order_a) = json_of(a.post(&api.url("/orders"), "shared", SEED_ORDER).await).await;
+    assert_eq!(status, StatusCode::CREATED);
+    // B uses the same bare key with the same body: its own new order, not A's replay.
+    let response_b = b.post(&api.url("/orders"), "shared", SEED_ORDER).await;
+    assert!(!is_replay(&response_b));
+    let (status, order_b) = json_of(response_b).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_ne!(order_a["order_id"], order_b["order_id"]);
+
+    let a_id = order_a["order_id"].as_str().expect("id");
+    let own = a.get(&api.url(&format!("/orders/{a_id}"))).await;
+    assert_eq!(own.status(), StatusCode::OK);
+    let (status, problem) = json_of(b.get(&api.url(&format!("/orders/{a_id}"))).await).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(problem["code"], "order_not_found");
+    // B cannot pay A's order either.
+    let (status, problem) = json_of(
+        b.post(
+            &api.url(&format!("/orders/{a_id}/payments")),
+            "pay",
+            r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#,
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(problem["code"], "order_not_found");
+    assert_eq!(counts(&a.tenant).await.orders, 1);
+    assert_eq!(counts(&b.tenant).await.orders, 1);
+}
+
+#[tokio::test]
+async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("flow");
+    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    let id = order["order_id"].as_str().expect("id").to_owned();
+    let pay_url = api.url(&format!("/orders/{id}/payments"));
+    let deliver_url = api.url(&format!("/orders/{id}/deliveries"));
+    let delivery = r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#;
+    let payment = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+
+    // Delivering an unpaid order: a stored, replayed rejection.
+    let (status, problem) = json_of(caller.post(&deliver_url, "d-early", delivery).await).await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::CONFLICT, Some("order_not_paid"))
+    );
+    let replay = caller.post(&deliver_url, "d-early", delivery).await;
+    assert_eq!(replay.status(), StatusCode::CONFLICT);
+    assert!(is_replay(&replay));
+
+    // Wrong amount, wrong currency.
+    let (status, problem) = json_of(
+        caller
+            .post(&pay_url, "p-wrong", &payment.replace("93.00", "90.00"))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("amount_mismatch"))
+    );
+    let (status, problem) = json_of(
+        caller
+            .post(
+                &pay_url,
+                "p-eur",
+                &payment.replace("\"method\"", "\"currency\":\"EUR\",\"method\""),
+            )
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("currency_mismatch"))
+    );
+
+    // The payment, then its replay.
+    let first = caller.post(&pay_url, "p", payment).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first_body = first.bytes().await.expect("body");
+    let replay = caller.post(&pay_url, "p", payment).await;
+    assert!(is_replay(&replay));
+    assert_eq!(replay.bytes().await.expect("body"), first_body);
+    let (status, problem) = json_of(caller.post(&pay_url, "p-second", payment).await).await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::CONFLICT, Some("order_already_paid"))
+    );
+
+    // Lines must match the order.
+    let (status, problem) = json_of(
+        caller
+            .post(
+                &deliver_url,
+                "d-short",
+                &delivery.replace("\"qty\":2", "\"qty\":1"),
+            )
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("delivery_lines_mismatch")
+        )
+    );
+    let delivered = caller.post(&deliver_url, "d", delivery).await;
+    assert_eq!(delivered.status(), StatusCode::CREATED);
+    let (status, problem) = json_of(caller.post(&deliver_url, "d-again", delivery).await).await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::CONFLICT, Some("order_already_delivered"))
+    );
+
+    let (status, view) = json_of(caller.get(&api.url(&format!("/orders/{id}"))).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(view["status"], "delivered");
+
+    // Exactly three events, numbered 1, 2, 3, with the seed's payloads.
+    let rows = pg(Database::Orders)
+        .await
+        .query(
+            "SELECT aggregate_sequence, event_type, payload FROM outbox_events \
+             WHERE aggregate_id = $1 ORDER BY aggregate_sequence",
+            &[&id],
+        )
+        .await
+        .expect("outbox");
+    let events: Vec<(i64, String, Value)> = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert_eq!((events[0].0, events[0].1.as_str()), (1, "OrderPlaced"));
+    assert_eq!((events[1].0, events[1].1.as_str()), (2, "PaymentReceived"));
+    assert_eq!((events[2].0, events[2].1.as_str()), (3, "ParcelDelivered"));
+    assert_eq!(events[0].2["total"], "93.00");
+    assert_eq!(
+        events[0].2["lines"],
+        json!([{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}])
+    );
+    assert_eq!(events[1].2["amount"], "93.00");
+    assert_eq!(events[1].2["method"], "card");
+    assert_eq!(events[2].2["lines"], json!([{"sku":"JKT-M","qty":2}]));
+    // Each event decodes with the wire contract.
+    for (sequence, event_type, payload) in &events {
+        let envelope = json!({
+            "event_id": uuid::Uuid::now_v7(), "event_type": event_type, "schema_version": 1,
+            "tenant_id": caller.tenant, "aggregate_type": "order", "aggregate_id": id,
+            "aggregate_sequence": sequence, "occurred_at": "2026-01-01T00:00:00Z", "payload": payload,
+        });
+        let raw = events::Envelope::parse_raw(envelope.to_string().as_bytes()).expect("envelope");
+        raw.decode().unwrap_or_else(|e| panic!("{event_type}: {e}"));
+    }
+}
+
+#[tokio::test]
+async fn malformed_input_gets_a_clear_4xx_and_writes_nothing() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("bad");
+    let client = Client::new();
+    let url = api.url("/orders");
+    let bad_bodies: &[(&str, String, u16, &str)] = &[
+        (
+            "float money",
+            SEED_ORDER.replace("\"40.00\"", "40.0"),
+            400,
+            "lines[0].unit_price",
+        ),
+        (
+            "bad scale",
+            SEED_ORDER.replace("\"40.00\"", "\"40.0\""),
+            400,
+            "lines[0].unit_price",
+        ),
+        (
+            "overflow",
+            SEED_ORDER.replace("\"40.00\"", "\"92233720368547758.08\""),
+            400,
+            "lines[0].unit_price",
+        ),
+        (
+            "qty 0",
+            SEED_ORDER.replace("\"qty\":2", "\"qty\":0"),
+            422,
+            "lines[0].qty",
+        ),
+        (
+            "qty negative",
+            SEED_ORDER.replace("\"qty\":2", "\"qty\":-2"),
+            400,
+            "lines[0].qty",
+        ),
+        (
+            "no lines",
+            SEED_ORDER.replace(
+                r#"[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}]"#,
+                "[]",
+            ),
+            422,
+            "lines",
+        ),
+        (
+            "unknown currency",
+            SEED_ORDER.replace("USD", "XYZ"),
+            400,
+            "currency",
+        ),
+        (
+            "wrong total",
+            SEED_ORDER.replace("\"93.00\"", "\"90.00\""),
+            422,
+            "total",
+        ),
+        (
+            "missing field",
+            SEED_ORDER.replace(",\"location\":\"WH-1\"", ""),
+            400,
+            "body",
+        ),
+        (
+            "unknown field",
+            SEED_ORDER.replace("\"tax\"", "\"taxes\""),
+            400,
+            "taxes",
+        ),
+        ("not json", "{not json".to_owned(), 400, "body"),
+        ("empty", String::new(), 400, "body"),
+        (
+            "huge line total",
+            SEED_ORDER
+                .replace("\"qty\":2", "\"qty\":1000000")
+                .replace("\"40.00\"", "\"92233720368547.75\""),
+            422,
+            "lines[0]",
+        ),
+    ];
+    for (what, body, status, field) in bad_bodies {
+        let (got, problem) = json_of(
+            caller
+                .post(&url, &format!("k-{}", what.replace(" ", "-")), body)
+                .await,
+        )
+        .await;
+        assert_eq!(got.as_u16(), *status, "{what}: {problem}");
+        let got_field = problem["field"].as_str().unwrap_or_default();
+        assert!(
+            got_field.starts_with(field),
+            "{what}: field {got_field}, want {field}"
+        );
+        assert!(
+            problem["detail"].as_str().is_some_and(|d| !d.is_empty()),
+            "{what}: {problem}"
+        );
+    }
+
+    let post = |key: Option<&str>, auth: Option<&str>, content_type: &str| {
+        let mut request = client
+            .post(&url)
+            .header("Content-Type", content_type.to_owned())
+            .body(SEED_ORDER);
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key.to_owned());
+        }
+        if let Some(auth) = auth {
+            request = request.bearer_auth(auth.to_owned());
+        }
+        request.send()
+    };
+    let long_key = "k".repeat(256);
+    // (what, Idempotency-Key, API key, content type, status, code)
+    type Case<'a> = (
+        &'a str,
+        Option<&'a str>,
+        Option<&'a str>,
+        &'a str,
+        u16,
+        &'a str,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "no key",
+            None,
+            Some(&caller.key),
+            "application/json",
+            400,
+            "invalid_idempotency_key",
+        ),
+        (
+            "empty key",
+            Some(""),
+            Some(&caller.key),
+            "application/json",
+            400,
+            "invalid_idempotency_key",
+        ),
+        (
+            "long key",
+            Some(&long_key),
+            Some(&caller.key),
+            "application/json",
+            400,
+            "invalid_idempotency_key",
+        ),
+        (
+            "space in key",
+            Some("a b"),
+            Some(&caller.key),
+            "application/json",
+            400,
+            "invalid_idempotency_key",
+        ),
+        (
+            "no auth",
+            Some("k"),
+            None,
+            "application/json",
+            401,
+            "unauthorized",
+        ),
+        (
+            "bad auth",
+            Some("k"),
+            Some("oek_nope"),
+            "application/json",
+            401,
+            "unauthorized",
+        ),
+        (
+            "form body",
+            Some("k"),
+            Some(&caller.key),
+            "application/x-www-form-urlencoded",
+            415,
+            "unsupported_media_type",
+        ),
+    ];
+    for (what, key, auth, content_type, status, code) in cases {
+        let response = post(key, auth, content_type).await.expect("request");
+        assert_eq!(
+            response
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("application/problem+json"),
+            "{what}"
+        );
+        let (got, problem) = json_of(response).await;
+        assert_eq!(
+            (got.as_u16(), problem["code"].as_str()),
+            (status, Some(code)),
+            "{what}"
+        );
+    }
+    let (status, problem) = json_of(caller.get(&api.url("/orders/not-a-uuid")).await).await;
+    assert_eq!(
+        (status.as_u16(), problem["code"].as_str()),
+        (400, Some("invalid_request"))
+    );
+    let (status, problem) = json_of(
+        caller
+            .get(&api.url(&format!("/orders/{}", uuid::Uuid::now_v7())))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status.as_u16(), problem["code"].as_str()),
+        (404, Some("order_not_found"))
+    );
+    let (status, _) = json_of(client.delete(&url).send().await.expect("delete")).await;
+    assert_eq!(status.as_u16(), 405);
+
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 0,
+            lines: 0,
+            keys: 0,
+            outbox: 0
+        },
+        "no malformed request may store anything"
+    );
+}
+
+#[tokio::test]
+async fn the_openapi_document_lists_the_real_endpoints() {
+    let api = OrderApi::start(&[]).await;
+    let doc: Value = reqwest::get(api.url("/openapi.json"))
+        .await
+        .expect("openapi")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(doc["openapi"], "3.1.0");
+    for (path, method) in [
+        ("/orders", "post"),
+        ("/orders/{id}", "get"),
+        ("/orders/{id}/payments", "post"),
+        ("/orders/{id}/deliveries", "post"),
+    ] {
+        assert!(
+            doc["paths"][path][method].is_object(),
+            "{method} {path} missing"
+        );
+    }
+    // Every documented path answers something other than the not-found fallback.
+    let caller = Caller::new("openapi");
+    for path in doc["paths"].as_object().expect("paths").keys() {
+        let concrete = path.replace("{id}", &uuid::Uuid::now_v7().to_string());
+        let response = caller.get(&api.url(&concrete)).await;
+        if response.status() == StatusCode::NOT_FOUND {
+            let (_, problem) = json_of(response).await;
+            assert_ne!(
+                problem["code"], "not_found",
+                "{path} is documented but not routed"
+            );
+        }
+    }
+}
