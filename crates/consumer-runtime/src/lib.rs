@@ -2,23 +2,76 @@
 //! once, in order" shared by the inventory, ledger and loyalty consumers, which
 //! supply only a [`Domain`].
 //!
-//! This is the foundation: settings, database (inbox and progress tables are
-//! migrated from `migrations/consumer-runtime/`), the broker connection with
-//! reconnect, `/healthz`, `/readyz`, `/metrics` and the domain's read routes.
+//! - [`topology`]: the consumer's own exchange and queues (hash exchange,
+//!   partition queues with single active consumer, retry tiers, DLQ);
+//! - [`process`]: the per-message transaction (inbox, per-order progress,
+//!   handler, retry / dead letter / park);
+//! - `worker`: partitions consumed concurrently, in order within each, with
+//!   reconnect and graceful shutdown;
+//! - [`redrive`]: the `redrive` subcommand; [`cleanup`]: inbox cleanup;
+//! - [`metrics`], [`auth`] (service token + tenant scope of read endpoints),
+//!   [`settings`].
+
+// Endpoints return kit::http::Problem (problem+json) as their error type.
+#![allow(clippy::result_large_err)]
+
+pub mod auth;
+pub mod cleanup;
+pub mod metrics;
+pub mod process;
+pub mod redrive;
+pub mod settings;
+pub mod topology;
+mod worker;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
 
 use actix_web::{web, App, HttpServer};
-use kit::{
-    amqp::Connected,
-    http::Health,
-    migrations::Database,
-    settings::{AmqpSettings, DatabaseSettings, HttpSettings},
-    CancellationToken,
-};
-use serde::{Deserialize, Serialize};
+use events::{Event, RawEnvelope};
+use kit::{amqp::Connected, http::Health, migrations::Database, CancellationToken};
 
-/// What a consumer service is, beyond the shared runtime.
-pub trait Domain: Send + Sync + 'static {
-    /// Consumer name: the inbox key and the prefix of its queues (`inventory`).
+pub use auth::TenantScope;
+pub use settings::Settings;
+pub use tokio_postgres;
+pub use topology::Topology;
+
+/// The database transaction a handler runs in (the runtime's inbox row and
+/// progress update commit with the handler's rows, or none of them do).
+pub type Transaction<'a> = tokio_postgres::Transaction<'a>;
+
+/// A domain handler failure: the transaction is rolled back and the event is
+/// retried through the tiers, then dead-lettered.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct HandlerError(String);
+
+impl HandlerError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
+
+impl From<tokio_postgres::Error> for HandlerError {
+    fn from(error: tokio_postgres::Error) -> Self {
+        // The server's message and detail (e.g. which constraint), not just "db error".
+        match error.as_db_error() {
+            Some(db) => Self(format!(
+                "database: {}{}",
+                db.message(),
+                db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
+            )),
+            None => Self(format!("database: {error}")),
+        }
+    }
+}
+
+/// What a consumer service is, beyond the shared runtime: its names, its
+/// database, its handler and its read endpoints.
+pub trait Domain: Send + Sync + Sized + 'static {
+    /// Default consumer name: the inbox key and the prefix of its queues
+    /// (`inventory`); overridable by `<ENV_PREFIX>__CONSUMER__NAME`.
     const NAME: &'static str;
     /// Binary and service name (`inventory-consumer`).
     const SERVICE: &'static str;
@@ -29,62 +82,76 @@ pub trait Domain: Send + Sync + 'static {
     /// Default HTTP port (8081, 8082, 8083).
     const DEFAULT_PORT: u16;
 
-    /// Mount the domain's read endpoints.
+    /// Build the domain (register its own metrics in `registry`).
+    fn new(registry: &kit::metrics::prometheus::Registry) -> Self;
+
+    /// Apply one decoded event inside the runtime's transaction. Events the
+    /// domain does not need are simply `Ok(())`.
+    fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        event: &Event,
+        envelope: &RawEnvelope,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Mount the domain's read endpoints. App data available: `web::Data<PgPool>`,
+    /// `web::Data<Arc<Self>>`, and [`TenantScope`] as an extractor.
     fn routes(cfg: &mut web::ServiceConfig);
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Settings {
-    pub http: HttpSettings,
-    pub database: DatabaseSettings,
-    pub amqp: AmqpSettings,
-}
-
-impl Settings {
-    pub fn defaults<D: Domain>() -> Self {
-        Self {
-            http: HttpSettings::local(D::DEFAULT_PORT),
-            database: DatabaseSettings::local(D::DATABASE.name()),
-            amqp: AmqpSettings::default(),
-        }
-    }
-
-    /// Defaults overridden by the environment (`<ENV_PREFIX>__HTTP__PORT`, ...).
-    pub fn load<D: Domain>() -> anyhow::Result<Self> {
-        Ok(kit::settings::load(D::ENV_PREFIX, &Self::defaults::<D>())?)
-    }
+fn topology_of(settings: &Settings) -> anyhow::Result<Topology> {
+    Ok(Topology {
+        name: settings.consumer.name.clone(),
+        partitions: settings.consumer.partitions,
+        tiers: settings.retry_tiers()?,
+        delivery_limit: settings.consumer.delivery_limit,
+    })
 }
 
 /// A built consumer: database migrated, HTTP listener bound.
-pub struct Application {
+pub struct Application<D: Domain> {
     settings: Settings,
     server: actix_web::dev::Server,
     port: u16,
     connected: Connected,
-    service: &'static str,
+    processor: Arc<process::Processor<D>>,
 }
 
-impl Application {
+impl<D: Domain> Application<D> {
     /// Wait for the database, migrate it, bind the HTTP listener.
-    pub async fn build<D: Domain>(
-        settings: Settings,
-        shutdown: &CancellationToken,
-    ) -> anyhow::Result<Self> {
+    pub async fn build(settings: Settings, shutdown: &CancellationToken) -> anyhow::Result<Self> {
+        settings.validate()?;
+        let topology = topology_of(&settings)?;
+        let token = settings.service_token()?;
         let pool = kit::db::pool(&settings.database)?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
         kit::migrations::run(&pool, D::DATABASE).await?;
+        let registry = kit::metrics::registry(D::SERVICE);
+        let metrics = metrics::Metrics::new(&registry, &topology.name)?;
+        let domain = Arc::new(D::new(&registry));
+        let processor = Arc::new(process::Processor {
+            domain: domain.clone(),
+            pool: pool.clone(),
+            topology,
+            metrics,
+            max_attempts: settings.consumer.max_attempts,
+            max_deferrals: settings.consumer.max_deferrals,
+        });
         let connected = Connected::default();
         let health = Health {
             service: D::SERVICE,
-            registry: kit::metrics::registry(D::SERVICE),
+            registry,
             database: Some(pool.clone()),
             broker: Some(connected.clone()),
         };
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
         let port = listener.local_addr()?.port();
+        let token = auth::ServiceToken(token);
         let server = HttpServer::new(move || {
             App::new()
                 .app_data(web::Data::new(pool.clone()))
+                .app_data(web::Data::new(domain.clone()))
+                .app_data(web::Data::new(token.clone()))
                 .configure(kit::http::health_routes(health.clone()))
                 .configure(D::routes)
         })
@@ -93,13 +160,13 @@ impl Application {
         .shutdown_timeout(10)
         .listen(listener)?
         .run();
-        tracing::info!(port, consumer = D::NAME, "listening");
+        tracing::info!(port, consumer = %settings.consumer.name, "listening");
         Ok(Self {
             settings,
             server,
             port,
             connected,
-            service: D::SERVICE,
+            processor,
         })
     }
 
@@ -107,31 +174,41 @@ impl Application {
         self.port
     }
 
-    /// Serve until `shutdown`: HTTP, and the broker connection (kept up, rebuilt
-    /// when it drops).
+    /// Serve until `shutdown`: HTTP, the partition workers (connection kept up,
+    /// rebuilt when it drops) and the inbox cleanup.
     pub async fn run_until_stopped(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let broker = {
             let shutdown = shutdown.clone();
             let settings = self.settings.amqp.clone();
             let connected = self.connected.clone();
-            let service = self.service;
+            let processor = self.processor.clone();
+            let prefetch = self.settings.consumer.prefetch;
             tokio::spawn(async move {
-                kit::amqp::supervise(&settings, service, &connected, &shutdown, |connection| {
-                    let shutdown = shutdown.clone();
-                    async move {
-                        let channel = connection.create_channel().await?;
-                        kit::amqp::declare_order_events_exchange(&channel).await?;
-                        tokio::select! {
-                            _ = shutdown.cancelled() => Ok(()),
-                            error = kit::amqp::closed(&connection) => Err(error),
-                        }
-                    }
+                kit::amqp::supervise(&settings, D::SERVICE, &connected, &shutdown, |connection| {
+                    worker::run_connection(
+                        connection,
+                        processor.clone(),
+                        prefetch,
+                        shutdown.clone(),
+                    )
                 })
                 .await;
             })
         };
-        kit::http::run_until_stopped(self.server, shutdown).await?;
+        let cleanup = tokio::spawn(cleanup::run(
+            self.processor.pool.clone(),
+            self.settings.consumer.name.clone(),
+            self.settings.cleanup.inbox_retention_hours,
+            self.settings.cleanup.batch_size,
+            Duration::from_secs(self.settings.cleanup.interval_secs.max(1)),
+            self.processor.metrics.clone(),
+            shutdown.clone(),
+        ));
+        let http = kit::http::run_until_stopped(self.server, shutdown.clone()).await;
+        // The workers finish their in-flight messages before this returns.
         broker.await?;
+        cleanup.await?;
+        http?;
         Ok(())
     }
 }
@@ -149,6 +226,13 @@ enum Command {
     Serve,
     /// Apply pending database migrations, then exit.
     Migrate,
+    /// Move dead letters back to the consumer (per order, in sequence order)
+    /// and un-park their orders; prints what it moved.
+    Redrive {
+        /// Only this order (its aggregate id).
+        #[arg(long)]
+        order: Option<String>,
+    },
 }
 
 /// The whole `main` of a consumer binary.
@@ -158,8 +242,36 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
         let settings = Settings::load::<D>()?;
         match cli.command.unwrap_or(Command::Serve) {
             Command::Serve => {
-                let app = Application::build::<D>(settings, &shutdown).await?;
+                let app = Application::<D>::build(settings, &shutdown).await?;
                 app.run_until_stopped(shutdown).await
+            }
+            Command::Redrive { order } => {
+                let pool = kit::db::pool(&settings.database)?;
+                kit::db::wait_until_ready(&pool, &shutdown).await?;
+                kit::migrations::run(&pool, D::DATABASE).await?;
+                let topology = topology_of(&settings)?;
+                let report =
+                    redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref()).await?;
+                for moved in &report.moved {
+                    println!(
+                        "moved {} {} order {} seq {} (was: {})",
+                        moved.event_id, moved.event_type, moved.order, moved.sequence, moved.reason
+                    );
+                }
+                for order in &report.unparked {
+                    println!("unparked order {order}");
+                }
+                for kept in &report.kept {
+                    println!("kept {kept}");
+                }
+                println!(
+                    "{}: {} dead letter(s) moved to {}, {} order(s) unparked",
+                    topology.name,
+                    report.moved.len(),
+                    topology.exchange(),
+                    report.unparked.len()
+                );
+                Ok(())
             }
             Command::Migrate => {
                 let pool = kit::db::pool(&settings.database)?;

@@ -1,11 +1,40 @@
-//! The inventory consumer: stock levels and movements, kept in step with order events by the shared
-//! consumer runtime. This crate holds only the domain.
+//! The inventory consumer: stock levels and movements, kept in step with order
+//! events by the shared consumer runtime. This crate holds only the domain.
+//!
+//! - `OrderPlaced`: reserve each line at the order's location (`reserve`,
+//!   qty n: reserved +n). A reservation beyond what is available is still
+//!   recorded, flagged with its `shortage` and counted
+//!   (`inventory_shortages_total`); on_hand never goes negative (CHECK).
+//! - `ParcelDelivered`: the sale (`sale`, qty -n: on_hand -n, reserved -n,
+//!   the reservation released).
+//! - `POST /stock/receipts`: inventory owns receipts (`receipt`, qty +n,
+//!   on_hand +n), idempotent by `(tenant, receipt_id)`.
+//!
+//! Each movement and its level change are written in one transaction.
 
-use actix_web::web;
-use kit::migrations::Database;
+// Endpoints return kit::http::Problem (problem+json) as their error type.
+#![allow(clippy::result_large_err)]
+
+use std::collections::BTreeMap;
+
+use actix_web::{http::StatusCode, web, HttpResponse};
+use consumer_runtime::{
+    auth::{bad_request, database_problem, not_found},
+    HandlerError, TenantScope, Transaction,
+};
+use events::{Event, RawEnvelope};
+use kit::{
+    http::Problem,
+    metrics::prometheus::{IntCounter, Registry},
+    migrations::Database,
+};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
 
 /// The inventory domain.
-pub struct Inventory;
+pub struct Inventory {
+    shortages: IntCounter,
+}
 
 impl consumer_runtime::Domain for Inventory {
     const NAME: &'static str = "inventory";
@@ -14,5 +43,472 @@ impl consumer_runtime::Domain for Inventory {
     const DATABASE: Database = Database::Inventory;
     const DEFAULT_PORT: u16 = 8081;
 
-    fn routes(_cfg: &mut web::ServiceConfig) {}
+    fn new(registry: &Registry) -> Self {
+        let shortages = IntCounter::new(
+            "inventory_shortages_total",
+            "Reservations beyond the available stock (order lines short)",
+        )
+        .expect("a valid metric definition");
+        kit::metrics::register(registry, &shortages);
+        Self { shortages }
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        event: &Event,
+        envelope: &RawEnvelope,
+    ) -> Result<(), HandlerError> {
+        match event {
+            Event::OrderPlaced(order) => {
+                tx.execute(
+                    "INSERT INTO inventory_orders (tenant_id, order_id, location, event_id) \
+                     VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                    &[
+                        &envelope.tenant_id,
+                        &order.order_id,
+                        &order.location,
+                        &envelope.event_id,
+                    ],
+                )
+                .await?;
+                let lines = by_sku(order.lines.iter().map(|l| (l.sku.as_str(), l.qty)));
+                for (sku, qty) in lines {
+                    let shortage =
+                        reserve(tx, envelope, order.order_id, &order.location, sku, qty).await?;
+                    if shortage > 0 {
+                        self.shortages.inc();
+                        tracing::warn!(%sku, location = %order.location, qty, shortage, order = %order.order_id, "stock shortage");
+                    }
+                }
+                Ok(())
+            }
+            Event::ParcelDelivered(delivery) => {
+                let location: String = tx
+                    .query_opt(
+                        "SELECT location FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2",
+                        &[&envelope.tenant_id, &delivery.order_id],
+                    )
+                    .await?
+                    .map(|row| row.get(0))
+                    .ok_or_else(|| {
+                        HandlerError::new(format!(
+                            "order {} was delivered but never placed here (no OrderPlaced)",
+                            delivery.order_id
+                        ))
+                    })?;
+                let lines = by_sku(delivery.lines.iter().map(|l| (l.sku.as_str(), l.qty)));
+                for (sku, qty) in lines {
+                    sell(tx, envelope, delivery.order_id, &location, sku, qty).await?;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn routes(cfg: &mut web::ServiceConfig) {
+        cfg.route("/stock/receipts", web::post().to(post_receipt))
+            .route("/stock/{sku}", web::get().to(get_stock))
+            .route("/stock/{sku}/movements", web::get().to(get_movements));
+    }
+}
+
+/// Quantities per sku (an order may list a sku twice).
+fn by_sku<'a>(lines: impl Iterator<Item = (&'a str, u32)>) -> BTreeMap<&'a str, i64> {
+    let mut map = BTreeMap::new();
+    for (sku, qty) in lines {
+        *map.entry(sku).or_insert(0) += i64::from(qty);
+    }
+    map
+}
+
+/// Ensure the level row exists and lock it; returns (on_hand, reserved).
+async fn lock_level(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    sku: &str,
+    location: &str,
+) -> Result<(i64, i64), tokio_postgres::Error> {
+    tx.execute(
+        "INSERT INTO stock_levels (tenant_id, sku, location) VALUES ($1, $2, $3) \
+         ON CONFLICT DO NOTHING",
+        &[&tenant, &sku, &location],
+    )
+    .await?;
+    let row = tx
+        .query_one(
+            "SELECT on_hand, reserved FROM stock_levels \
+             WHERE tenant_id = $1 AND sku = $2 AND location = $3 FOR UPDATE",
+            &[&tenant, &sku, &location],
+        )
+        .await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// One movement and its level change.
+struct Movement<'a> {
+    tenant: &'a str,
+    sku: &'a str,
+    location: &'a str,
+    kind: &'static str,
+    qty: i64,
+    on_hand_delta: i64,
+    reserved_delta: i64,
+    shortage: i64,
+    order_id: Option<Uuid>,
+    receipt_id: Option<&'a str>,
+    event_id: Option<Uuid>,
+}
+
+async fn record(tx: &Transaction<'_>, m: &Movement<'_>) -> Result<(), tokio_postgres::Error> {
+    tx.execute(
+        "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, \
+           on_hand_delta, reserved_delta, shortage, order_id, receipt_id, event_id) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        &[
+            &m.tenant,
+            &m.sku,
+            &m.location,
+            &m.kind,
+            &m.qty,
+            &m.on_hand_delta,
+            &m.reserved_delta,
+            &m.shortage,
+            &m.order_id,
+            &m.receipt_id,
+            &m.event_id,
+        ],
+    )
+    .await?;
+    tx.execute(
+        "UPDATE stock_levels SET on_hand = on_hand + $4, reserved = reserved + $5, updated_at = now() \
+         WHERE tenant_id = $1 AND sku = $2 AND location = $3",
+        &[
+            &m.tenant,
+            &m.sku,
+            &m.location,
+            &m.on_hand_delta,
+            &m.reserved_delta,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Reserve `qty`; returns the shortage (how much of it was not available).
+async fn reserve(
+    tx: &Transaction<'_>,
+    envelope: &RawEnvelope,
+    order_id: Uuid,
+    location: &str,
+    sku: &str,
+    qty: i64,
+) -> Result<i64, HandlerError> {
+    let (on_hand, reserved) = lock_level(tx, &envelope.tenant_id, sku, location).await?;
+    let available = on_hand - reserved;
+    let shortage = (qty - available.max(0)).clamp(0, qty);
+    record(
+        tx,
+        &Movement {
+            tenant: &envelope.tenant_id,
+            sku,
+            location,
+            kind: "reserve",
+            qty,
+            on_hand_delta: 0,
+            reserved_delta: qty,
+            shortage,
+            order_id: Some(order_id),
+            receipt_id: None,
+            event_id: Some(envelope.event_id),
+        },
+    )
+    .await?;
+    Ok(shortage)
+}
+
+/// Sell `qty` out of the reservation.
+async fn sell(
+    tx: &Transaction<'_>,
+    envelope: &RawEnvelope,
+    order_id: Uuid,
+    location: &str,
+    sku: &str,
+    qty: i64,
+) -> Result<(), HandlerError> {
+    let (on_hand, reserved) = lock_level(tx, &envelope.tenant_id, sku, location).await?;
+    if on_hand < qty {
+        // Physically delivered but not on the books: a receipt is missing.
+        // Never negative stock: fail (retry, then dead letter for a human).
+        return Err(HandlerError::new(format!(
+            "cannot sell {qty} {sku} at {location}: only {on_hand} on hand (missing receipt?)"
+        )));
+    }
+    record(
+        tx,
+        &Movement {
+            tenant: &envelope.tenant_id,
+            sku,
+            location,
+            kind: "sale",
+            qty: -qty,
+            on_hand_delta: -qty,
+            // Release what this order reserved (never below zero).
+            reserved_delta: -qty.min(reserved),
+            shortage: 0,
+            order_id: Some(order_id),
+            receipt_id: None,
+            event_id: Some(envelope.event_id),
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- HTTP
+
+#[derive(Debug, Deserialize)]
+struct ReceiptRequest {
+    receipt_id: String,
+    sku: String,
+    location: String,
+    qty: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct Level {
+    sku: String,
+    location: String,
+    on_hand: i64,
+    reserved: i64,
+    available: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct MovementView {
+    movement_id: i64,
+    movement_type: String,
+    qty: i64,
+    on_hand_delta: i64,
+    reserved_delta: i64,
+    shortage: i64,
+    order_id: Option<Uuid>,
+    receipt_id: Option<String>,
+    event_id: Option<Uuid>,
+    #[serde(with = "time::serde::rfc3339")]
+    created_at: time::OffsetDateTime,
+}
+
+async fn post_receipt(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+    body: web::Json<ReceiptRequest>,
+) -> Result<HttpResponse, Problem> {
+    let r = body.into_inner();
+    for (field, value) in [
+        ("receipt_id", &r.receipt_id),
+        ("sku", &r.sku),
+        ("location", &r.location),
+    ] {
+        if value.trim().is_empty() || value.len() > 200 {
+            return Err(bad_request(
+                field,
+                format!("{field} must be 1..200 characters"),
+            ));
+        }
+    }
+    if r.qty <= 0 || r.qty > 1_000_000_000 {
+        return Err(bad_request("qty", "qty must be a positive whole number"));
+    }
+    let mut client = pool.get().await.map_err(database_problem)?;
+    let tx = client.transaction().await.map_err(database_problem)?;
+    let inserted = tx
+        .execute(
+            "INSERT INTO stock_receipts (tenant_id, receipt_id, sku, location, qty) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+            &[&scope.tenant, &r.receipt_id, &r.sku, &r.location, &r.qty],
+        )
+        .await
+        .map_err(database_problem)?;
+    if inserted == 0 {
+        let row = tx
+            .query_one(
+                "SELECT sku, location, qty FROM stock_receipts WHERE tenant_id = $1 AND receipt_id = $2",
+                &[&scope.tenant, &r.receipt_id],
+            )
+            .await
+            .map_err(database_problem)?;
+        let same = row.get::<_, String>(0) == r.sku
+            && row.get::<_, String>(1) == r.location
+            && row.get::<_, i64>(2) == r.qty;
+        tx.rollback().await.map_err(database_problem)?;
+        if !same {
+            return Err(Problem::new(
+                StatusCode::CONFLICT,
+                "receipt_conflict",
+                "This receipt id was already used with different contents",
+            )
+            .field("receipt_id"));
+        }
+        let level = level(&pool, &scope.tenant, &r.sku, &r.location).await?;
+        return Ok(HttpResponse::Ok()
+            .insert_header(("Idempotent-Replayed", "true"))
+            .json(
+                serde_json::json!({ "receipt_id": r.receipt_id, "replayed": true, "level": level }),
+            ));
+    }
+    lock_level(&tx, &scope.tenant, &r.sku, &r.location)
+        .await
+        .map_err(database_problem)?;
+    record(
+        &tx,
+        &Movement {
+            tenant: &scope.tenant,
+            sku: &r.sku,
+            location: &r.location,
+            kind: "receipt",
+            qty: r.qty,
+            on_hand_delta: r.qty,
+            reserved_delta: 0,
+            shortage: 0,
+            order_id: None,
+            receipt_id: Some(&r.receipt_id),
+            event_id: None,
+        },
+    )
+    .await
+    .map_err(database_problem)?;
+    tx.commit().await.map_err(database_problem)?;
+    let level = level(&pool, &scope.tenant, &r.sku, &r.location).await?;
+    Ok(HttpResponse::Created()
+        .json(serde_json::json!({ "receipt_id": r.receipt_id, "replayed": false, "level": level })))
+}
+
+async fn level(
+    pool: &kit::db::PgPool,
+    tenant: &str,
+    sku: &str,
+    location: &str,
+) -> Result<Level, Problem> {
+    levels(pool, tenant, sku, Some(location))
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| not_found(format!("no stock of {sku} at {location}")))
+}
+
+async fn levels(
+    pool: &kit::db::PgPool,
+    tenant: &str,
+    sku: &str,
+    location: Option<&str>,
+) -> Result<Vec<Level>, Problem> {
+    let client = pool.get().await.map_err(database_problem)?;
+    let rows = client
+        .query(
+            "SELECT sku, location, on_hand, reserved, available FROM stock_levels \
+             WHERE tenant_id = $1 AND sku = $2 AND ($3::text IS NULL OR location = $3) \
+             ORDER BY location",
+            &[&tenant, &sku, &location],
+        )
+        .await
+        .map_err(database_problem)?;
+    Ok(rows
+        .iter()
+        .map(|row| Level {
+            sku: row.get(0),
+            location: row.get(1),
+            on_hand: row.get(2),
+            reserved: row.get(3),
+            available: row.get(4),
+        })
+        .collect())
+}
+
+#[derive(Debug, Deserialize)]
+struct LocationQuery {
+    location: Option<String>,
+}
+
+/// `GET /stock/{sku}?tenant=&location=`: the level(s) of one sku, with the
+/// movements when a location is given.
+async fn get_stock(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+    sku: web::Path<String>,
+    query: web::Query<LocationQuery>,
+) -> Result<HttpResponse, Problem> {
+    let sku = sku.into_inner();
+    match query.location.as_deref() {
+        Some(location) => {
+            let level = level(&pool, &scope.tenant, &sku, location).await?;
+            let movements = movements(&pool, &scope.tenant, &sku, location).await?;
+            Ok(HttpResponse::Ok().json(serde_json::json!({
+                "tenant": scope.tenant,
+                "sku": level.sku,
+                "location": level.location,
+                "on_hand": level.on_hand,
+                "reserved": level.reserved,
+                "available": level.available,
+                "movements": movements,
+            })))
+        }
+        None => {
+            let levels = levels(&pool, &scope.tenant, &sku, None).await?;
+            if levels.is_empty() {
+                return Err(not_found(format!("no stock of {sku}")));
+            }
+            Ok(HttpResponse::Ok()
+                .json(serde_json::json!({ "tenant": scope.tenant, "sku": sku, "levels": levels })))
+        }
+    }
+}
+
+/// `GET /stock/{sku}/movements?tenant=&location=`.
+async fn get_movements(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+    sku: web::Path<String>,
+    query: web::Query<LocationQuery>,
+) -> Result<HttpResponse, Problem> {
+    let Some(location) = query.location.as_deref() else {
+        return Err(bad_request("location", "location is required"));
+    };
+    let movements = movements(&pool, &scope.tenant, &sku, location).await?;
+    Ok(HttpResponse::Ok().json(movements))
+}
+
+async fn movements(
+    pool: &kit::db::PgPool,
+    tenant: &str,
+    sku: &str,
+    location: &str,
+) -> Result<Vec<MovementView>, Problem> {
+    let client = pool.get().await.map_err(database_problem)?;
+    let rows = client
+        .query(
+            "SELECT movement_id, movement_type, qty, on_hand_delta, reserved_delta, shortage, \
+                    order_id, receipt_id, event_id, created_at \
+             FROM stock_movements WHERE tenant_id = $1 AND sku = $2 AND location = $3 \
+             ORDER BY movement_id LIMIT 1000",
+            &[&tenant, &sku, &location],
+        )
+        .await
+        .map_err(database_problem)?;
+    Ok(rows
+        .iter()
+        .map(|row| MovementView {
+            movement_id: row.get(0),
+            movement_type: row.get(1),
+            qty: row.get(2),
+            on_hand_delta: row.get(3),
+            reserved_delta: row.get(4),
+            shortage: row.get(5),
+            order_id: row.get(6),
+            receipt_id: row.get(7),
+            event_id: row.get(8),
+            created_at: row.get(9),
+        })
+        .collect())
 }

@@ -1,11 +1,124 @@
-//! The ledger consumer: double-entry journal and trial balance, kept in step with order events by the shared
-//! consumer runtime. This crate holds only the domain.
+//! The ledger consumer: a double-entry journal and trial balance, kept in step
+//! with order events by the shared consumer runtime. This crate holds only the
+//! domain.
+//!
+//! - `OrderPlaced`: keeps the order terms (merchandise, shipping, tax, total,
+//!   cost of goods) needed to post the delivery; no entry.
+//! - `PaymentReceived`: Dr `<Method> clearing` / Cr Customer deposits (amount).
+//! - `ParcelDelivered`: Dr Customer deposits (total) / Cr Sales (merchandise),
+//!   Shipping income, Tax payable; Dr Cost of goods sold / Cr Inventory (sum of
+//!   qty x unit_cost). Revenue is recognised on delivery (seed 003).
+//!
+//! Entries reference their event and order, are immutable and balanced: both
+//! enforced by the database (triggers), not only by this code.
 
-use actix_web::web;
-use kit::migrations::Database;
+// Endpoints return kit::http::Problem (problem+json) as their error type.
+#![allow(clippy::result_large_err)]
+
+use actix_web::{web, HttpResponse};
+use consumer_runtime::{
+    auth::{bad_request, database_problem},
+    HandlerError, TenantScope, Transaction,
+};
+use events::{Event, Money, RawEnvelope};
+use kit::{http::Problem, metrics::prometheus::Registry, migrations::Database};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
 
 /// The ledger domain.
 pub struct Ledger;
+
+/// The chart of accounts every tenant gets (clearing accounts per payment
+/// method are added as methods appear).
+pub const ACCOUNTS: &[(&str, &str, &str)] = &[
+    ("customer_deposits", "Customer deposits", "liability"),
+    ("sales", "Sales", "revenue"),
+    ("shipping_income", "Shipping income", "revenue"),
+    ("tax_payable", "Tax payable", "liability"),
+    ("cogs", "Cost of goods sold", "expense"),
+    ("inventory", "Inventory", "asset"),
+];
+
+/// The clearing account of a payment method: (`clearing:card`, `Card clearing`).
+pub fn clearing_account(method: &str) -> (String, String) {
+    let method = method.trim().to_lowercase();
+    let mut chars = method.chars();
+    let title = match chars.next() {
+        Some(first) => first.to_uppercase().chain(chars).collect::<String>(),
+        None => String::from("Unknown"),
+    };
+    (format!("clearing:{method}"), format!("{title} clearing"))
+}
+
+/// One journal line to post: (account code, debit, credit) in minor units.
+type Line = (String, i64, i64);
+
+async fn ensure_accounts(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    extra: Option<(&str, &str, &str)>,
+) -> Result<(), tokio_postgres::Error> {
+    for (code, name, kind) in ACCOUNTS.iter().copied().chain(extra) {
+        tx.execute(
+            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT DO NOTHING",
+            &[&tenant, &code, &name, &kind],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn post(
+    tx: &Transaction<'_>,
+    envelope: &RawEnvelope,
+    order_id: Uuid,
+    description: &str,
+    currency: &str,
+    lines: &[Line],
+) -> Result<(), HandlerError> {
+    let entry_id = Uuid::now_v7();
+    tx.execute(
+        "INSERT INTO journal_entries \
+           (entry_id, tenant_id, order_id, event_id, event_type, description, currency) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        &[
+            &entry_id,
+            &envelope.tenant_id,
+            &order_id,
+            &envelope.event_id,
+            &envelope.event_type,
+            &description,
+            &currency,
+        ],
+    )
+    .await?;
+    let mut line_no: i32 = 0;
+    for (account, debit, credit) in lines {
+        if *debit == 0 && *credit == 0 {
+            continue; // e.g. no shipping charged
+        }
+        line_no += 1;
+        tx.execute(
+            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[
+                &entry_id,
+                &line_no,
+                &envelope.tenant_id,
+                account,
+                debit,
+                credit,
+            ],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+fn overflow(what: &str) -> HandlerError {
+    HandlerError::new(format!("{what} overflows"))
+}
 
 impl consumer_runtime::Domain for Ledger {
     const NAME: &'static str = "ledger";
@@ -14,5 +127,307 @@ impl consumer_runtime::Domain for Ledger {
     const DATABASE: Database = Database::Ledger;
     const DEFAULT_PORT: u16 = 8082;
 
-    fn routes(_cfg: &mut web::ServiceConfig) {}
+    fn new(_registry: &Registry) -> Self {
+        Ledger
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        event: &Event,
+        envelope: &RawEnvelope,
+    ) -> Result<(), HandlerError> {
+        let tenant = envelope.tenant_id.as_str();
+        match event {
+            Event::OrderPlaced(order) => {
+                let merchandise = order.merchandise().ok_or_else(|| overflow("merchandise"))?;
+                let cogs = order
+                    .cost_of_goods()
+                    .ok_or_else(|| overflow("cost of goods"))?;
+                tx.execute(
+                    "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, \
+                       merchandise, shipping, tax, total, cost_of_goods, placed_event_id) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING",
+                    &[
+                        &tenant,
+                        &order.order_id,
+                        &order.customer_id,
+                        &order.currency.as_str(),
+                        &merchandise.minor(),
+                        &order.shipping.minor(),
+                        &order.tax.minor(),
+                        &order.total.minor(),
+                        &cogs.minor(),
+                        &envelope.event_id,
+                    ],
+                )
+                .await?;
+                Ok(())
+            }
+            Event::PaymentReceived(payment) => {
+                let (code, name) = clearing_account(&payment.method);
+                ensure_accounts(tx, tenant, Some((&code, &name, "asset"))).await?;
+                let amount = payment.amount.minor();
+                post(
+                    tx,
+                    envelope,
+                    payment.order_id,
+                    &format!("Payment {} ({})", payment.payment_id, payment.method),
+                    payment.currency.as_str(),
+                    &[
+                        (code, amount, 0),
+                        ("customer_deposits".to_owned(), 0, amount),
+                    ],
+                )
+                .await
+            }
+            Event::ParcelDelivered(delivery) => {
+                let row = tx
+                    .query_opt(
+                        "SELECT currency, merchandise, shipping, tax, total, cost_of_goods \
+                         FROM ledger_orders WHERE tenant_id = $1 AND order_id = $2",
+                        &[&tenant, &delivery.order_id],
+                    )
+                    .await?
+                    .ok_or_else(|| {
+                        HandlerError::new(format!(
+                            "order {} delivered but its terms are unknown (no OrderPlaced)",
+                            delivery.order_id
+                        ))
+                    })?;
+                let currency: String = row.get(0);
+                let (merchandise, shipping, tax, total, cogs): (i64, i64, i64, i64, i64) =
+                    (row.get(1), row.get(2), row.get(3), row.get(4), row.get(5));
+                let credits = Money::from_minor(merchandise)
+                    .checked_add(Money::from_minor(shipping))
+                    .and_then(|m| m.checked_add(Money::from_minor(tax)))
+                    .ok_or_else(|| overflow("delivery credits"))?;
+                if credits.minor() != total {
+                    // The database would refuse the unbalanced entry anyway; say why.
+                    return Err(HandlerError::new(format!(
+                        "order total {} differs from merchandise + shipping + tax {}",
+                        Money::from_minor(total),
+                        credits
+                    )));
+                }
+                ensure_accounts(tx, tenant, None).await?;
+                post(
+                    tx,
+                    envelope,
+                    delivery.order_id,
+                    &format!("Delivery {}", delivery.delivery_id),
+                    &currency,
+                    &[
+                        ("customer_deposits".to_owned(), total, 0),
+                        ("sales".to_owned(), 0, merchandise),
+                        ("shipping_income".to_owned(), 0, shipping),
+                        ("tax_payable".to_owned(), 0, tax),
+                        ("cogs".to_owned(), cogs, 0),
+                        ("inventory".to_owned(), 0, cogs),
+                    ],
+                )
+                .await
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn routes(cfg: &mut web::ServiceConfig) {
+        cfg.route("/journal", web::get().to(get_journal))
+            .route("/trial-balance", web::get().to(get_trial_balance));
+    }
+}
+
+// ---------------------------------------------------------------- HTTP
+
+fn money(minor: i64) -> String {
+    Money::from_minor(minor).to_string()
+}
+
+#[derive(Debug, Deserialize)]
+struct JournalQuery {
+    order_id: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct LineView {
+    line_no: i32,
+    account_code: String,
+    account: String,
+    debit: String,
+    credit: String,
+}
+
+#[derive(Debug, Serialize)]
+struct EntryView {
+    entry_id: Uuid,
+    order_id: Uuid,
+    event_id: Uuid,
+    event_type: String,
+    description: String,
+    currency: String,
+    #[serde(with = "time::serde::rfc3339")]
+    posted_at: time::OffsetDateTime,
+    total_debit: String,
+    total_credit: String,
+    lines: Vec<LineView>,
+}
+
+/// `GET /journal?tenant=&order_id=`: entries with their lines, oldest first.
+async fn get_journal(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+    query: web::Query<JournalQuery>,
+) -> Result<HttpResponse, Problem> {
+    let order_id = match query.order_id.as_deref() {
+        None => None,
+        Some(id) => Some(
+            Uuid::parse_str(id).map_err(|_| bad_request("order_id", "order_id must be a UUID"))?,
+        ),
+    };
+    let client = pool.get().await.map_err(database_problem)?;
+    let rows = client
+        .query(
+            "SELECT e.entry_id, e.order_id, e.event_id, e.event_type, e.description, e.currency, \
+                    e.posted_at, l.line_no, l.account_code, a.name, l.debit, l.credit \
+             FROM journal_entries e \
+             JOIN journal_lines l ON l.entry_id = e.entry_id \
+             JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
+             WHERE e.tenant_id = $1 AND ($2::uuid IS NULL OR e.order_id = $2) \
+             ORDER BY e.posted_at, e.entry_id, l.line_no LIMIT 5000",
+            &[&scope.tenant, &order_id],
+        )
+        .await
+        .map_err(database_problem)?;
+    let mut entries: Vec<(EntryView, i64, i64)> = Vec::new();
+    for row in &rows {
+        let entry_id: Uuid = row.get(0);
+        if entries
+            .last()
+            .is_none_or(|(e, _, _)| e.entry_id != entry_id)
+        {
+            entries.push((
+                EntryView {
+                    entry_id,
+                    order_id: row.get(1),
+                    event_id: row.get(2),
+                    event_type: row.get(3),
+                    description: row.get(4),
+                    currency: row.get(5),
+                    posted_at: row.get(6),
+                    total_debit: String::new(),
+                    total_credit: String::new(),
+                    lines: Vec::new(),
+                },
+                0,
+                0,
+            ));
+        }
+        if let Some((entry, debits, credits)) = entries.last_mut() {
+            let (debit, credit): (i64, i64) = (row.get(10), row.get(11));
+            *debits += debit;
+            *credits += credit;
+            entry.lines.push(LineView {
+                line_no: row.get(7),
+                account_code: row.get(8),
+                account: row.get(9),
+                debit: money(debit),
+                credit: money(credit),
+            });
+        }
+    }
+    let entries: Vec<EntryView> = entries
+        .into_iter()
+        .map(|(mut entry, debits, credits)| {
+            entry.total_debit = money(debits);
+            entry.total_credit = money(credits);
+            entry
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(serde_json::json!({
+        "tenant": scope.tenant,
+        "order_id": order_id,
+        "entries": entries,
+    })))
+}
+
+/// `GET /trial-balance?tenant=`: debits and credits per account and currency;
+/// the totals are equal (the balance column sums to zero).
+async fn get_trial_balance(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+) -> Result<HttpResponse, Problem> {
+    let client = pool.get().await.map_err(database_problem)?;
+    let rows = client
+        .query(
+            "SELECT e.currency, l.account_code, a.name, a.kind, \
+                    sum(l.debit)::bigint, sum(l.credit)::bigint \
+             FROM journal_lines l \
+             JOIN journal_entries e ON e.entry_id = l.entry_id \
+             JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
+             WHERE l.tenant_id = $1 \
+             GROUP BY e.currency, l.account_code, a.name, a.kind \
+             ORDER BY e.currency, l.account_code",
+            &[&scope.tenant],
+        )
+        .await
+        .map_err(database_problem)?;
+    let mut currencies: Vec<serde_json::Value> = Vec::new();
+    let mut current: Option<(String, Vec<serde_json::Value>, i64, i64)> = None;
+    let flush = |c: (String, Vec<serde_json::Value>, i64, i64)| {
+        serde_json::json!({
+            "currency": c.0,
+            "accounts": c.1,
+            "total_debit": money(c.2),
+            "total_credit": money(c.3),
+            "balance": money(c.2 - c.3),
+        })
+    };
+    for row in &rows {
+        let currency: String = row.get(0);
+        if current.as_ref().is_some_and(|c| c.0 != currency) {
+            if let Some(done) = current.take() {
+                currencies.push(flush(done));
+            }
+        }
+        let entry = current.get_or_insert_with(|| (currency.clone(), Vec::new(), 0, 0));
+        let (debit, credit): (i64, i64) = (row.get(4), row.get(5));
+        entry.2 += debit;
+        entry.3 += credit;
+        entry.1.push(serde_json::json!({
+            "account_code": row.get::<_, String>(1),
+            "account": row.get::<_, String>(2),
+            "kind": row.get::<_, String>(3),
+            "debit": money(debit),
+            "credit": money(credit),
+            "balance": money(debit - credit),
+        }));
+    }
+    if let Some(done) = current.take() {
+        currencies.push(flush(done));
+    }
+    Ok(HttpResponse::Ok().json(serde_json::json!({
+        "tenant": scope.tenant,
+        "currencies": currencies,
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clearing_accounts_per_method() {
+        assert_eq!(
+            clearing_account("card"),
+            ("clearing:card".to_owned(), "Card clearing".to_owned())
+        );
+        assert_eq!(
+            clearing_account("Bank_Transfer"),
+            (
+                "clearing:bank_transfer".to_owned(),
+                "Bank_transfer clearing".to_owned()
+            )
+        );
+    }
 }

@@ -1,11 +1,30 @@
-//! The loyalty consumer: loyalty points and their audit trail, kept in step with order events by the shared
-//! consumer runtime. This crate holds only the domain.
+//! The loyalty consumer: loyalty points and their audit trail, kept in step
+//! with order events by the shared consumer runtime. This crate holds only the
+//! domain.
+//!
+//! - `OrderPlaced`: keeps the customer and the merchandise amount of the order
+//!   (`ParcelDelivered` carries neither).
+//! - `ParcelDelivered`: one `loyalty_entries` row: the customer earns one point
+//!   per whole currency unit of merchandise (80.00 -> +80), referencing the
+//!   order and the event that caused it.
 
-use actix_web::web;
-use kit::migrations::Database;
+// Endpoints return kit::http::Problem (problem+json) as their error type.
+#![allow(clippy::result_large_err)]
+
+use actix_web::{web, HttpResponse};
+use consumer_runtime::{auth::database_problem, HandlerError, TenantScope, Transaction};
+use events::{Event, Money, RawEnvelope};
+use kit::{http::Problem, metrics::prometheus::Registry, migrations::Database};
+use serde::Serialize;
+use uuid::Uuid;
 
 /// The loyalty domain.
 pub struct Loyalty;
+
+/// Points for a merchandise amount: one per whole currency unit.
+pub fn points_for(merchandise: Money) -> i64 {
+    merchandise.whole_units()
+}
 
 impl consumer_runtime::Domain for Loyalty {
     const NAME: &'static str = "loyalty";
@@ -14,5 +33,148 @@ impl consumer_runtime::Domain for Loyalty {
     const DATABASE: Database = Database::Loyalty;
     const DEFAULT_PORT: u16 = 8083;
 
-    fn routes(_cfg: &mut web::ServiceConfig) {}
+    fn new(_registry: &Registry) -> Self {
+        Loyalty
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        event: &Event,
+        envelope: &RawEnvelope,
+    ) -> Result<(), HandlerError> {
+        match event {
+            Event::OrderPlaced(order) => {
+                let merchandise = order
+                    .merchandise()
+                    .ok_or_else(|| HandlerError::new("merchandise overflows"))?;
+                tx.execute(
+                    "INSERT INTO loyalty_orders \
+                       (tenant_id, order_id, customer_id, currency, merchandise, placed_event_id) \
+                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                    &[
+                        &envelope.tenant_id,
+                        &order.order_id,
+                        &order.customer_id,
+                        &order.currency.as_str(),
+                        &merchandise.minor(),
+                        &envelope.event_id,
+                    ],
+                )
+                .await?;
+                Ok(())
+            }
+            Event::ParcelDelivered(delivery) => {
+                let row = tx
+                    .query_opt(
+                        "SELECT customer_id, merchandise, currency FROM loyalty_orders \
+                         WHERE tenant_id = $1 AND order_id = $2",
+                        &[&envelope.tenant_id, &delivery.order_id],
+                    )
+                    .await?
+                    .ok_or_else(|| {
+                        HandlerError::new(format!(
+                            "order {} delivered but never placed here (no OrderPlaced)",
+                            delivery.order_id
+                        ))
+                    })?;
+                let customer: String = row.get(0);
+                let merchandise = Money::from_minor(row.get(1));
+                let currency: String = row.get(2);
+                let points = points_for(merchandise);
+                if points == 0 {
+                    return Ok(());
+                }
+                tx.execute(
+                    "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, \
+                       event_id, event_type, reason, occurred_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                    &[
+                        &envelope.tenant_id,
+                        &customer,
+                        &delivery.order_id,
+                        &points,
+                        &envelope.event_id,
+                        &envelope.event_type,
+                        &format!(
+                            "1 point per whole {currency} of merchandise: {merchandise} {currency} delivered (delivery {})",
+                            delivery.delivery_id
+                        ),
+                        &envelope.occurred_at,
+                    ],
+                )
+                .await?;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn routes(cfg: &mut web::ServiceConfig) {
+        cfg.route("/customers/{id}/loyalty", web::get().to(get_loyalty));
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct EntryView {
+    points: i64,
+    order_id: Uuid,
+    event_id: Uuid,
+    event_type: String,
+    reason: String,
+    #[serde(with = "time::serde::rfc3339")]
+    occurred_at: time::OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    recorded_at: time::OffsetDateTime,
+}
+
+/// `GET /customers/{id}/loyalty?tenant=`: the balance and every entry with the
+/// event that caused it.
+async fn get_loyalty(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+    customer: web::Path<String>,
+) -> Result<HttpResponse, Problem> {
+    let customer = customer.into_inner();
+    let client = pool.get().await.map_err(database_problem)?;
+    let rows = client
+        .query(
+            "SELECT points, order_id, event_id, event_type, reason, occurred_at, recorded_at \
+             FROM loyalty_entries WHERE tenant_id = $1 AND customer_id = $2 \
+             ORDER BY entry_id",
+            &[&scope.tenant, &customer],
+        )
+        .await
+        .map_err(database_problem)?;
+    let entries: Vec<EntryView> = rows
+        .iter()
+        .map(|row| EntryView {
+            points: row.get(0),
+            order_id: row.get(1),
+            event_id: row.get(2),
+            event_type: row.get(3),
+            reason: row.get(4),
+            occurred_at: row.get(5),
+            recorded_at: row.get(6),
+        })
+        .collect();
+    let balance: i64 = entries.iter().map(|e| e.points).sum();
+    Ok(HttpResponse::Ok().json(serde_json::json!({
+        "tenant": scope.tenant,
+        "customer_id": customer,
+        "balance": balance,
+        "entries": entries,
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_point_per_whole_unit_of_merchandise() {
+        assert_eq!(points_for(Money::from_minor(8000)), 80);
+        assert_eq!(points_for(Money::from_minor(8099)), 80);
+        assert_eq!(points_for(Money::from_minor(99)), 0);
+    }
 }

@@ -1,0 +1,115 @@
+//! The internal read endpoints: `Authorization: Bearer <SERVICE_TOKEN>` and a
+//! tenant scope (`tenant` query parameter or `X-Tenant-Id` header), errors as
+//! problem+json.
+
+use std::collections::HashMap;
+use std::future::{ready, Ready};
+
+use actix_web::{dev::Payload, http::StatusCode, web, FromRequest, HttpRequest};
+use kit::http::Problem;
+
+/// The expected bearer token (app data).
+#[derive(Clone, Debug)]
+pub struct ServiceToken(pub String);
+
+/// An authenticated request scoped to one tenant.
+#[derive(Clone, Debug)]
+pub struct TenantScope {
+    pub tenant: String,
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn authorize(req: &HttpRequest) -> Result<TenantScope, Problem> {
+    let Some(expected) = req.app_data::<web::Data<ServiceToken>>() else {
+        return Err(Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "auth_not_configured",
+            "The service token is not configured",
+        ));
+    };
+    let presented = req
+        .headers()
+        .get(actix_web::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        Some(token) if constant_time_eq(token.as_bytes(), expected.0.as_bytes()) => {}
+        Some(_) => {
+            return Err(Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_token",
+                "The bearer token is not valid",
+            ))
+        }
+        None => {
+            return Err(Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "missing_token",
+                "An `Authorization: Bearer <service token>` header is required",
+            ))
+        }
+    }
+    let query = web::Query::<HashMap<String, String>>::from_query(req.query_string())
+        .map(web::Query::into_inner)
+        .unwrap_or_default();
+    let tenant = query
+        .get("tenant")
+        .cloned()
+        .or_else(|| {
+            req.headers()
+                .get("X-Tenant-Id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        })
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty());
+    match tenant {
+        Some(tenant) => Ok(TenantScope { tenant }),
+        None => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "tenant_required",
+            "The `tenant` query parameter (or X-Tenant-Id header) is required",
+        )
+        .field("tenant")),
+    }
+}
+
+impl FromRequest for TenantScope {
+    type Error = Problem;
+    type Future = Ready<Result<Self, Problem>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        ready(authorize(req))
+    }
+}
+
+/// A database failure as a problem (logged; no internals in the body).
+pub fn database_problem(error: impl std::fmt::Display) -> Problem {
+    tracing::error!(%error, "database error in a read endpoint");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "database_unavailable",
+        "The database is not available",
+    )
+    .retry_after(1)
+}
+
+/// A bad request parameter.
+pub fn bad_request(field: &str, detail: impl Into<String>) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+        "Invalid request",
+    )
+    .detail(detail)
+    .field(field)
+}
+
+/// Nothing there.
+pub fn not_found(what: impl Into<String>) -> Problem {
+    Problem::new(StatusCode::NOT_FOUND, "not_found", "Not found").detail(what)
+}

@@ -1,0 +1,82 @@
+//! Inbox cleanup: `processed_events` rows older than the replay horizon are
+//! deleted in bounded batches (the per-order progress rows stay, so a stale
+//! copy of a cleaned-up event is still rejected by its sequence). The same
+//! periodic task refreshes the parked-orders and dead-letter gauges.
+
+use std::time::Duration;
+
+use kit::{db::PgPool, CancellationToken};
+
+use crate::metrics::Metrics;
+
+/// Delete inbox rows of `consumer` older than `retention_hours`, `batch` rows
+/// per statement, until none is left. Returns how many were deleted.
+pub async fn clean_inbox(
+    pool: &PgPool,
+    consumer: &str,
+    retention_hours: u32,
+    batch: i64,
+) -> Result<u64, anyhow::Error> {
+    let hours = i32::try_from(retention_hours).unwrap_or(i32::MAX);
+    let client = pool.get().await?;
+    let mut total = 0;
+    loop {
+        let deleted = client
+            .execute(
+                "DELETE FROM processed_events p USING ( \
+                     SELECT consumer_name, event_id FROM processed_events \
+                     WHERE consumer_name = $1 AND processed_at < now() - make_interval(hours => $2) \
+                     ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED) old \
+                 WHERE p.consumer_name = old.consumer_name AND p.event_id = old.event_id",
+                &[&consumer, &hours, &batch],
+            )
+            .await?;
+        total += deleted;
+        if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
+            return Ok(total);
+        }
+        // Leave room for the consumer's own transactions between batches.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Orders of `consumer` currently parked.
+pub async fn parked_orders(pool: &PgPool, consumer: &str) -> Result<i64, anyhow::Error> {
+    let client = pool.get().await?;
+    let row = client
+        .query_one(
+            "SELECT count(*) FROM order_progress WHERE consumer_name = $1 AND parked_at IS NOT NULL",
+            &[&consumer],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+pub(crate) async fn run(
+    pool: PgPool,
+    consumer: String,
+    retention_hours: u32,
+    batch: i64,
+    interval: Duration,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    loop {
+        match clean_inbox(&pool, &consumer, retention_hours, batch).await {
+            Ok(0) => {}
+            Ok(deleted) => {
+                metrics.inbox_cleaned.inc_by(deleted);
+                tracing::info!(deleted, retention_hours, "inbox cleaned");
+            }
+            Err(error) => tracing::warn!(error = format!("{error:#}"), "inbox cleanup failed"),
+        }
+        match parked_orders(&pool, &consumer).await {
+            Ok(parked) => metrics.parked_orders.set(parked),
+            Err(error) => tracing::warn!(error = format!("{error:#}"), "counting parked orders"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}

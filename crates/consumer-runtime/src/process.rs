@@ -1,0 +1,474 @@
+//! One message, one transaction of the consumer's database (DESIGN.md
+//! section 8):
+//!
+//! 1. `INSERT INTO processed_events ... ON CONFLICT DO NOTHING RETURNING`:
+//!    nothing returned = a duplicate (ack, count).
+//! 2. The order's progress row, locked (`FOR UPDATE`): sequence <= last
+//!    applied = stale (ack); parked behind a dead letter = straight to the DLQ;
+//!    sequence > last + 1 = a gap: roll back, defer through retry tier 0 (not a
+//!    failed attempt; bounded).
+//! 3. The domain handler, in the same transaction; advance `last_sequence`;
+//!    commit; then ack.
+//!
+//! A handler error rolls everything back and the message goes to the next
+//! retry tier (published with a confirm, then acked); after `max_attempts`
+//! failures it goes to the dead-letter queue and the order is parked, in the
+//! transaction that records it. Poison (malformed body, unknown major schema
+//! version) goes to the dead-letter queue at once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use events::{DecodeError, Event, RawEnvelope};
+use kit::db::PgPool;
+use lapin::{
+    message::Delivery,
+    options::BasicPublishOptions,
+    types::{FieldTable, ShortString},
+    BasicProperties, Channel,
+};
+use time::OffsetDateTime;
+
+use crate::{
+    metrics::Metrics,
+    topology::{self, headers, Topology},
+    Domain, HandlerError,
+};
+
+/// What happened to a message (it is acknowledged in every case).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Applied { event_type: String },
+    Duplicate,
+    Stale,
+    Deferred,
+    Retried { tier: usize },
+    DeadLettered { reason: String },
+}
+
+/// Why a message could not be settled now. The message is not acknowledged.
+#[derive(Debug, thiserror::Error)]
+pub enum Infra {
+    /// The database is unreachable or a runtime statement failed: try the same
+    /// message again after a pause (it is not the event's fault).
+    #[error("database: {0}")]
+    Database(String),
+    /// A publish was not confirmed or the channel failed: reconnect.
+    #[error("broker: {0}")]
+    Broker(String),
+}
+
+impl From<tokio_postgres::Error> for Infra {
+    fn from(error: tokio_postgres::Error) -> Self {
+        Infra::Database(error.to_string())
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for Infra {
+    fn from(error: deadpool_postgres::PoolError) -> Self {
+        Infra::Database(error.to_string())
+    }
+}
+
+/// Everything a partition worker needs.
+pub struct Processor<D: Domain> {
+    pub domain: Arc<D>,
+    pub pool: PgPool,
+    pub topology: Topology,
+    pub metrics: Metrics,
+    pub max_attempts: u32,
+    pub max_deferrals: u32,
+}
+
+/// The facts about one message the decisions need.
+struct Incoming<'a> {
+    delivery: &'a Delivery,
+    attempts: u32,
+    deferrals: u32,
+}
+
+enum Decoded {
+    /// A valid envelope; `None` event = an event type this build does not know.
+    Ok(RawEnvelope, Option<Event>),
+    /// A valid envelope whose payload is poison (unknown major version, invalid payload).
+    PoisonPayload(RawEnvelope, DecodeError),
+    /// Not an envelope at all.
+    Malformed(DecodeError),
+}
+
+fn decode(body: &[u8]) -> Decoded {
+    match RawEnvelope::parse_raw(body) {
+        Err(error) => Decoded::Malformed(error),
+        Ok(raw) => match raw.decode() {
+            Ok(event) => Decoded::Ok(raw, Some(event)),
+            Err(error) if error.is_unknown_event_type() => Decoded::Ok(raw, None),
+            Err(error) => Decoded::PoisonPayload(raw, error),
+        },
+    }
+}
+
+/// The `consumer.handler_error` fail point: when armed (`FAILPOINTS=
+/// "consumer.handler_error=return"`, or `=3*return(<order or event id>)`), the
+/// handler fails with an injected error instead of running, for every event or
+/// only for the events of the named order (or the named event).
+fn injected_handler_error(envelope: &RawEnvelope) -> Option<HandlerError> {
+    #[cfg(feature = "failpoints")]
+    {
+        let target = fail::eval("consumer.handler_error", |arg| arg)?;
+        let hit = match target.as_deref().map(str::trim) {
+            None | Some("") => true,
+            Some(t) => t == envelope.aggregate_id || t == envelope.event_id.to_string(),
+        };
+        if hit {
+            return Some(HandlerError::new(
+                "injected by fail point consumer.handler_error",
+            ));
+        }
+    }
+    let _ = envelope;
+    None
+}
+
+impl<D: Domain> Processor<D> {
+    fn name(&self) -> &str {
+        &self.topology.name
+    }
+
+    /// Settle one message. `Ok` means "acknowledge it now".
+    pub async fn process(
+        &self,
+        publisher: &Channel,
+        delivery: &Delivery,
+    ) -> Result<Outcome, Infra> {
+        let headers = delivery.properties.headers().as_ref();
+        let incoming = Incoming {
+            delivery,
+            attempts: topology::int_header(headers, headers::ATTEMPTS)
+                .and_then(|v| u32::try_from(v).ok())
+                .unwrap_or(0),
+            deferrals: topology::int_header(headers, headers::DEFERRALS)
+                .and_then(|v| u32::try_from(v).ok())
+                .unwrap_or(0),
+        };
+        match decode(&delivery.data) {
+            Decoded::Malformed(error) => {
+                let reason = format!("poison: {error}");
+                tracing::error!(%reason, "dead-lettering a malformed message");
+                self.dead_letter(publisher, &incoming, &reason).await?;
+                self.metrics
+                    .dead_lettered
+                    .with_label_values(&["poison"])
+                    .inc();
+                Ok(Outcome::DeadLettered { reason })
+            }
+            Decoded::PoisonPayload(raw, error) => {
+                let reason = format!("poison: {error}");
+                tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettering and parking the order");
+                self.dead_letter_and_park(publisher, &incoming, &raw, &reason)
+                    .await?;
+                self.metrics
+                    .dead_lettered
+                    .with_label_values(&["poison"])
+                    .inc();
+                Ok(Outcome::DeadLettered { reason })
+            }
+            Decoded::Ok(raw, event) => self.apply(publisher, &incoming, &raw, event.as_ref()).await,
+        }
+    }
+
+    async fn apply(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        raw: &RawEnvelope,
+        event: Option<&Event>,
+    ) -> Result<Outcome, Infra> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let inserted = tx
+            .query_opt(
+                "INSERT INTO processed_events (consumer_name, event_id) VALUES ($1, $2) \
+                 ON CONFLICT DO NOTHING RETURNING event_id",
+                &[&self.name(), &raw.event_id],
+            )
+            .await?;
+        if inserted.is_none() {
+            tx.rollback().await?;
+            self.metrics.duplicates.inc();
+            tracing::info!(event_id = %raw.event_id, "duplicate delivery acknowledged");
+            return Ok(Outcome::Duplicate);
+        }
+        tx.execute(
+            "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id) VALUES ($1, $2, $3) \
+             ON CONFLICT DO NOTHING",
+            &[&self.name(), &raw.aggregate_id, &raw.tenant_id],
+        )
+        .await?;
+        let progress = tx
+            .query_one(
+                "SELECT last_sequence, parked_at IS NOT NULL, parked_event_id, parked_reason \
+                 FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE",
+                &[&self.name(), &raw.aggregate_id],
+            )
+            .await?;
+        let last: i64 = progress.get(0);
+        let parked: bool = progress.get(1);
+        let sequence = raw.aggregate_sequence;
+
+        if sequence <= last {
+            // Applied before (its inbox row may be gone after cleanup); keep the
+            // inbox row so the next copy is a plain duplicate.
+            tx.commit().await?;
+            self.metrics.stale.inc();
+            tracing::info!(event_id = %raw.event_id, sequence, last, "stale event acknowledged");
+            return Ok(Outcome::Stale);
+        }
+        if parked {
+            tx.rollback().await?;
+            let parked_event: Option<uuid::Uuid> = progress.get(2);
+            let parked_reason: Option<String> = progress.get(3);
+            let reason = format!(
+                "order parked behind dead-lettered event {}: {}",
+                parked_event.map(|e| e.to_string()).unwrap_or_default(),
+                parked_reason.unwrap_or_default()
+            );
+            self.dead_letter(publisher, incoming, &reason).await?;
+            self.metrics
+                .dead_lettered
+                .with_label_values(&["parked"])
+                .inc();
+            tracing::warn!(event_id = %raw.event_id, order = %raw.aggregate_id, "order parked: event dead-lettered behind it");
+            return Ok(Outcome::DeadLettered { reason });
+        }
+        if sequence > last + 1 {
+            tx.rollback().await?;
+            if incoming.deferrals < self.max_deferrals {
+                self.republish(
+                    publisher,
+                    incoming,
+                    0,
+                    incoming.attempts,
+                    incoming.deferrals + 1,
+                )
+                .await?;
+                self.metrics.deferred.inc();
+                tracing::info!(event_id = %raw.event_id, sequence, last, "gap: event deferred");
+                return Ok(Outcome::Deferred);
+            }
+            let error = format!(
+                "sequence {sequence} still ahead of the last applied {last} after {} deferrals",
+                incoming.deferrals
+            );
+            return self.failed(publisher, incoming, raw, &error).await;
+        }
+
+        // In order: run the domain handler in this transaction.
+        let started = Instant::now();
+        let result = match event {
+            None => Ok(()),
+            Some(event) => {
+                kit::failpoint::crash_point("consumer.in_handler");
+                match injected_handler_error(raw) {
+                    Some(error) => Err(error),
+                    None => self.domain.apply(&tx, event, raw).await,
+                }
+            }
+        };
+        self.metrics
+            .handler_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(error) = result {
+            // Dropping the transaction would roll back too; say it explicitly.
+            if let Err(rollback) = tx.rollback().await {
+                tracing::warn!(%rollback, "rollback after a handler error");
+            }
+            return self
+                .failed(publisher, incoming, raw, &error.to_string())
+                .await;
+        }
+        tx.execute(
+            "UPDATE order_progress SET last_sequence = $3, updated_at = now() \
+             WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&self.name(), &raw.aggregate_id, &sequence],
+        )
+        .await?;
+        tx.commit().await?;
+        kit::failpoint::crash_point("consumer.after_commit_before_ack");
+
+        let event_type = match event {
+            Some(_) => raw.event_type.clone(),
+            None => "ignored".to_owned(),
+        };
+        self.metrics.applied.with_label_values(&[&event_type]).inc();
+        let lag = OffsetDateTime::now_utc() - raw.occurred_at;
+        if lag.is_positive() {
+            self.metrics.lag_seconds.observe(lag.as_seconds_f64());
+        }
+        tracing::info!(event_id = %raw.event_id, event_type = %raw.event_type, order = %raw.aggregate_id, sequence, "applied");
+        Ok(Outcome::Applied { event_type })
+    }
+
+    /// A failed attempt: the next retry tier, or the DLQ (and park) after the last.
+    async fn failed(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        raw: &RawEnvelope,
+        error: &str,
+    ) -> Result<Outcome, Infra> {
+        let attempts = incoming.attempts.saturating_add(1);
+        if attempts >= self.max_attempts {
+            let reason = format!("failed {attempts} times: {error}");
+            tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettering and parking the order");
+            self.dead_letter_and_park(publisher, incoming, raw, &reason)
+                .await?;
+            self.metrics
+                .dead_lettered
+                .with_label_values(&["max_attempts"])
+                .inc();
+            return Ok(Outcome::DeadLettered { reason });
+        }
+        let last_tier = self.topology.tiers.len().saturating_sub(1);
+        let tier = usize::try_from(attempts - 1)
+            .unwrap_or(last_tier)
+            .min(last_tier);
+        self.republish(publisher, incoming, tier, attempts, incoming.deferrals)
+            .await?;
+        self.metrics
+            .retried
+            .with_label_values(&[&tier.to_string()])
+            .inc();
+        tracing::warn!(event_id = %raw.event_id, order = %raw.aggregate_id, attempts, tier, %error, "handler failed: retrying later");
+        Ok(Outcome::Retried { tier })
+    }
+
+    /// To retry tier `tier` with the new counts.
+    async fn republish(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        tier: usize,
+        attempts: u32,
+        deferrals: u32,
+    ) -> Result<(), Infra> {
+        let mut table = topology::clean_headers(incoming.delivery.properties.headers().as_ref());
+        topology::set_int(&mut table, headers::ATTEMPTS, i64::from(attempts));
+        topology::set_int(&mut table, headers::DEFERRALS, i64::from(deferrals));
+        publish(
+            publisher,
+            "",
+            &self.topology.retry_queue(tier),
+            &incoming.delivery.data,
+            &incoming.delivery.properties,
+            table,
+        )
+        .await
+    }
+
+    async fn dead_letter(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        reason: &str,
+    ) -> Result<(), Infra> {
+        let table = dead_letter_headers(
+            incoming.delivery.properties.headers().as_ref(),
+            self.name(),
+            reason,
+            incoming.attempts,
+        );
+        publish(
+            publisher,
+            "",
+            &self.topology.dead_letter_queue(),
+            &incoming.delivery.data,
+            &incoming.delivery.properties,
+            table,
+        )
+        .await
+    }
+
+    /// Park the order and publish to the DLQ in one database transaction: the
+    /// park commits only once the broker confirmed the dead letter.
+    async fn dead_letter_and_park(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        raw: &RawEnvelope,
+        reason: &str,
+    ) -> Result<(), Infra> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        tx.execute(
+            "INSERT INTO order_progress \
+               (consumer_name, aggregate_id, tenant_id, parked_at, parked_event_id, parked_reason) \
+             VALUES ($1, $2, $3, now(), $4, $5) \
+             ON CONFLICT (consumer_name, aggregate_id) DO UPDATE SET \
+               parked_at = COALESCE(order_progress.parked_at, EXCLUDED.parked_at), \
+               parked_event_id = COALESCE(order_progress.parked_event_id, EXCLUDED.parked_event_id), \
+               parked_reason = COALESCE(order_progress.parked_reason, EXCLUDED.parked_reason), \
+               updated_at = now()",
+            &[
+                &self.name(),
+                &raw.aggregate_id,
+                &raw.tenant_id,
+                &raw.event_id,
+                &reason,
+            ],
+        )
+        .await?;
+        self.dead_letter(publisher, incoming, reason).await?;
+        tx.commit().await?;
+        self.metrics.parked_orders.inc();
+        Ok(())
+    }
+}
+
+pub(crate) fn dead_letter_headers(
+    existing: Option<&FieldTable>,
+    consumer: &str,
+    reason: &str,
+    attempts: u32,
+) -> FieldTable {
+    let mut table = topology::clean_headers(existing);
+    // Header values are bounded: a long error message is cut.
+    let reason: String = reason.chars().take(2000).collect();
+    topology::set_str(&mut table, headers::DEAD_LETTER_REASON, &reason);
+    topology::set_str(&mut table, headers::DEAD_LETTERED_BY, consumer);
+    topology::set_int(&mut table, headers::ATTEMPTS, i64::from(attempts));
+    table
+}
+
+/// Publish with a confirm; only a plain Ack counts.
+pub(crate) async fn publish(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: &BasicProperties,
+    headers: FieldTable,
+) -> Result<(), Infra> {
+    let properties = properties
+        .clone()
+        .with_headers(headers)
+        .with_delivery_mode(2);
+    let confirm = channel
+        .basic_publish(
+            ShortString::from(exchange),
+            ShortString::from(routing_key),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        )
+        .await
+        .map_err(|e| Infra::Broker(e.to_string()))?;
+    let confirmation = tokio::time::timeout(Duration::from_secs(30), confirm)
+        .await
+        .map_err(|_| Infra::Broker(format!("no confirm from the broker for {routing_key}")))?
+        .map_err(|e| Infra::Broker(e.to_string()))?;
+    kit::amqp::check_confirmation(confirmation)
+        .map_err(|e| Infra::Broker(format!("publish to {routing_key}: {e}")))
+}

@@ -1,0 +1,223 @@
+//! `<consumer> redrive [--order <id>]`: move dead letters back to the
+//! consumer's hash exchange (so each returns to its partition), per order in
+//! sequence order, after un-parking the order. Messages that cannot be routed
+//! (no order id: a malformed body) and those of other orders (with `--order`)
+//! stay in the dead-letter queue.
+
+use std::collections::BTreeMap;
+
+use kit::{db::PgPool, CancellationToken};
+use lapin::{
+    message::Delivery,
+    options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions},
+    Channel,
+};
+
+use crate::{
+    process::{publish, Infra},
+    topology::{self, headers, Topology},
+};
+
+/// One dead letter moved back.
+#[derive(Debug, Clone)]
+pub struct Moved {
+    pub order: String,
+    pub sequence: i64,
+    pub event_id: String,
+    pub event_type: String,
+    pub reason: String,
+}
+
+/// What a redrive did.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub moved: Vec<Moved>,
+    pub unparked: Vec<String>,
+    /// Messages left in the dead-letter queue, with why.
+    pub kept: Vec<String>,
+}
+
+struct Letter {
+    delivery: Delivery,
+    order: Option<String>,
+    sequence: i64,
+    event_id: String,
+    event_type: String,
+    reason: String,
+}
+
+fn letter(delivery: Delivery) -> Letter {
+    let headers = delivery.properties.headers().as_ref();
+    let raw = events::RawEnvelope::parse_raw(&delivery.data).ok();
+    let order = raw
+        .as_ref()
+        .map(|r| r.aggregate_id.clone())
+        .or_else(|| topology::str_header(headers, events::headers::AGGREGATE_ID));
+    let sequence = raw
+        .as_ref()
+        .map(|r| r.aggregate_sequence)
+        .or_else(|| topology::int_header(headers, events::headers::AGGREGATE_SEQUENCE))
+        .unwrap_or(0);
+    let event_id = raw
+        .as_ref()
+        .map(|r| r.event_id.to_string())
+        .or_else(|| {
+            delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.to_string())
+        })
+        .unwrap_or_default();
+    let event_type = raw
+        .as_ref()
+        .map(|r| r.event_type.clone())
+        .or_else(|| delivery.properties.kind().as_ref().map(|k| k.to_string()))
+        .unwrap_or_default();
+    let reason = topology::str_header(headers, headers::DEAD_LETTER_REASON).unwrap_or_default();
+    Letter {
+        delivery,
+        order,
+        sequence,
+        event_id,
+        event_type,
+        reason,
+    }
+}
+
+async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
+    let client = pool.get().await?;
+    let updated = client
+        .execute(
+            "UPDATE order_progress SET parked_at = NULL, parked_event_id = NULL, \
+             parked_reason = NULL, updated_at = now() \
+             WHERE consumer_name = $1 AND aggregate_id = $2 AND parked_at IS NOT NULL",
+            &[&consumer, &order],
+        )
+        .await?;
+    Ok(updated > 0)
+}
+
+/// Drain the dead-letter queue (holding every message unacknowledged), move
+/// the selected ones back in per-order sequence order, return the others.
+pub async fn redrive(
+    pool: &PgPool,
+    amqp: &kit::settings::AmqpSettings,
+    topology: &Topology,
+    only_order: Option<&str>,
+) -> anyhow::Result<Report> {
+    let shutdown = CancellationToken::new();
+    let connection =
+        kit::amqp::connect(amqp, &format!("{}-redrive", topology.name), &shutdown).await?;
+    let channel = connection.create_channel().await?;
+    topology.declare(&channel).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let result = move_letters(pool, &channel, topology, only_order).await;
+    let _ = connection.close(200, "redrive done".into()).await;
+    result
+}
+
+async fn move_letters(
+    pool: &PgPool,
+    channel: &Channel,
+    topology: &Topology,
+    only_order: Option<&str>,
+) -> anyhow::Result<Report> {
+    let mut letters = Vec::new();
+    while let Some(message) = channel
+        .basic_get(
+            topology.dead_letter_queue().as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await?
+    {
+        letters.push(letter(message.delivery));
+    }
+
+    let mut report = Report::default();
+    let mut selected: BTreeMap<String, Vec<Letter>> = BTreeMap::new();
+    let mut others = Vec::new();
+    for letter in letters {
+        match &letter.order {
+            None => {
+                report.kept.push(format!(
+                    "{} ({}): no order id, cannot be routed: {}",
+                    letter.event_id, letter.event_type, letter.reason
+                ));
+                others.push(letter);
+            }
+            Some(order) if only_order.is_some_and(|o| o != order) => others.push(letter),
+            Some(order) => selected.entry(order.clone()).or_default().push(letter),
+        }
+    }
+
+    if let Some(order) = only_order {
+        if !selected.contains_key(order) && unpark(pool, &topology.name, order).await? {
+            report.unparked.push(order.to_owned());
+        }
+    }
+    let mut failure = None;
+    for (order, mut letters) in selected {
+        letters.sort_by_key(|l| l.sequence);
+        if failure.is_some() {
+            others.extend(letters);
+            continue;
+        }
+        // Un-park first, or the moved events would go straight back to the DLQ.
+        if unpark(pool, &topology.name, &order).await? {
+            report.unparked.push(order.clone());
+        }
+        let mut letters = letters.into_iter();
+        for letter in letters.by_ref() {
+            let mut table = topology::clean_headers(letter.delivery.properties.headers().as_ref());
+            topology::set_str(&mut table, headers::REDRIVEN, "true");
+            let published = publish(
+                channel,
+                &topology.exchange(),
+                "",
+                &letter.delivery.data,
+                &letter.delivery.properties,
+                table,
+            )
+            .await;
+            match published {
+                Ok(()) => {
+                    letter
+                        .delivery
+                        .acker
+                        .ack(BasicAckOptions::default())
+                        .await?;
+                    report.moved.push(Moved {
+                        order: order.clone(),
+                        sequence: letter.sequence,
+                        event_id: letter.event_id,
+                        event_type: letter.event_type,
+                        reason: letter.reason,
+                    });
+                }
+                Err(Infra::Broker(error) | Infra::Database(error)) => {
+                    failure = Some(anyhow::anyhow!("moving {}: {error}", letter.event_id));
+                    others.push(letter);
+                    break;
+                }
+            }
+        }
+        others.extend(letters);
+    }
+    for letter in others {
+        letter
+            .delivery
+            .acker
+            .nack(BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            })
+            .await?;
+    }
+    match failure {
+        Some(error) => Err(error),
+        None => Ok(report),
+    }
+}

@@ -1,0 +1,187 @@
+//! Settings of a consumer service: `<ENV_PREFIX>__<SECTION>__<FIELD>`
+//! environment variables over the zero-configuration local defaults.
+
+use std::time::Duration;
+
+use kit::settings::{AmqpSettings, DatabaseSettings, HttpSettings};
+use serde::{Deserialize, Serialize};
+
+use crate::Domain;
+
+/// The token of the internal read endpoints when `SERVICE_TOKEN` is not set
+/// (local mode only; see [`AuthSettings`]).
+pub const LOCAL_DEV_TOKEN: &str = "local-dev-token";
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Settings {
+    pub http: HttpSettings,
+    pub database: DatabaseSettings,
+    pub amqp: AmqpSettings,
+    pub consumer: ConsumerSettings,
+    pub cleanup: CleanupSettings,
+    pub auth: AuthSettings,
+}
+
+/// How the consumer takes events off the broker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ConsumerSettings {
+    /// The consumer's name: its inbox key (`processed_events.consumer_name`,
+    /// `order_progress.consumer_name`) and the prefix of its exchange and
+    /// queues (`<name>.events`, `<name>.p0`, `<name>.retry.0`, `<name>.dlq`).
+    /// Defaults to the domain's name (`inventory`, `ledger`, `loyalty`).
+    pub name: String,
+    /// Number of partition queues `<name>.p0 .. <name>.p{P-1}`.
+    pub partitions: u16,
+    /// Unacknowledged messages the broker may push per partition (they are
+    /// still processed one at a time, in order).
+    pub prefetch: u16,
+    /// Retry tier delays in milliseconds, comma separated (one queue
+    /// `<name>.retry.<i>` per tier). Default 10 s, 1 min, 5 min, 30 min, 2 h.
+    pub retry_tiers_ms: String,
+    /// Failed attempts after which an event is dead-lettered (and its order
+    /// parked).
+    pub max_attempts: u32,
+    /// How many times an event that arrives ahead of a missing predecessor is
+    /// deferred (through retry tier 0, not counted as a failure) before it
+    /// counts as a failed attempt. 30 x 10 s covers a predecessor that is
+    /// itself waiting in the early retry tiers; the attempts cover the rest.
+    pub max_deferrals: u32,
+    /// `x-delivery-limit` of the partition queues: a backstop against a
+    /// message that crashes the process every time it is delivered (it is
+    /// then dead-lettered by the broker into `<name>.dlq`).
+    pub delivery_limit: u32,
+}
+
+/// Inbox cleanup.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CleanupSettings {
+    /// `processed_events` rows older than this are deleted. Must be at least
+    /// `min_retention_hours` (the relay's outbox retention, 7 days): an event
+    /// that can still be replayed must still be recognised as a duplicate.
+    pub inbox_retention_hours: u32,
+    /// The replay horizon of the relay; the retention may not be shorter.
+    pub min_retention_hours: u32,
+    /// Seconds between cleanup runs (and parked-order gauge refreshes).
+    pub interval_secs: u64,
+    /// Rows deleted per statement.
+    pub batch_size: i64,
+}
+
+/// Authentication of the internal read endpoints.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AuthSettings {
+    /// The bearer token; the `SERVICE_TOKEN` environment variable wins over
+    /// this. When neither is set: refused if `require_token`, otherwise
+    /// [`LOCAL_DEV_TOKEN`] (local mode).
+    pub service_token: String,
+    pub require_token: bool,
+}
+
+impl Settings {
+    pub fn defaults<D: Domain>() -> Self {
+        Self {
+            http: HttpSettings::local(D::DEFAULT_PORT),
+            database: DatabaseSettings::local(D::DATABASE.name()),
+            amqp: AmqpSettings::default(),
+            consumer: ConsumerSettings {
+                name: D::NAME.to_owned(),
+                partitions: 4,
+                prefetch: 16,
+                retry_tiers_ms: "10000,60000,300000,1800000,7200000".to_owned(),
+                max_attempts: 5,
+                max_deferrals: 30,
+                delivery_limit: 20,
+            },
+            cleanup: CleanupSettings {
+                inbox_retention_hours: 8 * 24,
+                min_retention_hours: 7 * 24,
+                interval_secs: 600,
+                batch_size: 1000,
+            },
+            auth: AuthSettings {
+                service_token: String::new(),
+                require_token: false,
+            },
+        }
+    }
+
+    /// Defaults overridden by the environment (`<ENV_PREFIX>__HTTP__PORT`,
+    /// `<ENV_PREFIX>__CONSUMER__NAME`, ...), then validated.
+    pub fn load<D: Domain>() -> anyhow::Result<Self> {
+        let settings: Self = kit::settings::load(D::ENV_PREFIX, &Self::defaults::<D>())?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let c = &self.consumer;
+        anyhow::ensure!(
+            !c.name.is_empty() && c.name.len() <= 200,
+            "consumer.name must be 1..200 characters"
+        );
+        anyhow::ensure!(c.partitions >= 1, "consumer.partitions must be at least 1");
+        anyhow::ensure!(c.prefetch >= 1, "consumer.prefetch must be at least 1");
+        anyhow::ensure!(
+            c.max_attempts >= 1,
+            "consumer.max_attempts must be at least 1"
+        );
+        self.retry_tiers()?;
+        anyhow::ensure!(
+            self.cleanup.inbox_retention_hours >= self.cleanup.min_retention_hours,
+            "cleanup.inbox_retention_hours ({}) must not be shorter than the relay's replay horizon ({} h)",
+            self.cleanup.inbox_retention_hours,
+            self.cleanup.min_retention_hours
+        );
+        anyhow::ensure!(
+            self.cleanup.batch_size >= 1,
+            "cleanup.batch_size must be at least 1"
+        );
+        Ok(())
+    }
+
+    /// The retry tier delays.
+    pub fn retry_tiers(&self) -> anyhow::Result<Vec<Duration>> {
+        let tiers = self
+            .consumer
+            .retry_tiers_ms
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(|t| {
+                t.parse::<u64>()
+                    .map(Duration::from_millis)
+                    .map_err(|e| anyhow::anyhow!("consumer.retry_tiers_ms: {t:?}: {e}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(
+            !tiers.is_empty(),
+            "consumer.retry_tiers_ms needs at least one tier"
+        );
+        anyhow::ensure!(
+            tiers.iter().all(|t| !t.is_zero()),
+            "consumer.retry_tiers_ms: a tier of 0 ms would be a tight retry loop"
+        );
+        Ok(tiers)
+    }
+
+    /// The bearer token of the read endpoints (see [`AuthSettings`]).
+    pub fn service_token(&self) -> anyhow::Result<String> {
+        if let Ok(token) = std::env::var("SERVICE_TOKEN") {
+            if !token.trim().is_empty() {
+                return Ok(token.trim().to_owned());
+            }
+        }
+        if !self.auth.service_token.trim().is_empty() {
+            return Ok(self.auth.service_token.trim().to_owned());
+        }
+        anyhow::ensure!(
+            !self.auth.require_token,
+            "SERVICE_TOKEN is required (auth.require_token is set)"
+        );
+        tracing::warn!(
+            token = LOCAL_DEV_TOKEN,
+            "SERVICE_TOKEN not set: the read endpoints accept the local development token"
+        );
+        Ok(LOCAL_DEV_TOKEN.to_owned())
+    }
+}

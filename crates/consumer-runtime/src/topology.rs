@@ -1,0 +1,255 @@
+//! The consumer's own RabbitMQ topology (DESIGN.md section 7), declared
+//! idempotently at every (re)connect:
+//!
+//! ```text
+//! order-events (topic) --#--> <name>.events (x-consistent-hash, hash-header aggregate_id)
+//!     --weight "1"--> <name>.p0 .. <name>.p{P-1}  (quorum, single active consumer,
+//!                                                  x-delivery-limit -> <name>.dlq)
+//! <name>.retry.<i>  (quorum, x-message-ttl = tier i, dead-letters back to <name>.events,
+//!                    so the message returns to its partition)
+//! <name>.dlq        (quorum): dead letters, moved back by `redrive`
+//! ```
+
+use std::time::Duration;
+
+use lapin::{
+    options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
+    types::{AMQPValue, FieldTable, LongString, ShortString},
+    Channel, ExchangeKind,
+};
+
+/// Names and shape of one consumer's topology.
+#[derive(Clone, Debug)]
+pub struct Topology {
+    pub name: String,
+    pub partitions: u16,
+    pub tiers: Vec<Duration>,
+    pub delivery_limit: u32,
+}
+
+fn long_string(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.as_bytes()))
+}
+
+impl Topology {
+    /// The consistent-hash exchange of this consumer.
+    pub fn exchange(&self) -> String {
+        format!("{}.events", self.name)
+    }
+
+    pub fn partition_queue(&self, partition: u16) -> String {
+        format!("{}.p{partition}", self.name)
+    }
+
+    pub fn retry_queue(&self, tier: usize) -> String {
+        format!("{}.retry.{tier}", self.name)
+    }
+
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dlq", self.name)
+    }
+
+    /// Declare everything (idempotent; the arguments never change for a name).
+    pub async fn declare(&self, channel: &Channel) -> Result<(), lapin::Error> {
+        kit::amqp::declare_order_events_exchange(channel).await?;
+        let durable_exchange = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let mut hash_args = FieldTable::default();
+        hash_args.insert(
+            "hash-header".into(),
+            long_string(events::headers::AGGREGATE_ID),
+        );
+        channel
+            .exchange_declare(
+                self.exchange().into(),
+                ExchangeKind::Custom("x-consistent-hash".to_owned()),
+                durable_exchange,
+                hash_args,
+            )
+            .await?;
+        channel
+            .exchange_bind(
+                self.exchange().into(),
+                events::EXCHANGE.into(),
+                "#".into(),
+                ExchangeBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let dlq = self.dead_letter_queue();
+        let mut dlq_args = FieldTable::default();
+        dlq_args.insert("x-queue-type".into(), long_string("quorum"));
+        channel
+            .queue_declare(dlq.as_str().into(), durable, dlq_args)
+            .await?;
+
+        for partition in 0..self.partitions {
+            let queue = self.partition_queue(partition);
+            let mut args = FieldTable::default();
+            args.insert("x-queue-type".into(), long_string("quorum"));
+            args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+            );
+            // A message over the delivery limit (a crash loop) is not dropped:
+            // it lands in the dead-letter queue, at least once.
+            args.insert("x-dead-letter-exchange".into(), long_string(""));
+            args.insert("x-dead-letter-routing-key".into(), long_string(&dlq));
+            args.insert(
+                "x-dead-letter-strategy".into(),
+                long_string("at-least-once"),
+            );
+            args.insert("x-overflow".into(), long_string("reject-publish"));
+            channel
+                .queue_declare(queue.as_str().into(), durable, args)
+                .await?;
+            channel
+                .queue_bind(
+                    queue.as_str().into(),
+                    self.exchange().into(),
+                    "1".into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+
+        for (tier, delay) in self.tiers.iter().enumerate() {
+            let queue = self.retry_queue(tier);
+            let mut args = FieldTable::default();
+            args.insert("x-queue-type".into(), long_string("quorum"));
+            args.insert(
+                "x-message-ttl".into(),
+                AMQPValue::LongLongInt(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)),
+            );
+            args.insert(
+                "x-dead-letter-exchange".into(),
+                long_string(&self.exchange()),
+            );
+            args.insert(
+                "x-dead-letter-strategy".into(),
+                long_string("at-least-once"),
+            );
+            args.insert("x-overflow".into(), long_string("reject-publish"));
+            channel
+                .queue_declare(queue.as_str().into(), durable, args)
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// Header names the runtime adds to the messages it re-publishes.
+pub mod headers {
+    /// Failed attempts so far (handler errors).
+    pub const ATTEMPTS: &str = "x-consumer-attempts";
+    /// Times the event was deferred because it arrived ahead of a predecessor.
+    pub const DEFERRALS: &str = "x-consumer-deferrals";
+    /// Why the event is in the dead-letter queue.
+    pub const DEAD_LETTER_REASON: &str = "x-dead-letter-reason";
+    /// Which consumer dead-lettered it.
+    pub const DEAD_LETTERED_BY: &str = "x-dead-lettered-by";
+    /// Set on events moved back from the dead-letter queue by `redrive`.
+    pub const REDRIVEN: &str = "x-redriven";
+}
+
+/// Headers of `existing` without the runtime's bookkeeping and the broker's
+/// `x-death` history (which would otherwise grow with every retry).
+pub(crate) fn clean_headers(existing: Option<&FieldTable>) -> FieldTable {
+    let mut table = FieldTable::default();
+    if let Some(existing) = existing {
+        for (key, value) in existing.inner() {
+            let k = key.as_str();
+            let drop = k == "x-death"
+                || k.starts_with("x-first-death")
+                || k.starts_with("x-last-death")
+                || k == headers::ATTEMPTS
+                || k == headers::DEFERRALS
+                || k == headers::DEAD_LETTER_REASON
+                || k == headers::DEAD_LETTERED_BY
+                || k == headers::REDRIVEN;
+            if !drop {
+                table.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    table
+}
+
+/// An integer header (any AMQP integer type).
+pub(crate) fn int_header(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
+    let value = headers?.inner().get(name)?;
+    match value {
+        AMQPValue::LongLongInt(v) => Some(*v),
+        AMQPValue::LongInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
+        AMQPValue::ShortString(s) => s.as_str().parse().ok(),
+        _ => None,
+    }
+}
+
+/// A string header.
+pub(crate) fn str_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    let value = headers?.inner().get(name)?;
+    match value {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+pub(crate) fn set_int(table: &mut FieldTable, name: &str, value: i64) {
+    table.insert(ShortString::from(name), AMQPValue::LongLongInt(value));
+}
+
+pub(crate) fn set_str(table: &mut FieldTable, name: &str, value: &str) {
+    table.insert(ShortString::from(name), long_string(value));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_agreed_shape() {
+        let t = Topology {
+            name: "inventory".into(),
+            partitions: 4,
+            tiers: vec![Duration::from_secs(10)],
+            delivery_limit: 20,
+        };
+        assert_eq!(t.exchange(), "inventory.events");
+        assert_eq!(t.partition_queue(3), "inventory.p3");
+        assert_eq!(t.retry_queue(0), "inventory.retry.0");
+        assert_eq!(t.dead_letter_queue(), "inventory.dlq");
+    }
+
+    #[test]
+    fn cleaned_headers_drop_bookkeeping_and_keep_the_relay_headers() {
+        let mut h = FieldTable::default();
+        set_str(&mut h, "aggregate_id", "a");
+        set_int(&mut h, headers::ATTEMPTS, 3);
+        set_str(&mut h, "x-first-death-queue", "q");
+        h.insert("x-death".into(), AMQPValue::Boolean(true));
+        let cleaned = clean_headers(Some(&h));
+        assert_eq!(
+            str_header(Some(&cleaned), "aggregate_id").as_deref(),
+            Some("a")
+        );
+        assert_eq!(cleaned.inner().len(), 1);
+        assert_eq!(int_header(Some(&h), headers::ATTEMPTS), Some(3));
+    }
+}

@@ -1,0 +1,199 @@
+//! The broker side: per connection, declare the topology, then one worker per
+//! partition queue. Partitions run concurrently; within one partition messages
+//! are processed one at a time, in delivery order. On shutdown a worker stops
+//! taking messages, finishes (and acknowledges) the one in flight, and the
+//! connection is closed (anything prefetched goes back to the queue).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::{
+    options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions},
+    types::FieldTable,
+    Connection,
+};
+use tokio::task::JoinSet;
+use tracing::Instrument;
+
+use crate::{
+    process::{Infra, Processor},
+    Domain,
+};
+use kit::CancellationToken;
+
+/// Work on one broker connection until shutdown (`Ok`) or a failure (`Err`:
+/// the supervisor reconnects).
+pub(crate) async fn run_connection<D: Domain>(
+    connection: Connection,
+    processor: Arc<Processor<D>>,
+    prefetch: u16,
+    shutdown: CancellationToken,
+) -> Result<(), lapin::Error> {
+    let result = consume(&connection, processor, prefetch, &shutdown).await;
+    if connection.status().connected() {
+        if let Err(error) = connection.close(200, "bye".into()).await {
+            tracing::debug!(%error, "closing the broker connection");
+        }
+    }
+    result
+}
+
+async fn consume<D: Domain>(
+    connection: &Connection,
+    processor: Arc<Processor<D>>,
+    prefetch: u16,
+    shutdown: &CancellationToken,
+) -> Result<(), lapin::Error> {
+    let setup = connection.create_channel().await?;
+    processor.topology.declare(&setup).await?;
+    let _ = setup.close(200, "declared".into()).await;
+
+    // A token of this connection's workers: cancelled on shutdown or when one
+    // of them fails (then all stop and the connection is rebuilt).
+    let stop = shutdown.child_token();
+    let mut workers = JoinSet::new();
+    for partition in 0..processor.topology.partitions {
+        let queue = processor.topology.partition_queue(partition);
+        let consume_channel = connection.create_channel().await?;
+        consume_channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await?;
+        let publisher = connection.create_channel().await?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let tag = format!(
+            "{}-{}-p{partition}",
+            processor.topology.name,
+            std::process::id()
+        );
+        let consumer = consume_channel
+            .basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let processor = processor.clone();
+        let stop = stop.clone();
+        workers.spawn(async move {
+            // Keep the channels alive as long as the worker.
+            let _consume_channel = consume_channel;
+            let result = partition_worker(processor, &queue, consumer, &publisher, &stop).await;
+            if result.is_err() {
+                stop.cancel();
+            }
+            result
+        });
+    }
+    tracing::info!(
+        consumer = %processor.topology.name,
+        partitions = processor.topology.partitions,
+        "consuming"
+    );
+
+    let mut failure = None;
+    loop {
+        tokio::select! {
+            joined = workers.join_next() => match joined {
+                None => break,
+                Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(error))) => {
+                    failure.get_or_insert(error);
+                    stop.cancel();
+                }
+                Some(Err(join_error)) => {
+                    failure.get_or_insert(lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Error)));
+                    tracing::error!(%join_error, "a partition worker panicked");
+                    stop.cancel();
+                }
+            },
+            error = kit::amqp::closed(connection), if !stop.is_cancelled() => {
+                failure.get_or_insert(error);
+                stop.cancel();
+            }
+        }
+    }
+    match failure {
+        Some(error) if !shutdown.is_cancelled() => Err(error),
+        _ => Ok(()),
+    }
+}
+
+async fn partition_worker<D: Domain>(
+    processor: Arc<Processor<D>>,
+    queue: &str,
+    mut consumer: lapin::Consumer,
+    publisher: &lapin::Channel,
+    stop: &CancellationToken,
+) -> Result<(), lapin::Error> {
+    loop {
+        let delivery = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(()),
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(error)) => return Err(error),
+                None => {
+                    tracing::warn!(queue, "consumer stream ended");
+                    return Err(lost("consumer stream ended"));
+                }
+            },
+        };
+        let span = tracing::info_span!("consume", queue, message_id = tracing::field::Empty,);
+        if let Some(id) = delivery.properties.message_id() {
+            span.record("message_id", id.as_str());
+        }
+        let headers = delivery.properties.headers().as_ref();
+        kit::telemetry::set_remote_parent(
+            &span,
+            crate::topology::str_header(headers, events::headers::TRACEPARENT).as_deref(),
+            crate::topology::str_header(headers, events::headers::TRACESTATE).as_deref(),
+        );
+        // The in-flight message is always finished: no cancellation inside.
+        let settled = settle(&processor, publisher, &delivery, stop)
+            .instrument(span)
+            .await?;
+        if !settled {
+            return Ok(());
+        }
+    }
+}
+
+fn lost(what: &str) -> lapin::Error {
+    lapin::Error::from(std::io::Error::other(what.to_owned()))
+}
+
+/// Process and acknowledge one delivery. `Ok(false)`: stopped before it could
+/// be settled (not acknowledged: the broker redelivers it).
+async fn settle<D: Domain>(
+    processor: &Processor<D>,
+    publisher: &lapin::Channel,
+    delivery: &lapin::message::Delivery,
+    stop: &CancellationToken,
+) -> Result<bool, lapin::Error> {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match processor.process(publisher, delivery).await {
+            Ok(outcome) => {
+                tracing::debug!(?outcome, "settled");
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                return Ok(true);
+            }
+            Err(Infra::Database(error)) => {
+                tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, "database unavailable: retrying the message");
+                if stop.is_cancelled() {
+                    return Ok(false);
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            Err(Infra::Broker(error)) => {
+                tracing::warn!(%error, "publish failed: reconnecting (the message will be redelivered)");
+                return Err(lost(&error));
+            }
+        }
+    }
+}
