@@ -1,9 +1,11 @@
 //! The `outbox-relay` command line.
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use kit::migrations::Database;
+use time::{format_description::well_known::Rfc3339, OffsetDateTime};
+use uuid::Uuid;
 
-use crate::{Application, Settings, SERVICE};
+use crate::{cleanup, replay, requeue, Application, Settings, SERVICE};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -21,6 +23,58 @@ enum Command {
     Serve,
     /// Apply pending migrations of the `orders` database, then exit.
     Migrate,
+    /// Release quarantined outbox rows (after repairing the cause) so they and
+    /// the later events of their order flow again.
+    Requeue(RequeueArgs),
+    /// Delete published rows past the retention horizon once, in batches, then exit.
+    Cleanup,
+    /// Purge one consumer's partition queues and re-publish the retained,
+    /// published events (optionally of a time range or one order) to that
+    /// consumer only, in per-order sequence order.
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct RequeueArgs {
+    /// One quarantined event.
+    #[arg(long)]
+    event: Option<Uuid>,
+    /// Every quarantined event of one order (aggregate id).
+    #[arg(long)]
+    order: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct ReplayArgs {
+    /// The consumer: its exchange `<name>.events` and queues `<name>.p<i>`.
+    #[arg(long)]
+    consumer: String,
+    /// Only events that occurred at or after this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    since: Option<OffsetDateTime>,
+    /// Only events that occurred before this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    until: Option<OffsetDateTime>,
+    /// Only the events of this order (aggregate id).
+    #[arg(long)]
+    order: Option<String>,
+    /// Events per database page and per pipelined publish.
+    #[arg(long, default_value_t = 500)]
+    page_size: i64,
+}
+
+fn parse_time(value: &str) -> Result<OffsetDateTime, String> {
+    OffsetDateTime::parse(value, &Rfc3339)
+        .map_err(|e| format!("{value:?} is not an RFC 3339 time: {e}"))
+}
+
+fn consumer_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 200
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
 pub async fn main() -> anyhow::Result<()> {
@@ -36,6 +90,84 @@ pub async fn main() -> anyhow::Result<()> {
                 let pool = kit::db::pool(&settings.database)?;
                 let applied = kit::migrations::run(&pool, Database::Orders).await?;
                 println!("orders: {} migration(s) applied", applied.len());
+                Ok(())
+            }
+            Command::Requeue(args) => {
+                let target = match (args.event, args.order) {
+                    (Some(event), _) => requeue::Target::Event(event),
+                    (None, Some(order)) => requeue::Target::Order(order),
+                    (None, None) => anyhow::bail!("give --event or --order"),
+                };
+                let pool = kit::db::pool(&settings.database)?;
+                let (released, held) = requeue::requeue(&pool, &target).await?;
+                if released.is_empty() {
+                    let why = requeue::describe_unreleased(&pool, &target).await?;
+                    anyhow::bail!("nothing released for {target:?}: {why}");
+                }
+                for r in &released {
+                    println!(
+                        "released event {} ({} #{} of order {}), quarantined at {} after {} attempt(s); last error: {}",
+                        r.event_id,
+                        r.event_type,
+                        r.aggregate_sequence,
+                        r.aggregate_id,
+                        r.quarantined_at.format(&Rfc3339).unwrap_or_default(),
+                        r.attempt_count,
+                        r.last_error.as_deref().unwrap_or("-"),
+                    );
+                }
+                println!(
+                    "released {} event(s); {} later event(s) of the same order(s) follow in sequence",
+                    released.len(),
+                    held
+                );
+                Ok(())
+            }
+            Command::Cleanup => {
+                let report =
+                    cleanup::run_once(&settings.database.url, &settings.cleanup, &shutdown).await?;
+                if report.locked_out {
+                    println!("another instance is cleaning up; nothing done");
+                } else {
+                    println!(
+                        "deleted {} published row(s) older than {} s in {} batch(es) of at most {}",
+                        report.deleted,
+                        settings.cleanup.retention_secs,
+                        report.batches,
+                        settings.cleanup.batch_size
+                    );
+                }
+                Ok(())
+            }
+            Command::Replay(args) => {
+                anyhow::ensure!(
+                    consumer_name_ok(&args.consumer),
+                    "bad consumer name {:?}",
+                    args.consumer
+                );
+                anyhow::ensure!(args.page_size >= 1, "--page-size must be at least 1");
+                if let (Some(since), Some(until)) = (args.since, args.until) {
+                    anyhow::ensure!(since < until, "--since must be before --until");
+                }
+                let pool = kit::db::pool(&settings.database)?;
+                let request = replay::ReplayRequest {
+                    consumer: args.consumer,
+                    since: args.since,
+                    until: args.until,
+                    order: args.order,
+                    page_size: args.page_size,
+                    confirm_timeout: settings.relay.confirm_timeout(),
+                };
+                let summary = replay::replay(&pool, &settings.amqp, &request, &shutdown).await?;
+                println!(
+                    "replay of {}: purged {} message(s) from {} partition(s) ({}), re-published {} event(s) of {} order(s)",
+                    request.consumer,
+                    summary.purged,
+                    summary.partitions.len(),
+                    summary.partitions.join(", "),
+                    summary.republished,
+                    summary.orders
+                );
                 Ok(())
             }
         }

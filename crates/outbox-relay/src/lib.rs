@@ -1,19 +1,43 @@
 //! outbox-relay: moves committed outbox rows from the `orders` database to the
 //! `order-events` exchange, at least once, in per-order order.
+//!
+//! - [`claim`]: leased claims (short transaction, `FOR UPDATE SKIP LOCKED`,
+//!   only each order's lowest unpublished sequence), marking, failures.
+//! - [`publish`]: the AMQP message of a row and pipelined confirmed publishing.
+//! - [`relay`]: the worker loop; [`listen`]: LISTEN/NOTIFY wake-up.
+//! - [`cleanup`], [`requeue`], [`replay`]: housekeeping and admin subcommands.
+//! - [`metrics`]: the Prometheus metrics.
 
+pub mod claim;
+pub mod cleanup;
 pub mod cli;
+pub mod listen;
+pub mod metrics;
+pub mod publish;
+pub mod relay;
+pub mod replay;
+pub mod requeue;
 pub mod settings;
 
+use std::sync::Arc;
+
 use actix_web::{App, HttpServer};
-use kit::{amqp::Connected, http::Health, migrations::Database, CancellationToken};
+use kit::{amqp::Connected, db::PgPool, http::Health, migrations::Database, CancellationToken};
+use tokio::sync::watch;
 
 pub use settings::Settings;
+
+use crate::metrics::Metrics;
+use crate::relay::Relay;
 
 pub const SERVICE: &str = "outbox-relay";
 
 /// A built relay: database reachable and migrated, health listener bound.
 pub struct Application {
     settings: Settings,
+    pool: PgPool,
+    metrics: Metrics,
+    instance: String,
     server: actix_web::dev::Server,
     port: u16,
     connected: Connected,
@@ -27,10 +51,12 @@ impl Application {
         // the advisory lock) means the relay does not depend on start order.
         kit::migrations::run(&pool, Database::Orders).await?;
         let connected = Connected::default();
+        let registry = kit::metrics::registry(SERVICE);
+        let metrics = Metrics::new(&registry);
         let health = Health {
             service: SERVICE,
-            registry: kit::metrics::registry(SERVICE),
-            database: Some(pool),
+            registry,
+            database: Some(pool.clone()),
             broker: Some(connected.clone()),
         };
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
@@ -42,9 +68,13 @@ impl Application {
                 .shutdown_timeout(10)
                 .listen(listener)?
                 .run();
-        tracing::info!(port, "health and metrics listening");
+        let instance = settings.relay.resolved_instance_id();
+        tracing::info!(port, instance, "health and metrics listening");
         Ok(Self {
             settings,
+            pool,
+            metrics,
+            instance,
             server,
             port,
             connected,
@@ -55,28 +85,68 @@ impl Application {
         self.port
     }
 
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    /// Relay until `shutdown`: on SIGTERM stop claiming, finish (publish,
+    /// confirm, mark) the batches in flight, then exit.
     pub async fn run_until_stopped(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let (wake_tx, wake_rx) = watch::channel(0_u64);
+        let wake_tx = Arc::new(wake_tx);
+        let listener = tokio::spawn(listen::listen(
+            self.settings.database.url.clone(),
+            Arc::clone(&wake_tx),
+            shutdown.clone(),
+        ));
+        let gauges = tokio::spawn(self.metrics.clone().refresh_periodically(
+            self.pool.clone(),
+            std::time::Duration::from_millis(self.settings.relay.metrics_interval_ms),
+            shutdown.clone(),
+        ));
+        let cleanup = self.settings.cleanup.enabled.then(|| {
+            tokio::spawn(cleanup::run_periodically(
+                self.settings.database.url.clone(),
+                self.settings.cleanup.clone(),
+                shutdown.clone(),
+            ))
+        });
+        let relay = Relay {
+            pool: self.pool.clone(),
+            settings: self.settings.relay.clone(),
+            instance: self.instance.clone(),
+            metrics: self.metrics.clone(),
+            wake: wake_rx,
+        };
         let broker = {
             let shutdown = shutdown.clone();
             let settings = self.settings.amqp.clone();
             let connected = self.connected.clone();
+            let name = format!("{SERVICE} {}", self.instance);
             tokio::spawn(async move {
-                kit::amqp::supervise(&settings, SERVICE, &connected, &shutdown, |connection| {
+                kit::amqp::supervise(&settings, &name, &connected, &shutdown, |connection| {
                     let shutdown = shutdown.clone();
+                    let relay = relay.clone();
                     async move {
-                        let channel = connection.create_channel().await?;
-                        kit::amqp::declare_order_events_exchange(&channel).await?;
-                        tokio::select! {
-                            _ = shutdown.cancelled() => Ok(()),
-                            error = kit::amqp::closed(&connection) => Err(error),
-                        }
+                        let result = relay.run_on(&connection, &shutdown).await;
+                        let _ = connection.close(200, "relay stopping".into()).await;
+                        result
                     }
                 })
                 .await;
             })
         };
-        kit::http::run_until_stopped(self.server, shutdown).await?;
-        broker.await?;
+        let server = kit::http::run_until_stopped(self.server, shutdown.clone());
+        let (served, broker) = tokio::join!(server, broker);
+        listener.abort();
+        let _ = gauges.await;
+        if let Some(cleanup) = cleanup {
+            let _ = cleanup.await;
+        }
+        drop(wake_tx);
+        served?;
+        broker?;
+        tracing::info!("relay stopped");
         Ok(())
     }
 }

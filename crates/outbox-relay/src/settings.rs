@@ -1,5 +1,9 @@
 //! outbox-relay settings: defaults for the local setup, overridden by
-//! `OUTBOX_RELAY__<SECTION>__<FIELD>` environment variables.
+//! `OUTBOX_RELAY__<SECTION>__<FIELD>` environment variables, e.g.
+//! `OUTBOX_RELAY__RELAY__BATCH_SIZE=200` or
+//! `OUTBOX_RELAY__CLEANUP__RETENTION_SECS=86400`.
+
+use std::time::Duration;
 
 use kit::settings::{AmqpSettings, DatabaseSettings, HttpSettings};
 use serde::{Deserialize, Serialize};
@@ -13,6 +17,83 @@ pub struct Settings {
     /// The `orders` database, where the outbox lives.
     pub database: DatabaseSettings,
     pub amqp: AmqpSettings,
+    pub relay: RelaySettings,
+    pub cleanup: CleanupSettings,
+}
+
+/// Claiming, publishing and retrying (`OUTBOX_RELAY__RELAY__*`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RelaySettings {
+    /// This instance's name in `claimed_by`; empty: `<hostname>-<pid>-<uuid>`.
+    pub instance_id: String,
+    /// Restrict this instance to one tenant's rows (a dedicated relay for a
+    /// large tenant, or a test sharing a database); empty: every tenant.
+    pub only_tenant: String,
+    /// Rows claimed (and messages in flight) per batch.
+    pub batch_size: i64,
+    /// Batches worked on at once by this instance (each on its own channel).
+    pub workers: usize,
+    /// How long a claim is owned before another instance may take it over.
+    /// Must comfortably exceed `confirm_timeout_ms`.
+    pub lease_ms: u64,
+    /// Fallback wake-up when no NOTIFY arrives (NOTIFY is the normal path).
+    pub poll_interval_ms: u64,
+    /// Bound on publishing a batch and receiving all its confirms.
+    pub confirm_timeout_ms: u64,
+    /// Failed attempts after which a row is quarantined (it and the later
+    /// events of its order stop until `outbox-relay requeue`).
+    pub max_attempts: i32,
+    /// Retry delay after the first failure; doubles per attempt, with jitter.
+    pub backoff_base_ms: u64,
+    /// Upper bound of the retry delay.
+    pub backoff_cap_ms: u64,
+    /// How often the gauges (pending, oldest age, quarantined, table size) are refreshed.
+    pub metrics_interval_ms: u64,
+}
+
+/// Deleting published rows past the replay horizon (`OUTBOX_RELAY__CLEANUP__*`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CleanupSettings {
+    /// Run the periodic cleanup in `serve` (one instance at a time, by advisory lock).
+    pub enabled: bool,
+    /// Published rows older than this are deleted (the replay horizon). Default 7 days.
+    pub retention_secs: u64,
+    /// Pause between cleanup runs.
+    pub interval_ms: u64,
+    /// Rows deleted per batch (one short transaction each).
+    pub batch_size: i64,
+    /// Pause between batches, to leave room for the claim and mark queries.
+    pub batch_pause_ms: u64,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        Self {
+            instance_id: String::new(),
+            only_tenant: String::new(),
+            batch_size: 500,
+            workers: 2,
+            lease_ms: 30_000,
+            poll_interval_ms: 1_000,
+            confirm_timeout_ms: 10_000,
+            max_attempts: 10,
+            backoff_base_ms: 500,
+            backoff_cap_ms: 300_000,
+            metrics_interval_ms: 5_000,
+        }
+    }
+}
+
+impl Default for CleanupSettings {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            retention_secs: 7 * 24 * 3600,
+            interval_ms: 300_000,
+            batch_size: 1_000,
+            batch_pause_ms: 20,
+        }
+    }
 }
 
 impl Default for Settings {
@@ -21,12 +102,122 @@ impl Default for Settings {
             http: HttpSettings::local(9100),
             database: DatabaseSettings::local("orders"),
             amqp: AmqpSettings::default(),
+            relay: RelaySettings::default(),
+            cleanup: CleanupSettings::default(),
         }
     }
 }
 
 impl Settings {
     pub fn load() -> anyhow::Result<Self> {
-        Ok(kit::settings::load(ENV_PREFIX, &Self::default())?)
+        let settings: Self = kit::settings::load(ENV_PREFIX, &Self::default())?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let r = &self.relay;
+        anyhow::ensure!(r.batch_size >= 1, "relay.batch_size must be at least 1");
+        anyhow::ensure!(r.workers >= 1, "relay.workers must be at least 1");
+        anyhow::ensure!(r.max_attempts >= 1, "relay.max_attempts must be at least 1");
+        anyhow::ensure!(
+            r.lease_ms > r.confirm_timeout_ms,
+            "relay.lease_ms ({}) must exceed relay.confirm_timeout_ms ({})",
+            r.lease_ms,
+            r.confirm_timeout_ms
+        );
+        anyhow::ensure!(
+            r.backoff_base_ms >= 1 && r.backoff_cap_ms >= r.backoff_base_ms,
+            "need 1 <= relay.backoff_base_ms <= relay.backoff_cap_ms"
+        );
+        anyhow::ensure!(
+            self.cleanup.batch_size >= 1,
+            "cleanup.batch_size must be at least 1"
+        );
+        Ok(())
+    }
+}
+
+impl RelaySettings {
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms)
+    }
+    pub fn poll_interval(&self) -> Duration {
+        Duration::from_millis(self.poll_interval_ms)
+    }
+    pub fn confirm_timeout(&self) -> Duration {
+        Duration::from_millis(self.confirm_timeout_ms)
+    }
+
+    /// The configured instance id, or `<hostname>-<pid>-<uuid v4 prefix>`.
+    pub fn resolved_instance_id(&self) -> String {
+        if !self.instance_id.trim().is_empty() {
+            return self.instance_id.trim().to_owned();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .map(|h| h.trim().to_owned())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "relay".to_owned());
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        format!("{host}-{}-{}", std::process::id(), &unique[..8])
+    }
+}
+
+/// The retry delay after failed attempt number `attempt` (1 for the first
+/// failure): `base * 2^(attempt-1)` capped at `cap`, with "equal jitter"
+/// (uniform in the upper half), so retries of many rows spread out but the
+/// delay still grows. Integer milliseconds throughout.
+pub fn backoff_ms(base_ms: u64, cap_ms: u64, attempt: i32, jitter: impl FnOnce(u64) -> u64) -> u64 {
+    let exponent = u32::try_from(attempt.saturating_sub(1).clamp(0, 40)).unwrap_or(0);
+    let full = base_ms
+        .saturating_mul(1_u64.checked_shl(exponent).unwrap_or(u64::MAX))
+        .min(cap_ms);
+    let half = full / 2;
+    (full - half) + jitter(half).min(half)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_is_capped_and_jitters_in_the_upper_half() {
+        let no_jitter = |_| 0;
+        let max_jitter = |half| half;
+        assert_eq!(backoff_ms(100, 10_000, 1, no_jitter), 50);
+        assert_eq!(backoff_ms(100, 10_000, 1, max_jitter), 100);
+        assert_eq!(backoff_ms(100, 10_000, 2, max_jitter), 200);
+        assert_eq!(backoff_ms(100, 10_000, 3, no_jitter), 200);
+        assert_eq!(backoff_ms(100, 10_000, 3, max_jitter), 400);
+        assert_eq!(backoff_ms(100, 10_000, 20, max_jitter), 10_000);
+        assert_eq!(backoff_ms(100, 10_000, 20, no_jitter), 5_000);
+        assert_eq!(backoff_ms(100, 10_000, i32::MAX, max_jitter), 10_000);
+        assert_eq!(backoff_ms(100, 10_000, 0, max_jitter), 100);
+        // A jitter source out of range is clamped.
+        assert_eq!(backoff_ms(100, 10_000, 1, |_| 1_000_000), 100);
+        for attempt in 1..30 {
+            let low = backoff_ms(100, 60_000, attempt, no_jitter);
+            let high = backoff_ms(100, 60_000, attempt, max_jitter);
+            assert!(low <= high && high <= 60_000);
+            assert!(backoff_ms(100, 60_000, attempt + 1, no_jitter) >= low);
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_instance_ids_are_unique() {
+        let settings = Settings::default();
+        settings.validate().expect("defaults valid");
+        assert_eq!(settings.cleanup.retention_secs, 604_800);
+        let a = settings.relay.resolved_instance_id();
+        let b = settings.relay.resolved_instance_id();
+        assert_ne!(a, b);
+        assert!(a.contains(&std::process::id().to_string()));
+        let named = RelaySettings {
+            instance_id: "relay-a".into(),
+            ..RelaySettings::default()
+        };
+        assert_eq!(named.resolved_instance_id(), "relay-a");
     }
 }

@@ -1,0 +1,214 @@
+//! Claiming, marking and releasing outbox rows: every SQL statement of the
+//! relay's hot path.
+//!
+//! The claim is one short transaction: select the due rows that are the
+//! lowest unpublished sequence of their order, lock them `FOR UPDATE SKIP
+//! LOCKED` (concurrent claimers skip each other's rows instead of waiting),
+//! write the lease (`claimed_by`, `claim_until`), commit. Publishing happens
+//! after the commit, outside any transaction; the lease keeps other
+//! instances off the rows until it expires.
+
+use std::time::Duration;
+
+use kit::db::PgPool;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// One claimed outbox row, with everything needed to publish it.
+#[derive(Clone, Debug)]
+pub struct OutboxRow {
+    pub event_id: Uuid,
+    pub tenant_id: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub aggregate_sequence: i64,
+    pub event_type: String,
+    pub schema_version: i32,
+    pub payload: serde_json::Value,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
+    pub occurred_at: OffsetDateTime,
+    /// Failed attempts so far.
+    pub attempt_count: i32,
+}
+
+/// The result of one claim.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    pub rows: Vec<OutboxRow>,
+    /// How many of them had an expired lease of another instance.
+    pub taken_over: u64,
+}
+
+/// The claim statement. `$1` instance id, `$2` lease in ms, `$3` batch
+/// size, `$4` only this tenant (empty: all).
+///
+/// A row is claimable when it is unpublished, not quarantined, due
+/// (`available_at`), not under a live lease, and the lowest unpublished
+/// sequence of its order (the `NOT EXISTS`: any earlier unpublished row,
+/// whether leased by someone else, in backoff or quarantined, holds it
+/// back). The outer scan walks `outbox_dispatch_idx` in `available_at`
+/// order (oldest first) and the `NOT EXISTS` probes
+/// `outbox_pending_sequence_idx`; both are partial indexes on
+/// `published_at IS NULL`, so published rows cost nothing.
+pub const CLAIM_SQL: &str = "
+WITH due AS (
+    SELECT o.event_id, o.claimed_by AS previous_owner
+    FROM outbox_events o
+    WHERE o.published_at IS NULL
+      AND o.quarantined_at IS NULL
+      AND o.available_at <= now()
+      AND (o.claim_until IS NULL OR o.claim_until <= now())
+      AND ($4 = '' OR o.tenant_id = $4)
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox_events earlier
+          WHERE earlier.aggregate_id = o.aggregate_id
+            AND earlier.aggregate_type = o.aggregate_type
+            AND earlier.aggregate_sequence < o.aggregate_sequence
+            AND earlier.published_at IS NULL)
+    ORDER BY o.available_at
+    LIMIT $3
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE outbox_events t
+SET claimed_by = $1, claim_until = now() + $2::bigint * interval '1 millisecond'
+FROM due
+WHERE t.event_id = due.event_id
+RETURNING t.event_id, t.tenant_id, t.aggregate_type, t.aggregate_id, t.aggregate_sequence,
+          t.event_type, t.schema_version, t.payload, t.traceparent, t.tracestate,
+          t.occurred_at, t.attempt_count, due.previous_owner";
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Claim up to `batch_size` rows for `instance` with a lease of `lease`.
+pub async fn claim(
+    pool: &PgPool,
+    instance: &str,
+    lease: Duration,
+    batch_size: i64,
+    only_tenant: &str,
+) -> anyhow::Result<Claimed> {
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    let rows = tx
+        .query(
+            CLAIM_SQL,
+            &[&instance, &millis(lease), &batch_size, &only_tenant],
+        )
+        .await?;
+    kit::failpoint::crash_point("relay.claim");
+    tx.commit().await?;
+    let mut claimed = Claimed::default();
+    for row in rows {
+        let previous_owner: Option<String> = row.get(12);
+        if previous_owner.is_some() {
+            claimed.taken_over += 1;
+            tracing::warn!(
+                event_id = %row.get::<_, Uuid>(0),
+                previous_owner = previous_owner.as_deref().unwrap_or_default(),
+                "took over an expired claim"
+            );
+        }
+        claimed.rows.push(OutboxRow {
+            event_id: row.get(0),
+            tenant_id: row.get(1),
+            aggregate_type: row.get(2),
+            aggregate_id: row.get(3),
+            aggregate_sequence: row.get(4),
+            event_type: row.get(5),
+            schema_version: row.get(6),
+            payload: row.get(7),
+            traceparent: row.get(8),
+            tracestate: row.get(9),
+            occurred_at: row.get(10),
+            attempt_count: row.get(11),
+        });
+    }
+    Ok(claimed)
+}
+
+/// Mark confirmed rows published, in one statement. Only rows still leased
+/// to `instance` are marked: a row whose lease another instance took over
+/// is left to that instance (it publishes it again: a duplicate, never a
+/// loss). Returns the number marked.
+pub async fn mark_published(pool: &PgPool, instance: &str, ids: &[Uuid]) -> anyhow::Result<u64> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    let client = pool.get().await?;
+    let marked = client
+        .execute(
+            "UPDATE outbox_events
+             SET published_at = now(), claim_until = NULL
+             WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
+            &[&ids, &instance],
+        )
+        .await?;
+    Ok(marked)
+}
+
+/// A failed publish of one row.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub event_id: Uuid,
+    pub error: String,
+    /// Retry delay (backoff with jitter) in milliseconds.
+    pub delay_ms: i64,
+}
+
+/// Record failed attempts in one statement: `attempt_count + 1`,
+/// `last_error`, `available_at = now() + delay`, lease released; rows that
+/// reach `max_attempts` are quarantined. Returns the event ids quarantined.
+pub async fn mark_failed(
+    pool: &PgPool,
+    instance: &str,
+    failures: &[Failure],
+    max_attempts: i32,
+) -> anyhow::Result<Vec<Uuid>> {
+    if failures.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = failures.iter().map(|f| f.event_id).collect();
+    let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+    let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
+    let client = pool.get().await?;
+    let rows = client
+        .query(
+            "UPDATE outbox_events o
+             SET attempt_count = o.attempt_count + 1,
+                 last_error = f.error,
+                 available_at = now() + f.delay_ms * interval '1 millisecond',
+                 quarantined_at = CASE WHEN o.attempt_count + 1 >= $4 THEN now() END,
+                 claimed_by = NULL,
+                 claim_until = NULL
+             FROM unnest($1::uuid[], $2::text[], $3::bigint[]) AS f(event_id, error, delay_ms)
+             WHERE o.event_id = f.event_id AND o.claimed_by = $5 AND o.published_at IS NULL
+             RETURNING o.event_id, o.quarantined_at IS NOT NULL",
+            &[&ids, &errors, &delays, &max_attempts, &instance],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .filter(|row| row.get::<_, bool>(1))
+        .map(|row| row.get(0))
+        .collect())
+}
+
+/// Milliseconds until the earliest row in backoff becomes due, if any (to
+/// sleep exactly that long instead of a whole poll interval).
+pub async fn next_due_in(pool: &PgPool, only_tenant: &str) -> anyhow::Result<Option<Duration>> {
+    let client = pool.get().await?;
+    let row = client
+        .query_one(
+            "SELECT (EXTRACT(EPOCH FROM min(available_at) - now()) * 1000)::bigint
+             FROM outbox_events
+             WHERE published_at IS NULL AND quarantined_at IS NULL AND available_at > now()
+               AND ($1 = '' OR tenant_id = $1)",
+            &[&only_tenant],
+        )
+        .await?;
+    let ms: Option<i64> = row.get(0);
+    Ok(ms.map(|ms| Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0))))
+}

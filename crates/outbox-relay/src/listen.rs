@@ -1,0 +1,102 @@
+//! Wake-up by LISTEN/NOTIFY.
+//!
+//! The `orders` schema notifies channel `outbox_events` from a statement
+//! trigger on the outbox insert, delivered at commit. A pooled connection
+//! hides notifications, so this holds a dedicated tokio-postgres connection,
+//! polls its `Connection` for `AsyncMessage::Notification`, and bumps a
+//! watch counter that idle workers wait on. When the connection drops it
+//! reconnects and re-LISTENs (and wakes the workers once, for whatever was
+//! inserted while nobody listened); the poll interval stays the fallback.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use kit::CancellationToken;
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::{AsyncMessage, NoTls};
+
+pub const CHANNEL: &str = "outbox_events";
+
+/// A liveness probe on the listening connection this often (a half-open TCP
+/// connection would otherwise never report an error).
+const PROBE_EVERY: Duration = Duration::from_secs(30);
+
+fn wake(sender: &watch::Sender<u64>) {
+    sender.send_modify(|n| *n = n.wrapping_add(1));
+}
+
+/// Listen until `shutdown`, reconnecting with capped backoff.
+pub async fn listen(url: String, sender: Arc<watch::Sender<u64>>, shutdown: CancellationToken) {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match listen_once(&url, &sender, &shutdown, &mut delay).await {
+            Ok(()) => return,
+            Err(error) => tracing::warn!(
+                error = format!("{error:#}"),
+                retry_in_ms = delay.as_millis() as u64,
+                "LISTEN connection lost; polling until it is back"
+            ),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn listen_once(
+    url: &str,
+    sender: &watch::Sender<u64>,
+    shutdown: &CancellationToken,
+    delay: &mut Duration,
+) -> anyhow::Result<()> {
+    let (client, mut connection) = tokio_postgres::connect(url, NoTls).await?;
+    let (notified, mut notifications) = mpsc::unbounded_channel::<()>();
+    let driver = tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(message) = messages.next().await {
+            match message {
+                Ok(AsyncMessage::Notification(_)) => {
+                    if notified.send(()).is_err() {
+                        break;
+                    }
+                }
+                Ok(_) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
+    });
+    let result = async {
+        client.batch_execute(&format!("LISTEN {CHANNEL}")).await?;
+        tracing::info!(channel = CHANNEL, "listening for outbox notifications");
+        *delay = Duration::from_millis(100);
+        wake(sender);
+        let mut probe = tokio::time::interval(PROBE_EVERY);
+        probe.tick().await;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                message = notifications.recv() => match message {
+                    Some(()) => {
+                        // Coalesce a burst of notifications into one wake-up.
+                        while notifications.try_recv().is_ok() {}
+                        wake(sender);
+                    }
+                    None => anyhow::bail!("the LISTEN connection closed"),
+                },
+                _ = probe.tick() => {
+                    tokio::time::timeout(Duration::from_secs(10), client.simple_query("SELECT 1"))
+                        .await
+                        .map_err(|_| anyhow::anyhow!("the LISTEN connection stopped answering"))??;
+                }
+            }
+        }
+    }
+    .await;
+    drop(client);
+    driver.abort();
+    result
+}

@@ -1,0 +1,159 @@
+//! The relay's Prometheus metrics, registered in the service's own registry.
+
+use std::time::Duration;
+
+use kit::{db::PgPool, CancellationToken};
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
+
+#[derive(Clone)]
+pub struct Metrics {
+    /// Unpublished, not quarantined rows (blocked successors included).
+    pub pending: IntGauge,
+    /// Age of the oldest pending row (seconds since `occurred_at`).
+    pub oldest_pending_age: Gauge,
+    /// Quarantined rows (each also holds back its order's later events).
+    pub quarantined: IntGauge,
+    /// `pg_total_relation_size('outbox_events')`.
+    pub table_bytes: IntGauge,
+    pub published: IntCounter,
+    /// By reason: returned, nacked, timeout, channel, encode.
+    pub failures: IntCounterVec,
+    pub returned: IntCounter,
+    pub attempts: IntCounter,
+    pub expired_claims: IntCounter,
+    /// Rows put into quarantine by this instance.
+    pub quarantined_total: IntCounter,
+    pub claimed: IntCounter,
+    pub mark_lost: IntCounter,
+    pub confirm_latency: Histogram,
+}
+
+fn opts(name: &str, help: &str) -> Opts {
+    Opts::new(name, help)
+}
+
+impl Metrics {
+    /// Build the collectors and register them in `registry`.
+    pub fn new(registry: &Registry) -> Self {
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::with_opts(opts(name, help)).expect("valid counter");
+            kit::metrics::register(registry, &c);
+            c
+        };
+        let int_gauge = |name: &str, help: &str| {
+            let g = IntGauge::with_opts(opts(name, help)).expect("valid gauge");
+            kit::metrics::register(registry, &g);
+            g
+        };
+        let oldest_pending_age = Gauge::with_opts(opts(
+            "outbox_oldest_pending_age_seconds",
+            "Age of the oldest unpublished, not quarantined outbox row",
+        ))
+        .expect("valid gauge");
+        kit::metrics::register(registry, &oldest_pending_age);
+        let failures = IntCounterVec::new(
+            opts(
+                "outbox_publish_failures_total",
+                "Publish attempts that failed, by reason (returned, nacked, timeout, channel, encode)",
+            ),
+            &["reason"],
+        )
+        .expect("valid counter vec");
+        kit::metrics::register(registry, &failures);
+        let confirm_latency = Histogram::with_opts(
+            HistogramOpts::new(
+                "outbox_confirm_latency_seconds",
+                "From a message's publish to the broker's confirm",
+            )
+            .buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ]),
+        )
+        .expect("valid histogram");
+        kit::metrics::register(registry, &confirm_latency);
+        Self {
+            pending: int_gauge(
+                "outbox_pending_events",
+                "Unpublished, not quarantined outbox rows",
+            ),
+            oldest_pending_age,
+            quarantined: int_gauge(
+                "outbox_quarantined_events",
+                "Quarantined outbox rows (their orders' later events are held back)",
+            ),
+            table_bytes: int_gauge(
+                "outbox_table_bytes",
+                "Total size of the outbox table with its indexes and TOAST",
+            ),
+            published: counter(
+                "outbox_published_total",
+                "Rows published and confirmed by the broker, then marked",
+            ),
+            failures,
+            returned: counter(
+                "outbox_returned_total",
+                "Messages returned by the broker as unroutable (mandatory)",
+            ),
+            attempts: counter(
+                "outbox_attempts_total",
+                "Publish attempts (successful or not)",
+            ),
+            expired_claims: counter(
+                "outbox_expired_claims_total",
+                "Rows whose expired lease (another instance crashed or stalled) this instance took over",
+            ),
+            quarantined_total: counter(
+                "outbox_quarantined_total",
+                "Rows this instance put into quarantine after the maximum attempts",
+            ),
+            claimed: counter("outbox_claimed_total", "Rows claimed"),
+            mark_lost: counter(
+                "outbox_mark_lost_total",
+                "Confirmed rows this instance could not mark (its lease was taken over): republished later",
+            ),
+            confirm_latency,
+        }
+    }
+
+    /// Refresh the gauges from one query.
+    pub async fn refresh(&self, pool: &PgPool) -> anyhow::Result<()> {
+        let client = pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*) FILTER (WHERE quarantined_at IS NULL),
+                        COALESCE(EXTRACT(EPOCH FROM now() - min(occurred_at)
+                                 FILTER (WHERE quarantined_at IS NULL))::float8, 0),
+                        count(*) FILTER (WHERE quarantined_at IS NOT NULL),
+                        pg_total_relation_size('outbox_events')
+                 FROM outbox_events WHERE published_at IS NULL",
+                &[],
+            )
+            .await?;
+        self.pending.set(row.get(0));
+        let age: f64 = row.get(1);
+        self.oldest_pending_age.set(age.max(0.0));
+        self.quarantined.set(row.get(2));
+        self.table_bytes.set(row.get(3));
+        Ok(())
+    }
+
+    /// Refresh the gauges every `interval` until `shutdown`.
+    pub async fn refresh_periodically(
+        self,
+        pool: PgPool,
+        interval: Duration,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            if let Err(error) = self.refresh(&pool).await {
+                tracing::warn!(error = format!("{error:#}"), "refreshing outbox gauges");
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! The relay loop: claim a batch, publish it with confirms, mark it.
+//!
+//! Each worker owns one confirm-mode channel and runs
+//! claim -> publish (all in flight) -> confirms -> one mark statement, then
+//! claims again at once; when nothing is claimable it sleeps until a NOTIFY
+//! (see [`crate::listen`]), the earliest backoff expiry or the poll interval,
+//! whichever comes first. Rows are only claimed while the channel is open,
+//! and a batch once claimed is always published, confirmed and settled, also
+//! on shutdown.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use kit::{db::PgPool, CancellationToken};
+use lapin::{options::ConfirmSelectOptions, Channel, Connection};
+use rand::Rng;
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::claim::{self, Failure, OutboxRow};
+use crate::metrics::Metrics;
+use crate::publish::{self, PublishFailure};
+use crate::settings::{backoff_ms, RelaySettings};
+
+/// Everything a worker needs; cheap to clone.
+#[derive(Clone)]
+pub struct Relay {
+    pub pool: PgPool,
+    pub settings: RelaySettings,
+    pub instance: String,
+    pub metrics: Metrics,
+    pub wake: watch::Receiver<u64>,
+}
+
+/// Why a worker left its channel.
+enum ChannelEnd {
+    Shutdown,
+    /// The channel is unusable (a timed-out or failed publish); open another.
+    Reopen,
+}
+
+impl Relay {
+    /// Run `workers` workers on `connection` until shutdown (`Ok`) or the
+    /// connection fails (`Err`: the supervisor reconnects).
+    pub async fn run_on(
+        &self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<(), lapin::Error> {
+        let workers = (0..self.settings.workers.max(1)).map(|worker| {
+            let relay = self.clone();
+            async move { relay.worker(worker, connection, shutdown).await }
+        });
+        futures_util::future::try_join_all(workers).await?;
+        Ok(())
+    }
+
+    async fn worker(
+        mut self,
+        worker: usize,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<(), lapin::Error> {
+        loop {
+            let channel = connection.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            kit::amqp::declare_order_events_exchange(&channel).await?;
+            tracing::info!(worker, instance = %self.instance, "relay worker ready");
+            match self.work_channel(&channel, connection, shutdown).await? {
+                ChannelEnd::Shutdown => {
+                    let _ = channel.close(200, "shutting down".into()).await;
+                    return Ok(());
+                }
+                ChannelEnd::Reopen => {
+                    tracing::warn!(worker, "replacing the publishing channel");
+                    let _ = channel.close(200, "replacing channel".into()).await;
+                }
+            }
+        }
+    }
+
+    async fn work_channel(
+        &mut self,
+        channel: &Channel,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<ChannelEnd, lapin::Error> {
+        let mut db_delay = Duration::from_millis(100);
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(ChannelEnd::Shutdown);
+            }
+            if !connection.status().connected() {
+                return Err(kit::amqp::closed(connection).await);
+            }
+            if !channel.status().connected() {
+                return Ok(ChannelEnd::Reopen);
+            }
+            // Anything notified from here on wakes the next idle wait.
+            self.wake.borrow_and_update();
+            let claimed = match claim::claim(
+                &self.pool,
+                &self.instance,
+                self.settings.lease(),
+                self.settings.batch_size,
+                &self.settings.only_tenant,
+            )
+            .await
+            {
+                Ok(claimed) => {
+                    db_delay = Duration::from_millis(100);
+                    claimed
+                }
+                Err(error) => {
+                    tracing::warn!(error = format!("{error:#}"), "claim failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(ChannelEnd::Shutdown),
+                        _ = tokio::time::sleep(db_delay) => {}
+                    }
+                    db_delay = (db_delay * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
+            if claimed.rows.is_empty() {
+                self.idle(connection, shutdown).await?;
+                continue;
+            }
+            self.metrics.claimed.inc_by(claimed.rows.len() as u64);
+            self.metrics.expired_claims.inc_by(claimed.taken_over);
+            kit::failpoint::crash_point("relay.before_publish");
+            if self.publish_and_settle(channel, claimed.rows).await {
+                return Ok(ChannelEnd::Reopen);
+            }
+        }
+    }
+
+    /// Sleep until a NOTIFY, the earliest backoff expiry, the poll interval
+    /// or shutdown. `Err` when the broker connection is lost meanwhile.
+    async fn idle(
+        &mut self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<(), lapin::Error> {
+        let mut sleep = self.settings.poll_interval();
+        match claim::next_due_in(&self.pool, &self.settings.only_tenant).await {
+            Ok(Some(due)) => sleep = sleep.min(due + Duration::from_millis(1)),
+            Ok(None) => {}
+            Err(error) => tracing::debug!(error = format!("{error:#}"), "next due time"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => Ok(()),
+            _ = self.wake.changed() => Ok(()),
+            _ = tokio::time::sleep(sleep) => Ok(()),
+            error = kit::amqp::closed(connection) => Err(error),
+        }
+    }
+
+    /// Publish a claimed batch and record the outcome. Returns whether the
+    /// channel should be replaced.
+    async fn publish_and_settle(&self, channel: &Channel, rows: Vec<OutboxRow>) -> bool {
+        let lease_deadline = tokio::time::Instant::now() + self.settings.lease();
+        let attempts: HashMap<Uuid, i32> =
+            rows.iter().map(|r| (r.event_id, r.attempt_count)).collect();
+        let mut messages = Vec::with_capacity(rows.len());
+        let mut failed: Vec<(Uuid, PublishFailure)> = Vec::new();
+        for row in &rows {
+            match publish::prepare(row, false) {
+                Ok(prepared) => messages.push(prepared),
+                Err(error) => {
+                    failed.push((row.event_id, PublishFailure::Encode(error.to_string())))
+                }
+            }
+        }
+        let outcomes = publish::publish_batch(
+            channel,
+            events::EXCHANGE,
+            messages,
+            self.settings.confirm_timeout(),
+        )
+        .await;
+        self.metrics.attempts.inc_by(rows.len() as u64);
+        let mut acked = Vec::with_capacity(outcomes.len());
+        for outcome in outcomes {
+            match outcome.result {
+                Ok(latency) => {
+                    self.metrics.confirm_latency.observe(latency.as_secs_f64());
+                    acked.push(outcome.event_id);
+                }
+                Err(failure) => failed.push((outcome.event_id, failure)),
+            }
+        }
+        let reopen = failed.iter().any(|(_, f)| f.breaks_channel());
+
+        if !acked.is_empty() {
+            kit::failpoint::crash_point("relay.after_ack_before_mark");
+            let pool = &self.pool;
+            let instance = self.instance.as_str();
+            let acked_ref = &acked;
+            match retry_until("mark published", lease_deadline, || {
+                claim::mark_published(pool, instance, acked_ref)
+            })
+            .await
+            {
+                Some(marked) => {
+                    self.metrics.published.inc_by(marked);
+                    let lost = (acked.len() as u64).saturating_sub(marked);
+                    if lost > 0 {
+                        self.metrics.mark_lost.inc_by(lost);
+                        tracing::warn!(
+                            lost,
+                            "confirmed rows no longer leased to this instance: their new owner publishes them again"
+                        );
+                    }
+                }
+                None => {
+                    self.metrics.mark_lost.inc_by(acked.len() as u64);
+                    tracing::error!(
+                        rows = acked.len(),
+                        "could not mark confirmed rows before the lease ran out: they will be published again"
+                    );
+                }
+            }
+        }
+
+        if !failed.is_empty() {
+            let failures: Vec<Failure> = {
+                let mut rng = rand::rng();
+                failed
+                    .iter()
+                    .map(|(event_id, failure)| {
+                        self.metrics
+                            .failures
+                            .with_label_values(&[failure.reason()])
+                            .inc();
+                        if matches!(failure, PublishFailure::Returned(_)) {
+                            self.metrics.returned.inc();
+                        }
+                        let attempt = attempts.get(event_id).copied().unwrap_or(0) + 1;
+                        let delay = backoff_ms(
+                            self.settings.backoff_base_ms,
+                            self.settings.backoff_cap_ms,
+                            attempt,
+                            |half| rng.random_range(0..=half),
+                        );
+                        tracing::warn!(
+                            %event_id,
+                            attempt,
+                            reason = failure.reason(),
+                            error = failure.describe(),
+                            retry_in_ms = delay,
+                            "publish failed"
+                        );
+                        Failure {
+                            event_id: *event_id,
+                            error: failure.describe(),
+                            delay_ms: i64::try_from(delay).unwrap_or(i64::MAX),
+                        }
+                    })
+                    .collect()
+            };
+            let pool = &self.pool;
+            let instance = self.instance.as_str();
+            let failures_ref = &failures;
+            let max_attempts = self.settings.max_attempts;
+            if let Some(quarantined) = retry_until("record failures", lease_deadline, || {
+                claim::mark_failed(pool, instance, failures_ref, max_attempts)
+            })
+            .await
+            {
+                for event_id in &quarantined {
+                    tracing::error!(
+                        %event_id,
+                        max_attempts,
+                        "event quarantined: it and the later events of its order are held until `outbox-relay requeue`"
+                    );
+                }
+                self.metrics
+                    .quarantined_total
+                    .inc_by(quarantined.len() as u64);
+                self.metrics
+                    .quarantined
+                    .add(i64::try_from(quarantined.len()).unwrap_or(0));
+            }
+        }
+        reopen
+    }
+}
+
+/// Retry a database write with capped backoff until it succeeds or
+/// `deadline` passes (after which the lease may be someone else's anyway).
+async fn retry_until<T, F, Fut>(what: &str, deadline: tokio::time::Instant, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match f().await {
+            Ok(value) => return Some(value),
+            Err(error) => {
+                if tokio::time::Instant::now() + delay >= deadline {
+                    tracing::error!(error = format!("{error:#}"), what, "giving up");
+                    return None;
+                }
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    what,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "retrying"
+                );
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}

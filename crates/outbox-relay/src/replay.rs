@@ -1,0 +1,225 @@
+//! `outbox-relay replay`: reset one consumer's queues and re-publish the
+//! retained events to that consumer only.
+//!
+//! The consumer `<name>` owns (see DESIGN.md section 7) the consistent-hash
+//! exchange `<name>.events` and the partition queues `<name>.p0` ..
+//! `<name>.p{P-1}`. Replay discovers P (passive declares until the first
+//! NOT_FOUND), purges the partitions, then walks the published rows in
+//! range in `(aggregate_type, aggregate_id, aggregate_sequence)` order
+//! (keyset pages over the unique index: no sort, bounded memory, no long
+//! transaction) and publishes them to `<name>.events` with the `replayed`
+//! header, pipelined per page with confirms. One order's events hash to one
+//! partition and are sent in sequence on one channel, so they arrive in
+//! order. The consumer's inbox makes re-delivery of applied events a no-op.
+
+use std::time::Instant;
+
+use kit::{db::PgPool, settings::AmqpSettings, CancellationToken};
+use lapin::{
+    options::{
+        ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions, QueuePurgeOptions,
+    },
+    types::FieldTable,
+    Connection, ExchangeKind,
+};
+use time::OffsetDateTime;
+
+use crate::claim::OutboxRow;
+use crate::publish;
+
+/// What to replay.
+#[derive(Clone, Debug)]
+pub struct ReplayRequest {
+    pub consumer: String,
+    pub since: Option<OffsetDateTime>,
+    pub until: Option<OffsetDateTime>,
+    pub order: Option<String>,
+    pub page_size: i64,
+    pub confirm_timeout: std::time::Duration,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ReplaySummary {
+    pub partitions: Vec<String>,
+    pub purged: u64,
+    pub republished: u64,
+    pub orders: u64,
+}
+
+/// Partition queues of `consumer`, found by passive declares (a 404 closes
+/// the channel, so each probe gets a fresh one; the first miss ends it).
+pub async fn discover_partitions(
+    connection: &Connection,
+    consumer: &str,
+) -> anyhow::Result<Vec<String>> {
+    let mut partitions = Vec::new();
+    for i in 0.. {
+        let name = format!("{consumer}.p{i}");
+        let channel = connection.create_channel().await?;
+        let declared = channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match declared {
+            Ok(_) => {
+                partitions.push(name);
+                let _ = channel.close(200, "probe done".into()).await;
+            }
+            Err(_) => break,
+        }
+    }
+    Ok(partitions)
+}
+
+/// Run a replay, printing progress to stdout.
+pub async fn replay(
+    pool: &PgPool,
+    amqp: &AmqpSettings,
+    request: &ReplayRequest,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<ReplaySummary> {
+    let started = Instant::now();
+    let connection = kit::amqp::connect(amqp, "outbox-relay replay", shutdown).await?;
+    let exchange = format!("{}.events", request.consumer);
+    {
+        // The consumer's exchange must exist: it is the only route to its queues.
+        let channel = connection.create_channel().await?;
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Custom("x-consistent-hash".into()),
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("consumer exchange {exchange} not found: {e}"))?;
+        let _ = channel.close(200, "checked".into()).await;
+    }
+    let partitions = discover_partitions(&connection, &request.consumer).await?;
+    anyhow::ensure!(
+        !partitions.is_empty(),
+        "consumer {:?} has no partition queues ({0}.p0 not found)",
+        request.consumer
+    );
+    let channel = connection.create_channel().await?;
+    let mut summary = ReplaySummary {
+        partitions: partitions.clone(),
+        ..ReplaySummary::default()
+    };
+    for queue in &partitions {
+        let purged = channel
+            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+        println!("purged {queue}: {purged} message(s)");
+        summary.purged += u64::from(purged);
+    }
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+
+    let client = pool.get().await?;
+    let mut after: (String, String, i64) = (String::new(), String::new(), 0);
+    let mut last_order: Option<String> = None;
+    loop {
+        if shutdown.is_cancelled() {
+            anyhow::bail!(
+                "interrupted after {} event(s); run the replay again (consumers de-duplicate)",
+                summary.republished
+            );
+        }
+        let rows = client
+            .query(
+                "SELECT event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
+                        event_type, schema_version, payload, traceparent, tracestate,
+                        occurred_at, attempt_count
+                 FROM outbox_events
+                 WHERE (aggregate_type, aggregate_id, aggregate_sequence) > ($1, $2, $3)
+                   AND published_at IS NOT NULL
+                   AND ($4::timestamptz IS NULL OR occurred_at >= $4)
+                   AND ($5::timestamptz IS NULL OR occurred_at < $5)
+                   AND ($6::text IS NULL OR aggregate_id = $6)
+                 ORDER BY aggregate_type, aggregate_id, aggregate_sequence
+                 LIMIT $7",
+                &[
+                    &after.0,
+                    &after.1,
+                    &after.2,
+                    &request.since,
+                    &request.until,
+                    &request.order,
+                    &request.page_size,
+                ],
+            )
+            .await?;
+        if rows.is_empty() {
+            break;
+        }
+        let page: Vec<OutboxRow> = rows
+            .iter()
+            .map(|row| OutboxRow {
+                event_id: row.get(0),
+                tenant_id: row.get(1),
+                aggregate_type: row.get(2),
+                aggregate_id: row.get(3),
+                aggregate_sequence: row.get(4),
+                event_type: row.get(5),
+                schema_version: row.get(6),
+                payload: row.get(7),
+                traceparent: row.get(8),
+                tracestate: row.get(9),
+                occurred_at: row.get(10),
+                attempt_count: row.get(11),
+            })
+            .collect();
+        if let Some(last) = page.last() {
+            after = (
+                last.aggregate_type.clone(),
+                last.aggregate_id.clone(),
+                last.aggregate_sequence,
+            );
+        }
+        let mut messages = Vec::with_capacity(page.len());
+        for row in &page {
+            if last_order.as_deref() != Some(row.aggregate_id.as_str()) {
+                summary.orders += 1;
+                last_order = Some(row.aggregate_id.clone());
+            }
+            messages.push(publish::prepare(row, true)?);
+        }
+        let outcomes =
+            publish::publish_batch(&channel, &exchange, messages, request.confirm_timeout).await;
+        if let Some(failed) = outcomes.iter().find(|o| o.result.is_err()) {
+            let reason = failed
+                .result
+                .as_ref()
+                .err()
+                .map(|f| f.describe())
+                .unwrap_or_default();
+            anyhow::bail!(
+                "event {} was not confirmed ({reason}); {} event(s) replayed before it. \
+                 Run the replay again (consumers de-duplicate)",
+                failed.event_id,
+                summary.republished
+            );
+        }
+        summary.republished += page.len() as u64;
+        println!(
+            "replayed {} event(s) of {} order(s) so far ({} ms)",
+            summary.republished,
+            summary.orders,
+            started.elapsed().as_millis()
+        );
+    }
+    let _ = channel.close(200, "replay done".into()).await;
+    let _ = connection.close(200, "replay done".into()).await;
+    Ok(summary)
+}
