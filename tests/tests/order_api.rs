@@ -779,3 +779,43 @@ async fn the_openapi_document_lists_the_real_endpoints() {
         }
     }
 }
+
+#[tokio::test]
+async fn the_wait_for_an_in_flight_owner_is_bounded() {
+    let api =
+        OrderApi::start(&[("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned())]).await;
+    let caller = Caller::new("inflight");
+    // An owner that has claimed the key and not committed yet: this test's own
+    // open transaction holding the uncommitted key row.
+    let mut owner = pg(Database::Orders).await;
+    let tx = owner.transaction().await.expect("begin");
+    tx.execute(
+        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, expires_at) \
+         VALUES ($1, 'POST /orders', 'busy', 'in-flight', now() + interval '1 hour')",
+        &[&caller.tenant],
+    )
+    .await
+    .expect("claim");
+    let started = std::time::Instant::now();
+    let response = caller.post(&api.url("/orders"), "busy", SEED_ORDER).await;
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert_eq!(
+        response
+            .headers()
+            .get("Retry-After")
+            .and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    let (_, problem) = json_of(response).await;
+    assert_eq!(problem["code"], "idempotency_in_progress");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the wait is bounded"
+    );
+    // The owner gives up (rolls back): the key is free and the retry executes.
+    tx.rollback().await.expect("rollback");
+    let retry = caller.post(&api.url("/orders"), "busy", SEED_ORDER).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(!is_replay(&retry));
+    assert_eq!(counts(&caller.tenant).await.orders, 1);
+}

@@ -56,7 +56,18 @@ impl Database {
         }
     }
 
+    /// The migration sets of this database. `abort_missing` is off: during a
+    /// rolling deploy a newer instance may already have applied a migration
+    /// this binary does not know (migrations are additive: expand, then
+    /// contract in a later release), and the older binary must still start.
     fn runners(self) -> Vec<refinery::Runner> {
+        self.migration_sets()
+            .into_iter()
+            .map(|runner| runner.set_abort_missing(false))
+            .collect()
+    }
+
+    fn migration_sets(self) -> Vec<refinery::Runner> {
         let consumer = |domain: refinery::Runner| {
             let mut runtime = embedded::consumer_runtime::migrations::runner();
             runtime.set_migration_table_name("consumer_runtime_schema_history");
