@@ -10,6 +10,17 @@ SERVICES=(order-api outbox-relay inventory-consumer ledger-consumer loyalty-cons
 PORTS=(8080 9100 8081 8082 8083)
 mkdir -p .run
 
+# Local demo credentials (git-ignored): an API key of tenant `demo` for
+# order-api, and the bearer token of the consumers' internal read endpoints.
+CREDENTIALS=.run/credentials.env
+if [ ! -s "$CREDENTIALS" ]; then
+    api_key=$("$BIN/order-api" api-key create --tenant demo 2>/dev/null)
+    token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
+    printf 'TENANT=demo\nORDER_API_KEY=%s\nSERVICE_TOKEN=%s\n' "$api_key" "$token" > "$CREDENTIALS"
+    chmod 600 "$CREDENTIALS"
+fi
+set -a; . "$CREDENTIALS"; set +a
+
 pids=()
 stop() {
     trap - INT TERM
@@ -40,4 +51,6 @@ for i in "${!SERVICES[@]}"; do
     fi
 done
 echo "==> all services started; Ctrl-C stops them"
+echo "==> demo tenant: $TENANT   API key: $ORDER_API_KEY   service token: $SERVICE_TOKEN  (in $CREDENTIALS)"
+echo "    (README.md, section API, has curl examples: source $CREDENTIALS first)"
 wait
