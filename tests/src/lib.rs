@@ -202,3 +202,4 @@ impl OrderApi {
         format!("{}{path}", self.base)
     }
 }
+pub mod consumers;

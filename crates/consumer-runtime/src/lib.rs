@@ -105,6 +105,7 @@ fn topology_of(settings: &Settings) -> anyhow::Result<Topology> {
         partitions: settings.consumer.partitions,
         tiers: settings.retry_tiers()?,
         delivery_limit: settings.consumer.delivery_limit,
+        bind_order_events: settings.consumer.bind_order_events,
     })
 }
 

@@ -50,6 +50,10 @@ pub struct ConsumerSettings {
     /// message that crashes the process every time it is delivered (it is
     /// then dead-lettered by the broker into `<name>.dlq`).
     pub delivery_limit: u32,
+    /// Bind `<name>.events` to `order-events` (`#`). Always on in a real
+    /// deployment; tests turn it off to feed a private consumer only through
+    /// its own hash exchange (isolated from every other event publisher).
+    pub bind_order_events: bool,
 }
 
 /// Inbox cleanup.
@@ -91,6 +95,7 @@ impl Settings {
                 max_attempts: 5,
                 max_deferrals: 30,
                 delivery_limit: 20,
+                bind_order_events: true,
             },
             cleanup: CleanupSettings {
                 inbox_retention_hours: 8 * 24,

@@ -25,6 +25,8 @@ pub struct Topology {
     pub partitions: u16,
     pub tiers: Vec<Duration>,
     pub delivery_limit: u32,
+    /// Bind the hash exchange to `order-events` (see `ConsumerSettings`).
+    pub bind_order_events: bool,
 }
 
 fn long_string(value: &str) -> AMQPValue {
@@ -69,15 +71,17 @@ impl Topology {
                 hash_args,
             )
             .await?;
-        channel
-            .exchange_bind(
-                self.exchange().into(),
-                events::EXCHANGE.into(),
-                "#".into(),
-                ExchangeBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        if self.bind_order_events {
+            channel
+                .exchange_bind(
+                    self.exchange().into(),
+                    events::EXCHANGE.into(),
+                    "#".into(),
+                    ExchangeBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
 
         let durable = QueueDeclareOptions {
             durable: true,
@@ -230,6 +234,7 @@ mod tests {
             partitions: 4,
             tiers: vec![Duration::from_secs(10)],
             delivery_limit: 20,
+            bind_order_events: true,
         };
         assert_eq!(t.exchange(), "inventory.events");
         assert_eq!(t.partition_queue(3), "inventory.p3");

@@ -1,0 +1,643 @@
+//! Helpers of the consumer tests: start a consumer binary under a private
+//! consumer name (so its exchange and queues are its own), publish events
+//! exactly as the relay does, read metrics and the dead-letter queue, and
+//! remove the topology afterwards.
+
+use std::time::{Duration, Instant};
+
+use futures_util::Future;
+use kit::amqp::{check_confirmation, lapin, PublishRejected};
+use lapin::{
+    options::{
+        BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+        ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+    },
+    types::{AMQPValue, FieldTable, LongString, ShortString},
+    BasicProperties, Channel, Connection,
+};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::{amqp_url, free_port, pg_url, wait_for_ok, Database, Service};
+
+/// The service token the tests give the consumers.
+pub const TEST_TOKEN: &str = "consumer-test-token";
+
+/// Retry tiers of the tests (milliseconds).
+pub const TEST_TIERS_MS: &str = "100,200,300,400,500";
+
+/// A short random id for names and tenants.
+pub fn unique(prefix: &str) -> String {
+    let id = Uuid::new_v4().simple().to_string();
+    format!("{prefix}-{}", &id[..12])
+}
+
+/// Which consumer binary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Inventory,
+    Ledger,
+    Loyalty,
+}
+
+impl Kind {
+    pub fn binary(self) -> &'static str {
+        match self {
+            Kind::Inventory => "inventory-consumer",
+            Kind::Ledger => "ledger-consumer",
+            Kind::Loyalty => "loyalty-consumer",
+        }
+    }
+
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Kind::Inventory => "INVENTORY_CONSUMER",
+            Kind::Ledger => "LEDGER_CONSUMER",
+            Kind::Loyalty => "LOYALTY_CONSUMER",
+        }
+    }
+
+    pub fn database(self) -> Database {
+        match self {
+            Kind::Inventory => Database::Inventory,
+            Kind::Ledger => Database::Ledger,
+            Kind::Loyalty => Database::Loyalty,
+        }
+    }
+}
+
+/// How to start a consumer.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub partitions: u16,
+    pub tiers_ms: String,
+    pub max_deferrals: u32,
+    pub failpoints: Option<String>,
+    pub extra: Vec<(String, String)>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            partitions: 2,
+            tiers_ms: TEST_TIERS_MS.to_owned(),
+            max_deferrals: 200,
+            failpoints: None,
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl Options {
+    pub fn tier_count(&self) -> usize {
+        self.tiers_ms.split(',').count()
+    }
+}
+
+/// Environment of a consumer process named `name`.
+pub fn consumer_env(kind: Kind, name: &str, port: u16, options: &Options) -> Vec<(String, String)> {
+    let p = kind.prefix();
+    let mut env = vec![
+        (format!("{p}__HTTP__PORT"), port.to_string()),
+        (format!("{p}__CONSUMER__NAME"), name.to_owned()),
+        (
+            format!("{p}__CONSUMER__PARTITIONS"),
+            options.partitions.to_string(),
+        ),
+        (
+            format!("{p}__CONSUMER__RETRY_TIERS_MS"),
+            options.tiers_ms.clone(),
+        ),
+        (
+            format!("{p}__CONSUMER__MAX_DEFERRALS"),
+            options.max_deferrals.to_string(),
+        ),
+        // Fed only through its own hash exchange: isolated from every other
+        // test (and engineer) publishing on order-events.
+        (
+            format!("{p}__CONSUMER__BIND_ORDER_EVENTS"),
+            "false".to_owned(),
+        ),
+        (format!("{p}__DATABASE__URL"), pg_url(kind.database())),
+        (format!("{p}__DATABASE__POOL_SIZE"), "6".to_owned()),
+        (format!("{p}__AMQP__URL"), amqp_url()),
+        ("SERVICE_TOKEN".to_owned(), TEST_TOKEN.to_owned()),
+        (
+            "RUST_LOG".to_owned(),
+            std::env::var("CONSUMER_TEST_LOG").unwrap_or_else(|_| "warn".to_owned()),
+        ),
+        ("LOG_FORMAT".to_owned(), "text".to_owned()),
+        (
+            "FAILPOINTS".to_owned(),
+            options.failpoints.clone().unwrap_or_default(),
+        ),
+    ];
+    env.extend(options.extra.iter().cloned());
+    env
+}
+
+/// A consumer process with a private name.
+pub struct Consumer {
+    pub kind: Kind,
+    pub name: String,
+    pub port: u16,
+    pub options: Options,
+    pub service: Service,
+}
+
+impl Consumer {
+    /// Start it and wait until it serves HTTP and its topology exists.
+    pub async fn start(kind: Kind, name: &str, options: Options) -> Consumer {
+        let port = free_port();
+        let env = consumer_env(kind, name, port, &options);
+        let env_refs: Vec<(&str, String)> =
+            env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let service = Service::start(kind.binary(), &[], &env_refs);
+        let consumer = Consumer {
+            kind,
+            name: name.to_owned(),
+            port,
+            options,
+            service,
+        };
+        wait_for_ok(
+            &format!("{}/readyz", consumer.base_url()),
+            Duration::from_secs(90),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{} {name}: {e}", kind.binary()));
+        wait_for_topology(name, consumer.options.tier_count()).await;
+        consumer
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The sum of every series of metric `name` whose labels contain `labels`.
+    pub async fn metric(&self, name: &str, labels: &str) -> f64 {
+        let body = reqwest::get(format!("{}/metrics", self.base_url()))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics body");
+        parse_metric(&body, name, labels)
+    }
+
+    /// Wait until metric `name{labels}` reaches at least `value`.
+    pub async fn wait_metric(&self, name: &str, labels: &str, value: f64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let current = self.metric(name, labels).await;
+            if current >= value {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: {name}{{{labels}}} = {current}, expected >= {value}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// GET a read endpoint with the service token.
+    pub async fn get(&self, path_and_query: &str) -> (u16, Value) {
+        let response = reqwest::Client::new()
+            .get(format!("{}{path_and_query}", self.base_url()))
+            .bearer_auth(TEST_TOKEN)
+            .send()
+            .await
+            .expect("GET");
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+}
+
+/// Sum of metric `name` series whose label set contains `labels`.
+pub fn parse_metric(body: &str, name: &str, labels: &str) -> f64 {
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter(|l| l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Poll until `<name>.events` routes to every partition queue and the retry
+/// tiers exist (the consumer declares them after connecting).
+pub async fn wait_for_topology(name: &str, tiers: usize) {
+    let connection = connect().await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let channel = connection.create_channel().await.expect("channel");
+        let last = format!("{name}.retry.{}", tiers - 1);
+        let declared = channel
+            .queue_declare(
+                last.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok();
+        if declared {
+            let _ = channel.close(200, "ok".into()).await;
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "topology of {name} not declared in time"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = connection.close(200, "ok".into()).await;
+}
+
+pub async fn connect() -> Connection {
+    let settings = kit::settings::AmqpSettings { url: amqp_url() };
+    kit::amqp::connect(&settings, "consumer-tests", &kit::CancellationToken::new())
+        .await
+        .expect("connect to RabbitMQ")
+}
+
+/// Poll `check` until it returns `Some`, at most `timeout`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// ------------------------------------------------------------- events
+
+/// An event message: the envelope JSON and the relay's AMQP metadata.
+#[derive(Clone, Debug)]
+pub struct Message {
+    pub event_id: Uuid,
+    pub event_type: String,
+    pub aggregate_id: String,
+    pub sequence: i64,
+    pub schema_version: i64,
+    pub tenant: String,
+    pub body: Vec<u8>,
+}
+
+/// RFC 3339 "now" (UTC), without a date-time dependency.
+pub fn now_rfc3339() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let days = i64::try_from(secs / 86_400).unwrap_or_default();
+    let rem = secs % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Build an event message from its parts (any type or version, for poison tests).
+pub fn message(
+    tenant: &str,
+    order: Uuid,
+    sequence: i64,
+    event_type: &str,
+    schema_version: i64,
+    payload: Value,
+) -> Message {
+    let event_id = Uuid::now_v7();
+    let envelope = json!({
+        "event_id": event_id,
+        "event_type": event_type,
+        "schema_version": schema_version,
+        "tenant_id": tenant,
+        "aggregate_type": "order",
+        "aggregate_id": order.to_string(),
+        "aggregate_sequence": sequence,
+        "occurred_at": now_rfc3339(),
+        "payload": payload,
+    });
+    let body = serde_json::to_vec(&envelope).expect("json");
+    if schema_version == 1 && events::supported_versions(event_type).contains(&1) {
+        // Known events must be valid by the contract itself.
+        events::RawEnvelope::parse_raw(&body)
+            .and_then(|raw| raw.decode())
+            .expect("a valid v1 event");
+    }
+    Message {
+        event_id,
+        event_type: event_type.to_owned(),
+        aggregate_id: order.to_string(),
+        sequence,
+        schema_version,
+        tenant: tenant.to_owned(),
+        body,
+    }
+}
+
+/// The seed 003 order: customer 77 buys 2 x JKT-M at 40.00 (cost 22.00),
+/// shipping 5.00, tax 8.00, total 93.00, card payment 9001, delivery 311.
+pub struct Story {
+    pub tenant: String,
+    pub order: Uuid,
+    pub placed: Message,
+    pub paid: Message,
+    pub delivered: Message,
+}
+
+pub fn order_placed(tenant: &str, order: Uuid, sequence: i64, customer: &str, qty: u32) -> Message {
+    let total = 40 * i64::from(qty) + 13;
+    message(
+        tenant,
+        order,
+        sequence,
+        "OrderPlaced",
+        1,
+        json!({
+            "order_id": order,
+            "customer_id": customer,
+            "lines": [{"sku": "JKT-M", "qty": qty, "unit_price": "40.00", "unit_cost": "22.00"}],
+            "shipping": "5.00",
+            "tax": "8.00",
+            "total": format!("{total}.00"),
+            "currency": "USD",
+            "location": "WH-1",
+        }),
+    )
+}
+
+pub fn payment_received(tenant: &str, order: Uuid, sequence: i64, amount: &str) -> Message {
+    message(
+        tenant,
+        order,
+        sequence,
+        "PaymentReceived",
+        1,
+        json!({
+            "order_id": order,
+            "payment_id": "9001",
+            "amount": amount,
+            "currency": "USD",
+            "method": "card",
+        }),
+    )
+}
+
+pub fn parcel_delivered(tenant: &str, order: Uuid, sequence: i64, qty: u32) -> Message {
+    message(
+        tenant,
+        order,
+        sequence,
+        "ParcelDelivered",
+        1,
+        json!({
+            "order_id": order,
+            "delivery_id": "311",
+            "delivered_at": now_rfc3339(),
+            "lines": [{"sku": "JKT-M", "qty": qty}],
+        }),
+    )
+}
+
+pub fn story(tenant: &str) -> Story {
+    let order = Uuid::now_v7();
+    Story {
+        tenant: tenant.to_owned(),
+        order,
+        placed: order_placed(tenant, order, 1, "77", 2),
+        paid: payment_received(tenant, order, 2, "93.00"),
+        delivered: parcel_delivered(tenant, order, 3, 2),
+    }
+}
+
+fn long(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.as_bytes()))
+}
+
+/// A confirm-mode channel publishing like the relay.
+pub struct Publisher {
+    pub connection: Connection,
+    pub channel: Channel,
+}
+
+impl Publisher {
+    pub async fn connect() -> Publisher {
+        let connection = connect().await;
+        let channel = connection.create_channel().await.expect("channel");
+        kit::amqp::declare_order_events_exchange(&channel)
+            .await
+            .expect("declare order-events");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirms");
+        Publisher {
+            connection,
+            channel,
+        }
+    }
+
+    /// Publish raw bytes with the relay's properties and headers.
+    pub async fn publish_raw(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &Message,
+    ) -> Result<(), PublishRejected> {
+        let mut headers = FieldTable::default();
+        headers.insert("aggregate_id".into(), long(&message.aggregate_id));
+        headers.insert(
+            "aggregate_sequence".into(),
+            AMQPValue::LongLongInt(message.sequence),
+        );
+        headers.insert(
+            "schema_version".into(),
+            AMQPValue::LongLongInt(message.schema_version),
+        );
+        headers.insert("tenant_id".into(), long(&message.tenant));
+        headers.insert("event_type".into(), long(&message.event_type));
+        headers.insert(
+            "traceparent".into(),
+            long("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        );
+        let properties = BasicProperties::default()
+            .with_message_id(ShortString::from(message.event_id.to_string()))
+            .with_type(ShortString::from(message.event_type.as_str()))
+            .with_content_type(ShortString::from("application/json"))
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        let confirm = self
+            .channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &message.body,
+                properties,
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+        check_confirmation(confirm)
+    }
+
+    /// Publish to the consumer's own hash exchange (only that consumer sees it).
+    pub async fn to_consumer(&self, consumer: &str, message: &Message) {
+        self.publish_raw(&format!("{consumer}.events"), &message.event_type, message)
+            .await
+            .unwrap_or_else(|e| panic!("publish {} to {consumer}: {e}", message.event_type));
+    }
+
+    /// Publish to `order-events` (every consumer bound to it gets a copy).
+    pub async fn to_order_events(&self, message: &Message) {
+        self.publish_raw(events::EXCHANGE, &message.event_type, message)
+            .await
+            .unwrap_or_else(|e| panic!("publish {}: {e}", message.event_type));
+    }
+}
+
+/// A message read from a dead-letter queue.
+#[derive(Debug)]
+pub struct DeadLetter {
+    pub body: Vec<u8>,
+    pub reason: String,
+    pub aggregate_id: Option<String>,
+}
+
+fn header_string(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// Messages currently in `<consumer>.dlq` (reads and acknowledges them: they
+/// are removed).
+pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let mut letters = Vec::new();
+    while let Some(message) = channel
+        .basic_get(
+            format!("{consumer}.dlq").as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .expect("basic.get on the dlq")
+    {
+        let headers = message.delivery.properties.headers().as_ref();
+        letters.push(DeadLetter {
+            body: message.delivery.data.clone(),
+            reason: header_string(headers, "x-dead-letter-reason").unwrap_or_default(),
+            aggregate_id: header_string(headers, "aggregate_id"),
+        });
+        message
+            .delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .expect("ack");
+    }
+    let _ = connection.close(200, "ok".into()).await;
+    letters
+}
+
+/// Number of messages ready in `queue`.
+pub async fn queue_depth(queue: &str) -> u32 {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let depth = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map(|q| q.message_count())
+        .unwrap_or_else(|e| panic!("queue {queue}: {e}"));
+    let _ = connection.close(200, "ok".into()).await;
+    depth
+}
+
+/// GET `path` of the RabbitMQ management API (`/api/...`).
+pub async fn management(path: &str) -> Value {
+    let url = format!(
+        "http://127.0.0.1:{}{path}",
+        std::env::var("RABBITMQ_MGMT_PORT").unwrap_or_else(|_| "15672".to_owned())
+    );
+    let user = std::env::var("AMQP_USER").unwrap_or_else(|_| "app".to_owned());
+    let password = std::env::var("AMQP_PASSWORD").unwrap_or_else(|_| "app".to_owned());
+    match reqwest::Client::new()
+        .get(url)
+        .basic_auth(user, Some(password))
+        .send()
+        .await
+    {
+        Ok(response) => response.json::<Value>().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
+/// Consumers registered on `queue` (management API).
+pub async fn queue_consumers(queue: &str) -> u64 {
+    management(&format!("/api/queues/%2f/{queue}"))
+        .await
+        .get("consumers")
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+/// Delete a test consumer's exchange and queues.
+pub async fn teardown(consumer: &str, partitions: u16, tiers: usize) {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let mut queues: Vec<String> = (0..partitions)
+        .map(|p| format!("{consumer}.p{p}"))
+        .collect();
+    queues.extend((0..tiers).map(|t| format!("{consumer}.retry.{t}")));
+    queues.push(format!("{consumer}.dlq"));
+    for queue in queues {
+        let _ = channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = channel
+        .exchange_delete(
+            format!("{consumer}.events").as_str().into(),
+            ExchangeDeleteOptions::default(),
+        )
+        .await;
+    let _ = connection.close(200, "ok".into()).await;
+}

@@ -1,0 +1,1147 @@
+//! The consumers against the real PostgreSQL and RabbitMQ: the seed 003 story
+//! row by row, duplicates, ordering, retries, dead letters and redrive, crash
+//! windows, poison, the ledger's database-enforced invariants, failover and
+//! inbox cleanup. Every test runs its consumers under a private consumer name
+//! (own exchange and queues) and a private tenant, and counts only its rows.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use system_tests::{
+    bin,
+    consumers::{
+        drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
+        payment_received, queue_consumers, queue_depth, story, teardown, unique, Consumer, Kind,
+        Options, Publisher, TEST_TOKEN,
+    },
+    pg, pool, Database,
+};
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn progress(db: Database, consumer: &str, order: Uuid) -> Option<(i64, bool)> {
+    pg(db)
+        .await
+        .query_opt(
+            "SELECT last_sequence, parked_at IS NOT NULL FROM order_progress \
+             WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&consumer, &order.to_string()],
+        )
+        .await
+        .expect("progress")
+        .map(|row| (row.get(0), row.get(1)))
+}
+
+async fn wait_sequence(db: Database, consumer: &str, order: Uuid, sequence: i64) {
+    eventually(
+        &format!("{consumer}: order {order} at sequence {sequence}"),
+        WAIT,
+        || async {
+            progress(db, consumer, order)
+                .await
+                .filter(|(last, _)| *last >= sequence)
+        },
+    )
+    .await;
+}
+
+/// (movement_type, qty, on_hand_delta, reserved_delta, shortage, order_id, receipt_id, event_id)
+type MovementRow = (
+    String,
+    i64,
+    i64,
+    i64,
+    i64,
+    Option<Uuid>,
+    Option<String>,
+    Option<Uuid>,
+);
+
+async fn movements(tenant: &str) -> Vec<MovementRow> {
+    pg(Database::Inventory)
+        .await
+        .query(
+            "SELECT movement_type, qty, on_hand_delta, reserved_delta, shortage, order_id, \
+                    receipt_id, event_id \
+             FROM stock_movements WHERE tenant_id = $1 AND sku = 'JKT-M' AND location = 'WH-1' \
+             ORDER BY movement_id",
+            &[&tenant],
+        )
+        .await
+        .expect("movements")
+        .iter()
+        .map(|r| {
+            (
+                r.get(0),
+                r.get(1),
+                r.get(2),
+                r.get(3),
+                r.get(4),
+                r.get(5),
+                r.get(6),
+                r.get(7),
+            )
+        })
+        .collect()
+}
+
+/// (on_hand, reserved, available) of JKT-M at WH-1.
+async fn level(tenant: &str) -> Option<(i64, i64, i64)> {
+    pg(Database::Inventory)
+        .await
+        .query_opt(
+            "SELECT on_hand, reserved, available FROM stock_levels \
+             WHERE tenant_id = $1 AND sku = 'JKT-M' AND location = 'WH-1'",
+            &[&tenant],
+        )
+        .await
+        .expect("level")
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+}
+
+/// Every level of the tenant equals the sum of its movements.
+async fn assert_levels_equal_movements(tenant: &str) {
+    let drift: i64 = pg(Database::Inventory)
+        .await
+        .query_one(
+            "SELECT count(*) FROM stock_levels l LEFT JOIN LATERAL ( \
+               SELECT coalesce(sum(on_hand_delta), 0) AS on_hand, \
+                      coalesce(sum(reserved_delta), 0) AS reserved \
+               FROM stock_movements m \
+               WHERE m.tenant_id = l.tenant_id AND m.sku = l.sku AND m.location = l.location) s ON true \
+             WHERE l.tenant_id = $1 AND (l.on_hand <> s.on_hand OR l.reserved <> s.reserved)",
+            &[&tenant],
+        )
+        .await
+        .expect("drift")
+        .get(0);
+    assert_eq!(drift, 0, "stock levels differ from their movements");
+}
+
+/// (account_code, debit, credit)
+type Line = (String, i64, i64);
+/// (event_id, lines)
+type Entry = (Uuid, Vec<Line>);
+
+/// Journal of one order, entry by entry.
+async fn journal(tenant: &str, order: Uuid) -> Vec<Entry> {
+    let rows = pg(Database::Ledger)
+        .await
+        .query(
+            "SELECT e.event_id, l.account_code, l.debit, l.credit \
+             FROM journal_entries e JOIN journal_lines l ON l.entry_id = e.entry_id \
+             WHERE e.tenant_id = $1 AND e.order_id = $2 \
+             ORDER BY e.posted_at, e.entry_id, l.line_no",
+            &[&tenant, &order],
+        )
+        .await
+        .expect("journal");
+    let mut entries: Vec<Entry> = Vec::new();
+    for row in rows {
+        let event: Uuid = row.get(0);
+        if entries.last().is_none_or(|(e, _)| *e != event) {
+            entries.push((event, Vec::new()));
+        }
+        if let Some((_, lines)) = entries.last_mut() {
+            lines.push((row.get(1), row.get(2), row.get(3)));
+        }
+    }
+    entries
+}
+
+fn lines(spec: &[(&str, i64, i64)]) -> Vec<Line> {
+    spec.iter()
+        .map(|(a, d, c)| ((*a).to_owned(), *d, *c))
+        .collect()
+}
+
+fn payment_lines() -> Vec<Line> {
+    lines(&[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)])
+}
+
+fn delivery_lines() -> Vec<Line> {
+    lines(&[
+        ("customer_deposits", 9300, 0),
+        ("sales", 0, 8000),
+        ("shipping_income", 0, 500),
+        ("tax_payable", 0, 800),
+        ("cogs", 4400, 0),
+        ("inventory", 0, 4400),
+    ])
+}
+
+/// (customer, points, order, event) of the tenant.
+async fn loyalty(tenant: &str) -> Vec<(String, i64, Uuid, Uuid)> {
+    pg(Database::Loyalty)
+        .await
+        .query(
+            "SELECT customer_id, points, order_id, event_id FROM loyalty_entries \
+             WHERE tenant_id = $1 ORDER BY entry_id",
+            &[&tenant],
+        )
+        .await
+        .expect("loyalty")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
+async fn receipt(consumer: &Consumer, tenant: &str, receipt_id: &str, qty: i64) -> (u16, Value) {
+    let response = reqwest::Client::new()
+        .post(format!(
+            "{}/stock/receipts?tenant={tenant}",
+            consumer.base_url()
+        ))
+        .bearer_auth(TEST_TOKEN)
+        .json(&json!({"receipt_id": receipt_id, "sku": "JKT-M", "location": "WH-1", "qty": qty}))
+        .send()
+        .await
+        .expect("POST /stock/receipts");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn start_all(prefix: &str, options: &Options) -> (Consumer, Consumer, Consumer) {
+    let (inv, led, loy) = (
+        unique(&format!("{prefix}-inv")),
+        unique(&format!("{prefix}-led")),
+        unique(&format!("{prefix}-loy")),
+    );
+    tokio::join!(
+        Consumer::start(Kind::Inventory, &inv, options.clone()),
+        Consumer::start(Kind::Ledger, &led, options.clone()),
+        Consumer::start(Kind::Loyalty, &loy, options.clone()),
+    )
+}
+
+async fn send_story(
+    publisher: &Publisher,
+    consumers: &[&Consumer],
+    s: &system_tests::consumers::Story,
+) {
+    for m in [&s.placed, &s.paid, &s.delivered] {
+        for c in consumers {
+            publisher.to_consumer(&c.name, m).await;
+        }
+    }
+}
+
+/// Post a two-line entry (Dr cash, Cr sales) in one transaction.
+async fn post_entry(
+    client: &mut tokio_postgres::Client,
+    tenant: &str,
+    debit: i64,
+    credit: i64,
+) -> Result<Uuid, tokio_postgres::Error> {
+    let entry = Uuid::now_v7();
+    let tx = client.transaction().await.expect("tx");
+    tx.execute(
+        "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+           description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
+        &[&entry, &tenant],
+    )
+    .await
+    .expect("entry");
+    tx.execute(
+        "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+         VALUES ($1, 1, $2, 'cash', $3, 0), ($1, 2, $2, 'sales', 0, $4)",
+        &[&entry, &tenant, &debit, &credit],
+    )
+    .await
+    .expect("lines");
+    tx.commit().await.map(|()| entry)
+}
+
+async fn teardown_consumer(consumer: &Consumer) {
+    // Stop it first, or it sees its queues vanish (and reconnects, noisily).
+    consumer.service.signal("KILL");
+    teardown(
+        &consumer.name,
+        consumer.options.partitions,
+        consumer.options.tier_count(),
+    )
+    .await;
+}
+
+/// (1) The seed 003 example, row by row, through all three consumers (each
+/// fed the relay's exact messages on its own hash exchange) and their read
+/// endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
+    let tenant = unique("t5-seed");
+    let (inventory, ledger, loyalty_c) = start_all("t5-seed", &Options::default()).await;
+    let s = story(&tenant);
+    let publisher = Publisher::connect().await;
+    let consumers = [&inventory, &ledger, &loyalty_c];
+    let publish = |m: &'_ system_tests::consumers::Message| {
+        let publisher = &publisher;
+        let m = m.clone();
+        async move {
+            for c in consumers {
+                publisher.to_consumer(&c.name, &m).await;
+            }
+        }
+    };
+
+    // Inventory owns receipts: 48 JKT-M arrive at WH-1 (idempotent by receipt id).
+    let (status, body) = receipt(&inventory, &tenant, "R-48", 48).await;
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = receipt(&inventory, &tenant, "R-48", 48).await;
+    assert_eq!(status, 200, "a replayed receipt: {body}");
+    assert_eq!(body["replayed"], json!(true));
+    let (status, body) = receipt(&inventory, &tenant, "R-48", 47).await;
+    assert_eq!(status, 409, "same receipt id, other contents: {body}");
+    assert_eq!(body["code"], json!("receipt_conflict"));
+    assert_eq!(level(&tenant).await, Some((48, 0, 48)));
+
+    // OrderPlaced: reserve 2; on_hand stays 48, reserved 2, available 46.
+    publish(&s.placed).await;
+    wait_sequence(Database::Inventory, &inventory.name, s.order, 1).await;
+    assert_eq!(level(&tenant).await, Some((48, 2, 46)));
+    wait_sequence(Database::Ledger, &ledger.name, s.order, 1).await;
+    assert!(
+        journal(&tenant, s.order).await.is_empty(),
+        "no entry on OrderPlaced"
+    );
+
+    // PaymentReceived: Dr Card clearing 93.00 / Cr Customer deposits 93.00.
+    publish(&s.paid).await;
+    wait_sequence(Database::Ledger, &ledger.name, s.order, 2).await;
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![(s.paid.event_id, payment_lines())]
+    );
+
+    // ParcelDelivered: sale -2, on_hand 46, reserved 0; the delivery entry; +80 points.
+    publish(&s.delivered).await;
+    wait_sequence(Database::Inventory, &inventory.name, s.order, 3).await;
+    wait_sequence(Database::Ledger, &ledger.name, s.order, 3).await;
+    wait_sequence(Database::Loyalty, &loyalty_c.name, s.order, 3).await;
+
+    assert_eq!(
+        movements(&tenant).await,
+        vec![
+            (
+                "receipt".into(),
+                48,
+                48,
+                0,
+                0,
+                None,
+                Some("R-48".into()),
+                None
+            ),
+            (
+                "reserve".into(),
+                2,
+                0,
+                2,
+                0,
+                Some(s.order),
+                None,
+                Some(s.placed.event_id)
+            ),
+            (
+                "sale".into(),
+                -2,
+                -2,
+                -2,
+                0,
+                Some(s.order),
+                None,
+                Some(s.delivered.event_id)
+            ),
+        ]
+    );
+    assert_eq!(level(&tenant).await, Some((46, 0, 46)));
+    assert_levels_equal_movements(&tenant).await;
+
+    let entries = journal(&tenant, s.order).await;
+    assert_eq!(
+        entries,
+        vec![
+            (s.paid.event_id, payment_lines()),
+            (s.delivered.event_id, delivery_lines()),
+        ]
+    );
+    let delivery = &entries[1].1;
+    let debits: i64 = delivery.iter().map(|l| l.1).sum();
+    let credits: i64 = delivery.iter().map(|l| l.2).sum();
+    assert_eq!((debits, credits), (13_700, 13_700), "137.00 = 137.00");
+
+    assert_eq!(
+        loyalty(&tenant).await,
+        vec![("77".to_owned(), 80, s.order, s.delivered.event_id)]
+    );
+
+    // The read endpoints say the same.
+    let (status, stock) = inventory
+        .get(&format!("/stock/JKT-M?tenant={tenant}&location=WH-1"))
+        .await;
+    assert_eq!(status, 200, "{stock}");
+    assert_eq!(
+        (&stock["on_hand"], &stock["reserved"], &stock["available"]),
+        (&json!(46), &json!(0), &json!(46))
+    );
+    assert_eq!(stock["movements"].as_array().map(Vec::len), Some(3));
+
+    let (status, j) = ledger
+        .get(&format!("/journal?tenant={tenant}&order_id={}", s.order))
+        .await;
+    assert_eq!(status, 200, "{j}");
+    let entries = j["entries"].as_array().expect("entries");
+    assert_eq!(entries.len(), 2);
+    assert_eq!(entries[0]["lines"][0]["account"], json!("Card clearing"));
+    assert_eq!(entries[0]["lines"][0]["debit"], json!("93.00"));
+    assert_eq!(
+        entries[0]["lines"][1]["account"],
+        json!("Customer deposits")
+    );
+    assert_eq!(entries[0]["lines"][1]["credit"], json!("93.00"));
+    assert_eq!(entries[1]["total_debit"], json!("137.00"));
+    assert_eq!(entries[1]["total_credit"], json!("137.00"));
+    assert_eq!(entries[1]["event_id"], json!(s.delivered.event_id));
+
+    let (status, tb) = ledger.get(&format!("/trial-balance?tenant={tenant}")).await;
+    assert_eq!(status, 200, "{tb}");
+    assert_eq!(tb["currencies"][0]["total_debit"], json!("230.00"));
+    assert_eq!(tb["currencies"][0]["total_credit"], json!("230.00"));
+    assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
+
+    let (status, points) = loyalty_c
+        .get(&format!("/customers/77/loyalty?tenant={tenant}"))
+        .await;
+    assert_eq!(status, 200, "{points}");
+    assert_eq!(points["balance"], json!(80));
+    assert_eq!(
+        points["entries"][0]["event_id"],
+        json!(s.delivered.event_id),
+        "why 80 points? that delivery"
+    );
+    assert_eq!(points["entries"][0]["event_type"], json!("ParcelDelivered"));
+
+    // Read endpoints are internal: token and tenant required, problem+json.
+    let anonymous = reqwest::get(format!(
+        "{}/customers/77/loyalty?tenant={tenant}",
+        loyalty_c.base_url()
+    ))
+    .await
+    .expect("GET");
+    assert_eq!(anonymous.status().as_u16(), 401);
+    let problem: Value = anonymous.json().await.expect("problem");
+    assert_eq!(problem["code"], json!("missing_token"));
+    let (status, problem) = loyalty_c.get("/customers/77/loyalty").await;
+    assert_eq!(status, 400);
+    assert_eq!(problem["code"], json!("tenant_required"));
+    // Another tenant sees nothing of this one.
+    let (_, other) = loyalty_c
+        .get(&format!(
+            "/customers/77/loyalty?tenant={}",
+            unique("t5-other")
+        ))
+        .await;
+    assert_eq!(other["balance"], json!(0));
+
+    for c in consumers {
+        assert_eq!(c.metric("consumer_events_applied_total", "").await, 3.0);
+        assert_eq!(c.metric("consumer_duplicates_total", "").await, 0.0);
+        teardown_consumer(c).await;
+    }
+}
+
+/// (2) Every event twice, concurrently from two connections: effects once,
+/// duplicates counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_deliveries_apply_once_and_are_counted() {
+    let tenant = unique("t5-dup");
+    let (inventory, ledger, loyalty_c) = start_all("t5-dup", &Options::default()).await;
+    let s = story(&tenant);
+    let (a, b) = tokio::join!(Publisher::connect(), Publisher::connect());
+    let consumers = [&inventory, &ledger, &loyalty_c];
+    assert_eq!(receipt(&inventory, &tenant, "R-48", 48).await.0, 201);
+    tokio::join!(
+        send_story(&a, &consumers, &s),
+        send_story(&b, &consumers, &s)
+    );
+
+    for c in consumers {
+        wait_sequence(c.kind.database(), &c.name, s.order, 3).await;
+        c.wait_metric("consumer_duplicates_total", "", 3.0).await;
+    }
+    // Settled: nothing more is coming.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for c in consumers {
+        assert_eq!(c.metric("consumer_events_applied_total", "").await, 3.0);
+        assert_eq!(c.metric("consumer_duplicates_total", "").await, 3.0);
+    }
+    let receipt_reserve_and_sale: Vec<String> =
+        movements(&tenant).await.into_iter().map(|m| m.0).collect();
+    assert_eq!(receipt_reserve_and_sale, vec!["receipt", "reserve", "sale"]);
+    assert_eq!(level(&tenant).await, Some((46, 0, 46)));
+    assert_levels_equal_movements(&tenant).await;
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![
+            (s.paid.event_id, payment_lines()),
+            (s.delivered.event_id, delivery_lines()),
+        ]
+    );
+    assert_eq!(loyalty(&tenant).await.len(), 1);
+    assert_eq!(loyalty(&tenant).await[0].1, 80);
+    for c in consumers {
+        teardown_consumer(c).await;
+    }
+}
+
+/// (3) Sequence 3 before 2: deferred, then applied after 2; the end state is
+/// the in-order one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_ahead_of_its_predecessor_is_deferred_then_applied_in_order() {
+    let tenant = unique("t5-gap");
+    let ledger = Consumer::start(Kind::Ledger, &unique("t5-gap-led"), Options::default()).await;
+    let s = story(&tenant);
+    let publisher = Publisher::connect().await;
+
+    publisher.to_consumer(&ledger.name, &s.placed).await;
+    wait_sequence(Database::Ledger, &ledger.name, s.order, 1).await;
+    publisher.to_consumer(&ledger.name, &s.delivered).await;
+    ledger.wait_metric("consumer_deferred_total", "", 2.0).await;
+    assert_eq!(
+        progress(Database::Ledger, &ledger.name, s.order).await,
+        Some((1, false)),
+        "3 is not applied while 2 is missing"
+    );
+    assert!(journal(&tenant, s.order).await.is_empty());
+
+    publisher.to_consumer(&ledger.name, &s.paid).await;
+    wait_sequence(Database::Ledger, &ledger.name, s.order, 3).await;
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![
+            (s.paid.event_id, payment_lines()),
+            (s.delivered.event_id, delivery_lines()),
+        ],
+        "payment posted before the delivery, as in order"
+    );
+    assert_eq!(
+        ledger.metric("consumer_events_applied_total", "").await,
+        3.0
+    );
+    assert_eq!(ledger.metric("consumer_retried_total", "").await, 0.0);
+    teardown_consumer(&ledger).await;
+}
+
+/// (4a) A handler that fails twice then succeeds: applied once, after two
+/// retry tiers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_twice_is_retried_through_the_tiers_and_applied_once() {
+    let tenant = unique("t5-retry");
+    let s = story(&tenant);
+    let loyalty_c = Consumer::start(
+        Kind::Loyalty,
+        &unique("t5-retry-loy"),
+        Options {
+            failpoints: Some(format!("consumer.handler_error=2*return({})", s.order)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    for m in [&s.placed, &s.paid, &s.delivered] {
+        publisher.to_consumer(&loyalty_c.name, m).await;
+    }
+    wait_sequence(Database::Loyalty, &loyalty_c.name, s.order, 3).await;
+    assert_eq!(
+        loyalty(&tenant).await,
+        vec![("77".to_owned(), 80, s.order, s.delivered.event_id)]
+    );
+    assert_eq!(
+        loyalty_c
+            .metric("consumer_retried_total", "tier=\"0\"")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        loyalty_c
+            .metric("consumer_retried_total", "tier=\"1\"")
+            .await,
+        1.0
+    );
+    assert_eq!(loyalty_c.metric("consumer_retried_total", "").await, 2.0);
+    assert_eq!(
+        loyalty_c.metric("consumer_dead_lettered_total", "").await,
+        0.0
+    );
+    assert_eq!(
+        loyalty_c.metric("consumer_events_applied_total", "").await,
+        3.0
+    );
+    teardown_consumer(&loyalty_c).await;
+}
+
+/// (4b) A handler failing 5 times: the event goes to the DLQ and its order is
+/// parked; the order's later events follow it there; other orders flow. After
+/// the fix, `redrive` moves them back and everything applies in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_recovers() {
+    let tenant = unique("t5-dlq");
+    let bad = story(&tenant);
+    let good = story(&tenant);
+    let name = unique("t5-dlq-loy");
+    let mut broken = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    for m in [
+        &bad.placed,
+        &good.placed,
+        &bad.paid,
+        &good.paid,
+        &bad.delivered,
+        &good.delivered,
+    ] {
+        publisher.to_consumer(&name, m).await;
+    }
+    // The other order keeps flowing.
+    wait_sequence(Database::Loyalty, &name, good.order, 3).await;
+    // The failing one: 4 retries (tiers 0..3), then the DLQ, parked; 2 and 3 behind it.
+    broken
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            1.0,
+        )
+        .await;
+    broken
+        .wait_metric("consumer_dead_lettered_total", "reason=\"parked\"", 2.0)
+        .await;
+    for tier in 0..4 {
+        assert_eq!(
+            broken
+                .metric("consumer_retried_total", &format!("tier=\"{tier}\""))
+                .await,
+            1.0,
+            "one retry in tier {tier}"
+        );
+    }
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((0, true))
+    );
+    let parked_reason: String = pg(Database::Loyalty)
+        .await
+        .query_one(
+            "SELECT parked_reason FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&name, &bad.order.to_string()],
+        )
+        .await
+        .expect("parked reason")
+        .get(0);
+    assert!(
+        parked_reason.contains("failed 5 times") && parked_reason.contains("fail point"),
+        "{parked_reason}"
+    );
+    eventually("3 dead letters", WAIT, || async {
+        (queue_depth(&format!("{name}.dlq")).await == 3).then_some(())
+    })
+    .await;
+    assert_eq!(
+        loyalty(&tenant).await,
+        vec![("77".to_owned(), 80, good.order, good.delivered.event_id)]
+    );
+
+    // The fix is deployed (no more fail point); redrive.
+    broken.service.signal("TERM");
+    assert!(broken.service.wait_exit(WAIT).is_some(), "stops on SIGTERM");
+    let fixed = Consumer::start(Kind::Loyalty, &name, Options::default()).await;
+    let env = system_tests::consumers::consumer_env(
+        Kind::Loyalty,
+        &name,
+        system_tests::free_port(),
+        &Options::default(),
+    );
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(bin("loyalty-consumer"))
+            .arg("redrive")
+            .envs(env)
+            .output()
+            .expect("run redrive")
+    })
+    .await
+    .expect("redrive");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "redrive failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
+    assert_eq!(moved.len(), 3, "{stdout}");
+    for (line, m) in moved.iter().zip([&bad.placed, &bad.paid, &bad.delivered]) {
+        assert!(
+            line.contains(&m.event_id.to_string()) && line.contains(&format!("seq {}", m.sequence)),
+            "moved in sequence order: {stdout}"
+        );
+    }
+    assert!(
+        stdout.contains(&format!("unparked order {}", bad.order)),
+        "{stdout}"
+    );
+
+    wait_sequence(Database::Loyalty, &name, bad.order, 3).await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((3, false))
+    );
+    let mut entries = loyalty(&tenant).await;
+    entries.sort_by_key(|e| e.3);
+    let mut expected = vec![
+        ("77".to_owned(), 80, good.order, good.delivered.event_id),
+        ("77".to_owned(), 80, bad.order, bad.delivered.event_id),
+    ];
+    expected.sort_by_key(|e| e.3);
+    assert_eq!(entries, expected);
+    assert_eq!(queue_depth(&format!("{name}.dlq")).await, 0);
+    assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
+    teardown_consumer(&fixed).await;
+}
+
+/// (5) A crash after the commit and before the ack: the broker redelivers, the
+/// inbox recognises it, the effect stays single.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
+    let tenant = unique("t5-crash");
+    let s = story(&tenant);
+    let name = unique("t5-crash-inv");
+    let mut crashing = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            failpoints: Some("consumer.after_commit_before_ack=1*return".to_owned()),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.placed).await;
+    let status = tokio::task::spawn_blocking(move || {
+        let status = crashing.service.wait_exit(WAIT);
+        (status, crashing)
+    })
+    .await
+    .expect("wait");
+    assert!(
+        status.0.is_some_and(|s| !s.success()),
+        "aborted at the fail point"
+    );
+    // Committed before the crash.
+    assert_eq!(
+        progress(Database::Inventory, &name, s.order).await,
+        Some((1, false))
+    );
+    assert_eq!(movements(&tenant).await.len(), 1);
+
+    let restarted = Consumer::start(Kind::Inventory, &name, Options::default()).await;
+    restarted
+        .wait_metric("consumer_duplicates_total", "", 1.0)
+        .await;
+    assert_eq!(
+        restarted.metric("consumer_events_applied_total", "").await,
+        0.0
+    );
+    let m = movements(&tenant).await;
+    assert_eq!(m.len(), 1, "{m:?}");
+    assert_eq!(
+        (m[0].0.as_str(), m[0].1, m[0].4),
+        ("reserve", 2, 2),
+        "short: no stock"
+    );
+    assert_eq!(level(&tenant).await, Some((0, 2, -2)));
+
+    // The order goes on: receive stock, then deliver.
+    assert_eq!(receipt(&restarted, &tenant, "R-1", 10).await.0, 201);
+    publisher.to_consumer(&name, &s.paid).await;
+    publisher.to_consumer(&name, &s.delivered).await;
+    wait_sequence(Database::Inventory, &name, s.order, 3).await;
+    assert_eq!(level(&tenant).await, Some((8, 0, 8)));
+    assert_levels_equal_movements(&tenant).await;
+    teardown_consumer(&restarted).await;
+}
+
+/// (6) The ledger's invariants are the database's: an unbalanced entry is
+/// rejected at commit, posted lines cannot be changed or deleted.
+#[tokio::test]
+async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
+    kit::migrations::run(&pool(Database::Ledger), Database::Ledger)
+        .await
+        .expect("migrate");
+    let tenant = unique("t5-sql");
+    let mut client = pg(Database::Ledger).await;
+    client
+        .execute(
+            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES \
+             ($1, 'cash', 'Cash', 'asset'), ($1, 'sales', 'Sales', 'revenue')",
+            &[&tenant],
+        )
+        .await
+        .expect("accounts");
+    let unbalanced = post_entry(&mut client, &tenant, 10_000, 9_000)
+        .await
+        .expect_err("an unbalanced entry must not commit");
+    assert!(
+        unbalanced.to_string().contains("not balanced")
+            || unbalanced
+                .as_db_error()
+                .is_some_and(|e| e.message().contains("not balanced")),
+        "{unbalanced:?}"
+    );
+    let entry = post_entry(&mut client, &tenant, 10_000, 10_000)
+        .await
+        .expect("a balanced entry commits");
+
+    let update = client
+        .execute(
+            "UPDATE journal_lines SET debit = 1 WHERE entry_id = $1 AND line_no = 1",
+            &[&entry],
+        )
+        .await
+        .expect_err("posted lines are immutable");
+    assert!(
+        update
+            .as_db_error()
+            .is_some_and(|e| e.message().contains("immutable")),
+        "{update:?}"
+    );
+    client
+        .execute("DELETE FROM journal_lines WHERE entry_id = $1", &[&entry])
+        .await
+        .expect_err("posted lines cannot be deleted");
+    client
+        .execute("DELETE FROM journal_entries WHERE entry_id = $1", &[&entry])
+        .await
+        .expect_err("posted entries cannot be deleted");
+    // A header without lines is unbalanced too.
+    let lonely = Uuid::now_v7();
+    client
+        .execute(
+            "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+               description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
+            &[&lonely, &tenant],
+        )
+        .await
+        .expect_err("an entry without lines");
+    let (entries, debit, credit): (i64, i64, i64) = {
+        let row = client
+            .query_one(
+                "SELECT count(DISTINCT e.entry_id), sum(l.debit)::bigint, sum(l.credit)::bigint \
+                 FROM journal_entries e JOIN journal_lines l USING (entry_id) WHERE e.tenant_id = $1",
+                &[&tenant],
+            )
+            .await
+            .expect("sums");
+        (row.get(0), row.get(1), row.get(2))
+    };
+    assert_eq!((entries, debit, credit), (1, 10_000, 10_000));
+}
+
+/// (7) Poison (a malformed body, an unknown major version) goes to the DLQ
+/// with a reason; nothing is lost; the partition keeps flowing. An unknown
+/// event type is acknowledged and advances the order's sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows() {
+    let tenant = unique("t5-poison");
+    let name = unique("t5-poison-inv");
+    // One partition: the poison and the good events share it.
+    let inventory = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            partitions: 1,
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+
+    let malformed_order = Uuid::now_v7();
+    let mut malformed = order_placed(&tenant, malformed_order, 1, "9", 1);
+    malformed.body = b"{\"event_id\": \"not json".to_vec();
+    let future_order = Uuid::now_v7();
+    let mut v99 = order_placed(&tenant, future_order, 1, "9", 1);
+    let mut raw: Value = serde_json::from_slice(&v99.body).expect("json");
+    raw["schema_version"] = json!(99);
+    v99.body = serde_json::to_vec(&raw).expect("json");
+    v99.schema_version = 99;
+    let behind_v99 = payment_received(&tenant, future_order, 2, "53.00");
+
+    let good = Uuid::now_v7();
+    let placed = order_placed(&tenant, good, 1, "77", 2);
+    let cancelled_type = message(
+        &tenant,
+        good,
+        2,
+        "OrderGiftWrapped",
+        1,
+        json!({"order_id": good, "paper": "red"}),
+    );
+    let delivered = parcel_delivered(&tenant, good, 3, 2);
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
+
+    for m in [
+        &malformed,
+        &v99,
+        &behind_v99,
+        &placed,
+        &cancelled_type,
+        &delivered,
+    ] {
+        publisher.to_consumer(&name, m).await;
+    }
+    wait_sequence(Database::Inventory, &name, good, 3).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 3.0)
+        .await;
+    assert_eq!(
+        inventory
+            .metric("consumer_events_applied_total", "event_type=\"ignored\"")
+            .await,
+        1.0,
+        "the unknown type was acknowledged and advanced the sequence"
+    );
+    let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
+    assert_eq!(kinds, vec!["receipt", "reserve", "sale"]);
+    assert_eq!(
+        progress(Database::Inventory, &name, future_order).await,
+        Some((0, true)),
+        "the order behind the poison is parked"
+    );
+
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    let reason_of = |order: Uuid, needle: &str| {
+        letters.iter().any(|l| {
+            l.aggregate_id.as_deref() == Some(order.to_string().as_str())
+                && l.reason.contains(needle)
+        })
+    };
+    assert!(reason_of(malformed_order, "malformed"), "{letters:?}");
+    assert!(
+        reason_of(future_order, "unsupported schema version 99"),
+        "{letters:?}"
+    );
+    assert!(reason_of(future_order, "parked"), "{letters:?}");
+    assert!(
+        letters.iter().any(|l| l.body == malformed.body),
+        "byte for byte"
+    );
+    teardown_consumer(&inventory).await;
+}
+
+/// (8) Two instances of one consumer: kill -9 the active one mid-stream; the
+/// other takes over its partitions; nothing lost, nothing doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_instance_takes_over_when_the_active_one_is_killed() {
+    let tenant = unique("t5-ha");
+    let name = unique("t5-ha-inv");
+    let slow = Options {
+        // Slow enough that the kill lands mid-stream.
+        failpoints: Some("consumer.in_handler=sleep(40)".to_owned()),
+        ..Options::default()
+    };
+    let active = Consumer::start(Kind::Inventory, &name, slow.clone()).await;
+    let standby = Consumer::start(Kind::Inventory, &name, slow.clone()).await;
+    for p in 0..slow.partitions {
+        let queue = format!("{name}.p{p}");
+        eventually(&format!("two consumers on {queue}"), WAIT, || async {
+            (queue_consumers(&queue).await >= 2).then_some(())
+        })
+        .await;
+    }
+    let publisher = Publisher::connect().await;
+    let orders: Vec<Uuid> = (0..40).map(|_| Uuid::now_v7()).collect();
+    for order in &orders[..30] {
+        publisher
+            .to_consumer(&name, &order_placed(&tenant, *order, 1, "77", 1))
+            .await;
+    }
+    eventually("some applied", WAIT, || async {
+        (movements(&tenant).await.len() >= 3).then_some(())
+    })
+    .await;
+    active.service.signal("KILL");
+    for order in &orders[30..] {
+        publisher
+            .to_consumer(&name, &order_placed(&tenant, *order, 1, "77", 1))
+            .await;
+    }
+    eventually("all 40 applied", WAIT, || async {
+        (movements(&tenant).await.len() >= 40).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let m = movements(&tenant).await;
+    assert_eq!(m.len(), 40, "exactly once each");
+    let mut seen: Vec<Uuid> = m.iter().filter_map(|m| m.5).collect();
+    seen.sort();
+    let mut expected = orders.clone();
+    expected.sort();
+    assert_eq!(seen, expected);
+    assert_eq!(level(&tenant).await, Some((0, 40, -40)));
+    assert_levels_equal_movements(&tenant).await;
+    assert!(
+        standby.metric("consumer_events_applied_total", "").await >= 10.0,
+        "the standby took over"
+    );
+    drop(active);
+    teardown(&name, slow.partitions, slow.tier_count()).await;
+}
+
+/// Inbox cleanup: rows past the horizon are deleted in batches; the progress
+/// row still rejects a stale copy of a cleaned-up event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
+    let tenant = unique("t5-clean");
+    let name = unique("t5-clean-loy");
+    kit::migrations::run(&pool(Database::Loyalty), Database::Loyalty)
+        .await
+        .expect("migrate");
+    let s = story(&tenant);
+    let client = pg(Database::Loyalty).await;
+    // The story was applied 9 days ago (older than the 8-day horizon); one
+    // recent row stays.
+    for m in [&s.placed, &s.paid, &s.delivered] {
+        client
+            .execute(
+                "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
+                 VALUES ($1, $2, now() - interval '9 days')",
+                &[&name, &m.event_id],
+            )
+            .await
+            .expect("old inbox row");
+    }
+    let recent = Uuid::now_v7();
+    client
+        .execute(
+            "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
+             VALUES ($1, $2, now() - interval '1 day')",
+            &[&name, &recent],
+        )
+        .await
+        .expect("recent inbox row");
+    client
+        .execute(
+            "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id, last_sequence) \
+             VALUES ($1, $2, $3, 3)",
+            &[&name, &s.order.to_string(), &tenant],
+        )
+        .await
+        .expect("progress");
+
+    let loyalty_c = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            extra: vec![
+                (
+                    "LOYALTY_CONSUMER__CLEANUP__INTERVAL_SECS".into(),
+                    "1".into(),
+                ),
+                ("LOYALTY_CONSUMER__CLEANUP__BATCH_SIZE".into(), "2".into()),
+            ],
+            ..Options::default()
+        },
+    )
+    .await;
+    loyalty_c
+        .wait_metric("consumer_inbox_cleaned_total", "", 3.0)
+        .await;
+    let left: Vec<Uuid> = client
+        .query(
+            "SELECT event_id FROM processed_events WHERE consumer_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("inbox")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, vec![recent]);
+
+    // A replay of the old delivery: no inbox row any more, still not applied twice.
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.delivered).await;
+    loyalty_c.wait_metric("consumer_stale_total", "", 1.0).await;
+    assert!(loyalty(&tenant).await.is_empty());
+    assert_eq!(
+        loyalty_c.metric("consumer_events_applied_total", "").await,
+        0.0
+    );
+    teardown_consumer(&loyalty_c).await;
+}
+
+/// The topology of DESIGN.md section 7, as declared by a consumer (through
+/// `redrive`, which declares it and consumes nothing): the hash exchange bound
+/// to order-events with `#`, quorum partition queues with single active
+/// consumer, retry tiers dead-lettering back to the hash exchange, the DLQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_declared_topology_has_the_agreed_shape() {
+    let name = unique("t5-topo");
+    let options = Options::default();
+    let mut env = system_tests::consumers::consumer_env(
+        Kind::Inventory,
+        &name,
+        system_tests::free_port(),
+        &options,
+    );
+    env.retain(|(k, _)| !k.ends_with("__BIND_ORDER_EVENTS"));
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(bin("inventory-consumer"))
+            .args(["redrive", "--order", "no-such-order"])
+            .envs(env)
+            .output()
+            .expect("run redrive")
+    })
+    .await
+    .expect("redrive");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("0 dead letter(s) moved"), "{stdout}");
+
+    let bindings = management("/api/exchanges/%2f/order-events/bindings/source").await;
+    let bound = bindings.as_array().is_some_and(|all| {
+        all.iter().any(|b| {
+            b["destination"] == json!(format!("{name}.events"))
+                && b["destination_type"] == json!("exchange")
+                && b["routing_key"] == json!("#")
+        })
+    });
+    assert!(bound, "{name}.events bound to order-events with #");
+    let exchange = management(&format!("/api/exchanges/%2f/{name}.events")).await;
+    assert_eq!(exchange["type"], json!("x-consistent-hash"));
+    assert_eq!(exchange["arguments"]["hash-header"], json!("aggregate_id"));
+    for p in 0..options.partitions {
+        let queue = management(&format!("/api/queues/%2f/{name}.p{p}")).await;
+        assert_eq!(queue["arguments"]["x-queue-type"], json!("quorum"));
+        assert_eq!(queue["arguments"]["x-single-active-consumer"], json!(true));
+        assert!(queue["arguments"]["x-delivery-limit"].is_number());
+    }
+    let tiers: Vec<u64> = vec![100, 200, 300, 400, 500];
+    for (i, ttl) in tiers.iter().enumerate() {
+        let queue = management(&format!("/api/queues/%2f/{name}.retry.{i}")).await;
+        assert_eq!(queue["arguments"]["x-message-ttl"], json!(ttl));
+        assert_eq!(
+            queue["arguments"]["x-dead-letter-exchange"],
+            json!(format!("{name}.events"))
+        );
+    }
+    let dlq = management(&format!("/api/queues/%2f/{name}.dlq")).await;
+    assert_eq!(dlq["durable"], json!(true));
+    teardown(&name, options.partitions, options.tier_count()).await;
+}
