@@ -635,6 +635,8 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
         progress(Database::Loyalty, &name, bad.order).await,
         Some((0, true))
     );
+    broken.wait_metric("consumer_parked_orders", "", 1.0).await;
+    broken.wait_metric("consumer_dlq_messages", "", 3.0).await;
     let parked_reason: String = pg(Database::Loyalty)
         .await
         .query_one(
@@ -764,6 +766,11 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
         "short: no stock"
     );
     assert_eq!(level(&tenant).await, Some((0, 2, -2)));
+    assert_eq!(
+        restarted.metric("inventory_shortages_total", "").await,
+        0.0,
+        "the shortage was counted by the instance that applied it"
+    );
 
     // The order goes on: receive stock, then deliver.
     assert_eq!(receipt(&restarted, &tenant, "R-1", 10).await.0, 201);
@@ -1144,4 +1151,122 @@ async fn the_declared_topology_has_the_agreed_shape() {
     let dlq = management(&format!("/api/queues/%2f/{name}.dlq")).await;
     assert_eq!(dlq["durable"], json!(true));
     teardown(&name, options.partitions, options.tier_count()).await;
+}
+
+/// SIGTERM while a message is in the handler: the message is finished,
+/// committed and acknowledged before the process exits (a restart sees no
+/// redelivery), and the exit is clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
+    let tenant = unique("t5-term");
+    let name = unique("t5-term-inv");
+    let s = story(&tenant);
+    let mut slow = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            partitions: 1,
+            failpoints: Some("consumer.in_handler=sleep(1500)".to_owned()),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.placed).await;
+    // Delivered within milliseconds; the handler then sleeps 1.5 s.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    slow.service.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || {
+        let status = slow.service.wait_exit(WAIT);
+        (status, slow)
+    })
+    .await
+    .expect("wait");
+    assert!(
+        status.0.is_some_and(|s| s.success()),
+        "clean exit: {:?}",
+        status.0
+    );
+    assert_eq!(
+        progress(Database::Inventory, &name, s.order).await,
+        Some((1, false)),
+        "the in-flight event was applied"
+    );
+    let restarted = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            partitions: 1,
+            ..Options::default()
+        },
+    )
+    .await;
+    publisher.to_consumer(&name, &s.paid).await;
+    wait_sequence(Database::Inventory, &name, s.order, 2).await;
+    assert_eq!(
+        restarted.metric("consumer_duplicates_total", "").await,
+        0.0,
+        "the in-flight message was acknowledged, not redelivered"
+    );
+    assert_eq!(movements(&tenant).await.len(), 1);
+    teardown_consumer(&restarted).await;
+}
+
+/// The broker closes the consumer's connection (as on a broker restart or a
+/// network failure): it reconnects, re-declares and keeps consuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_reconnects_after_the_broker_drops_its_connection() {
+    let tenant = unique("t5-reconnect");
+    let name = unique("t5-reconnect-led");
+    let ledger = Consumer::start(Kind::Ledger, &name, Options::default()).await;
+    let s = story(&tenant);
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Ledger, &name, s.order, 1).await;
+
+    let connection_name = format!("ledger-consumer:{name}");
+    let find = || async {
+        management("/api/connections")
+            .await
+            .as_array()
+            .and_then(|all| {
+                all.iter()
+                    .find(|c| c["client_properties"]["connection_name"] == json!(connection_name))
+                    .and_then(|c| c["name"].as_str().map(str::to_owned))
+            })
+    };
+    let first = eventually("the consumer's connection", WAIT, find).await;
+    let status = reqwest::Client::new()
+        .delete(format!(
+            "http://127.0.0.1:{}/api/connections/{}",
+            std::env::var("RABBITMQ_MGMT_PORT").unwrap_or_else(|_| "15672".to_owned()),
+            first.replace(' ', "%20").replace('>', "%3E")
+        ))
+        .basic_auth(
+            std::env::var("AMQP_USER").unwrap_or_else(|_| "app".to_owned()),
+            Some(std::env::var("AMQP_PASSWORD").unwrap_or_else(|_| "app".to_owned())),
+        )
+        .header("X-Reason", "consumer test: broker drops the connection")
+        .send()
+        .await
+        .expect("close the connection")
+        .status();
+    assert!(status.is_success(), "{status}");
+    let second = eventually("a new connection", WAIT, || async {
+        find().await.filter(|c| *c != first)
+    })
+    .await;
+    assert_ne!(first, second);
+
+    publisher.to_consumer(&name, &s.paid).await;
+    publisher.to_consumer(&name, &s.delivered).await;
+    wait_sequence(Database::Ledger, &name, s.order, 3).await;
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![
+            (s.paid.event_id, payment_lines()),
+            (s.delivered.event_id, delivery_lines()),
+        ]
+    );
+    teardown_consumer(&ledger).await;
 }

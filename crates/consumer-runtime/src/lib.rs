@@ -184,15 +184,23 @@ impl<D: Domain> Application<D> {
             let connected = self.connected.clone();
             let processor = self.processor.clone();
             let prefetch = self.settings.consumer.prefetch;
+            // Named after the consumer, so an operator sees which one it is.
+            let connection_name = format!("{}:{}", D::SERVICE, self.settings.consumer.name);
             tokio::spawn(async move {
-                kit::amqp::supervise(&settings, D::SERVICE, &connected, &shutdown, |connection| {
-                    worker::run_connection(
-                        connection,
-                        processor.clone(),
-                        prefetch,
-                        shutdown.clone(),
-                    )
-                })
+                kit::amqp::supervise(
+                    &settings,
+                    &connection_name,
+                    &connected,
+                    &shutdown,
+                    |connection| {
+                        worker::run_connection(
+                            connection,
+                            processor.clone(),
+                            prefetch,
+                            shutdown.clone(),
+                        )
+                    },
+                )
                 .await;
             })
         };

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::{
-    options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions},
+    options::{
+        BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+        QueueDeclareOptions,
+    },
     types::FieldTable,
     Connection,
 };
@@ -93,6 +96,12 @@ async fn consume<D: Domain>(
         partitions = processor.topology.partitions,
         "consuming"
     );
+    let monitor = tokio::spawn(watch_dead_letters(
+        connection.create_channel().await?,
+        processor.topology.dead_letter_queue(),
+        processor.metrics.dlq_depth.clone(),
+        stop.clone(),
+    ));
 
     let mut failure = None;
     loop {
@@ -116,6 +125,7 @@ async fn consume<D: Domain>(
             }
         }
     }
+    monitor.abort();
     match failure {
         Some(error) if !shutdown.is_cancelled() => Err(error),
         _ => Ok(()),
@@ -158,6 +168,35 @@ async fn partition_worker<D: Domain>(
             .await?;
         if !settled {
             return Ok(());
+        }
+    }
+}
+
+/// Keep the dead-letter depth gauge current (the alert on dead letters reads it).
+async fn watch_dead_letters(
+    channel: lapin::Channel,
+    queue: String,
+    gauge: kit::metrics::prometheus::IntGauge,
+    stop: CancellationToken,
+) {
+    loop {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        match channel
+            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .await
+        {
+            Ok(declared) => gauge.set(i64::from(declared.message_count())),
+            Err(error) => {
+                tracing::debug!(%error, "reading the dead-letter queue depth");
+                return;
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
         }
     }
 }

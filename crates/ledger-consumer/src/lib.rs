@@ -182,6 +182,22 @@ impl consumer_runtime::Domain for Ledger {
                 .await
             }
             Event::ParcelDelivered(delivery) => {
+                // One delivery per order (order-api enforces it); a second one
+                // would book the revenue twice: stop for a human instead.
+                let delivered = tx
+                    .query_opt(
+                        "SELECT event_id FROM journal_entries WHERE tenant_id = $1 AND order_id = $2 \
+                         AND event_type = $3",
+                        &[&tenant, &delivery.order_id, &envelope.event_type],
+                    )
+                    .await?;
+                if let Some(row) = delivered {
+                    let first: Uuid = row.get(0);
+                    return Err(HandlerError::new(format!(
+                        "order {} was already delivered (event {first}); not posting revenue twice",
+                        delivery.order_id
+                    )));
+                }
                 let row = tx
                     .query_opt(
                         "SELECT currency, merchandise, shipping, tax, total, cost_of_goods \

@@ -85,6 +85,21 @@ impl consumer_runtime::Domain for Loyalty {
                 if points == 0 {
                     return Ok(());
                 }
+                // One delivery per order (order-api enforces it): never award twice.
+                let awarded = tx
+                    .query_opt(
+                        "SELECT event_id FROM loyalty_entries WHERE tenant_id = $1 AND order_id = $2 \
+                         AND event_type = $3",
+                        &[&envelope.tenant_id, &delivery.order_id, &envelope.event_type],
+                    )
+                    .await?;
+                if let Some(row) = awarded {
+                    let first: Uuid = row.get(0);
+                    return Err(HandlerError::new(format!(
+                        "points for order {} were already awarded (event {first})",
+                        delivery.order_id
+                    )));
+                }
                 tx.execute(
                     "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, \
                        event_id, event_type, reason, occurred_at) \
