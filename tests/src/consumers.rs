@@ -136,13 +136,48 @@ pub fn consumer_env(kind: Kind, name: &str, port: u16, options: &Options) -> Vec
     env
 }
 
-/// A consumer process with a private name.
+/// A consumer process with a private name. Dropping it kills the process,
+/// then deletes the name's exchange and queues (also when the test panics).
 pub struct Consumer {
     pub kind: Kind,
     pub name: String,
     pub port: u16,
     pub options: Options,
     pub service: Service,
+    _topology: TopologyGuard,
+}
+
+/// Deletes a test consumer's exchange and queues when dropped.
+pub struct TopologyGuard {
+    name: String,
+    partitions: u16,
+    tiers: usize,
+}
+
+impl TopologyGuard {
+    pub fn new(name: &str, options: &Options) -> Self {
+        Self {
+            name: name.to_owned(),
+            partitions: options.partitions,
+            tiers: options.tier_count(),
+        }
+    }
+}
+
+impl Drop for TopologyGuard {
+    fn drop(&mut self) {
+        let (name, partitions, tiers) = (self.name.clone(), self.partitions, self.tiers);
+        // Drop cannot await: a short-lived runtime on its own thread.
+        let _ = std::thread::spawn(move || {
+            if let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                runtime.block_on(teardown(&name, partitions, tiers));
+            }
+        })
+        .join();
+    }
 }
 
 impl Consumer {
@@ -157,6 +192,7 @@ impl Consumer {
             kind,
             name: name.to_owned(),
             port,
+            _topology: TopologyGuard::new(name, &options),
             options,
             service,
         };

@@ -11,8 +11,8 @@ use system_tests::{
     bin,
     consumers::{
         drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
-        payment_received, queue_consumers, queue_depth, story, teardown, unique, Consumer, Kind,
-        Options, Publisher, TEST_TOKEN,
+        payment_received, queue_consumers, queue_depth, story, unique, Consumer, Kind, Options,
+        Publisher, TopologyGuard, TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -253,17 +253,6 @@ async fn post_entry(
     tx.commit().await.map(|()| entry)
 }
 
-async fn teardown_consumer(consumer: &Consumer) {
-    // Stop it first, or it sees its queues vanish (and reconnects, noisily).
-    consumer.service.signal("KILL");
-    teardown(
-        &consumer.name,
-        consumer.options.partitions,
-        consumer.options.tier_count(),
-    )
-    .await;
-}
-
 /// (1) The seed 003 example, row by row, through all three consumers (each
 /// fed the relay's exact messages on its own hash exchange) and their read
 /// endpoints.
@@ -446,7 +435,6 @@ async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
     for c in consumers {
         assert_eq!(c.metric("consumer_events_applied_total", "").await, 3.0);
         assert_eq!(c.metric("consumer_duplicates_total", "").await, 0.0);
-        teardown_consumer(c).await;
     }
 }
 
@@ -489,9 +477,6 @@ async fn duplicate_deliveries_apply_once_and_are_counted() {
     );
     assert_eq!(loyalty(&tenant).await.len(), 1);
     assert_eq!(loyalty(&tenant).await[0].1, 80);
-    for c in consumers {
-        teardown_consumer(c).await;
-    }
 }
 
 /// (3) Sequence 3 before 2: deferred, then applied after 2; the end state is
@@ -529,7 +514,6 @@ async fn an_event_ahead_of_its_predecessor_is_deferred_then_applied_in_order() {
         3.0
     );
     assert_eq!(ledger.metric("consumer_retried_total", "").await, 0.0);
-    teardown_consumer(&ledger).await;
 }
 
 /// (4a) A handler that fails twice then succeeds: applied once, after two
@@ -577,7 +561,6 @@ async fn a_handler_failing_twice_is_retried_through_the_tiers_and_applied_once()
         loyalty_c.metric("consumer_events_applied_total", "").await,
         3.0
     );
-    teardown_consumer(&loyalty_c).await;
 }
 
 /// (4b) A handler failing 5 times: the event goes to the DLQ and its order is
@@ -712,7 +695,6 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     assert_eq!(entries, expected);
     assert_eq!(queue_depth(&format!("{name}.dlq")).await, 0);
     assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
-    teardown_consumer(&fixed).await;
 }
 
 /// (5) A crash after the commit and before the ack: the broker redelivers, the
@@ -779,7 +761,6 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
     wait_sequence(Database::Inventory, &name, s.order, 3).await;
     assert_eq!(level(&tenant).await, Some((8, 0, 8)));
     assert_levels_equal_movements(&tenant).await;
-    teardown_consumer(&restarted).await;
 }
 
 /// (6) The ledger's invariants are the database's: an unbalanced entry is
@@ -948,7 +929,6 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         letters.iter().any(|l| l.body == malformed.body),
         "byte for byte"
     );
-    teardown_consumer(&inventory).await;
 }
 
 /// (8) Two instances of one consumer: kill -9 the active one mid-stream; the
@@ -1006,8 +986,6 @@ async fn a_second_instance_takes_over_when_the_active_one_is_killed() {
         standby.metric("consumer_events_applied_total", "").await >= 10.0,
         "the standby took over"
     );
-    drop(active);
-    teardown(&name, slow.partitions, slow.tier_count()).await;
 }
 
 /// Inbox cleanup: rows past the horizon are deleted in batches; the progress
@@ -1090,7 +1068,6 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
         loyalty_c.metric("consumer_events_applied_total", "").await,
         0.0
     );
-    teardown_consumer(&loyalty_c).await;
 }
 
 /// The topology of DESIGN.md section 7, as declared by a consumer (through
@@ -1101,6 +1078,7 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
 async fn the_declared_topology_has_the_agreed_shape() {
     let name = unique("t5-topo");
     let options = Options::default();
+    let _topology = TopologyGuard::new(&name, &options);
     let mut env = system_tests::consumers::consumer_env(
         Kind::Inventory,
         &name,
@@ -1150,7 +1128,6 @@ async fn the_declared_topology_has_the_agreed_shape() {
     }
     let dlq = management(&format!("/api/queues/%2f/{name}.dlq")).await;
     assert_eq!(dlq["durable"], json!(true));
-    teardown(&name, options.partitions, options.tier_count()).await;
 }
 
 /// SIGTERM while a message is in the handler: the message is finished,
@@ -1209,7 +1186,6 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
         "the in-flight message was acknowledged, not redelivered"
     );
     assert_eq!(movements(&tenant).await.len(), 1);
-    teardown_consumer(&restarted).await;
 }
 
 /// The broker closes the consumer's connection (as on a broker restart or a
@@ -1218,7 +1194,7 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
 async fn the_consumer_reconnects_after_the_broker_drops_its_connection() {
     let tenant = unique("t5-reconnect");
     let name = unique("t5-reconnect-led");
-    let ledger = Consumer::start(Kind::Ledger, &name, Options::default()).await;
+    let _ledger = Consumer::start(Kind::Ledger, &name, Options::default()).await;
     let s = story(&tenant);
     let publisher = Publisher::connect().await;
     publisher.to_consumer(&name, &s.placed).await;
@@ -1268,5 +1244,4 @@ async fn the_consumer_reconnects_after_the_broker_drops_its_connection() {
             (s.delivered.event_id, delivery_lines()),
         ]
     );
-    teardown_consumer(&ledger).await;
 }
