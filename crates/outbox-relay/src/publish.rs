@@ -251,7 +251,19 @@ pub fn prepare(
         replayed,
     );
     kit::telemetry::set_remote_parent(&span, row.traceparent.as_deref(), row.tracestate.as_deref());
-    let trace = kit::telemetry::trace_headers(&span);
+    let mut trace = kit::telemetry::trace_headers(&span);
+    if !trace.contains_key(headers::TRACEPARENT) {
+        // The span is disabled (e.g. RUST_LOG=warn): still continue the
+        // producer's trace by forwarding its context unchanged.
+        for (name, value) in [
+            (headers::TRACEPARENT, &row.traceparent),
+            (headers::TRACESTATE, &row.tracestate),
+        ] {
+            if let Some(value) = value {
+                trace.insert(name.to_owned(), value.clone());
+            }
+        }
+    }
     let message = message(row, &trace, replayed)?;
     Ok((message, span))
 }

@@ -29,6 +29,10 @@ pub struct RelaySettings {
     /// Restrict this instance to one tenant's rows (a dedicated relay for a
     /// large tenant, or a test sharing a database); empty: every tenant.
     pub only_tenant: String,
+    /// The topic exchange events are published to (routing key = event
+    /// type). Default `order-events`, the exchange of the wire contract; a
+    /// staging environment or a test can use its own.
+    pub exchange: String,
     /// Rows claimed (and messages in flight) per batch.
     pub batch_size: i64,
     /// Batches worked on at once by this instance (each on its own channel).
@@ -71,6 +75,7 @@ impl Default for RelaySettings {
         Self {
             instance_id: String::new(),
             only_tenant: String::new(),
+            exchange: events::EXCHANGE.to_owned(),
             batch_size: 500,
             workers: 2,
             lease_ms: 30_000,
@@ -117,6 +122,7 @@ impl Settings {
 
     pub fn validate(&self) -> anyhow::Result<()> {
         let r = &self.relay;
+        anyhow::ensure!(!r.exchange.is_empty(), "relay.exchange must not be empty");
         anyhow::ensure!(r.batch_size >= 1, "relay.batch_size must be at least 1");
         anyhow::ensure!(r.workers >= 1, "relay.workers must be at least 1");
         anyhow::ensure!(r.max_attempts >= 1, "relay.max_attempts must be at least 1");

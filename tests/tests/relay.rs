@@ -1,0 +1,1436 @@
+//! outbox-relay against the real PostgreSQL and RabbitMQ: the real binary as
+//! child processes, outbox rows inserted with SQL.
+//!
+//! Every test works in its own tenant (`relaytest-<id>`) and its own event
+//! types (routing keys bound only to its own queues), and starts its relays
+//! with `OUTBOX_RELAY__RELAY__ONLY_TENANT`, so tests running at once (and
+//! other engineers' tests sharing the database and broker) do not see each
+//! other's rows. Assertions count only the test's own rows and messages.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use events::RawEnvelope;
+use futures_util::StreamExt;
+use kit::amqp::lapin;
+use lapin::{
+    options::{
+        BasicConsumeOptions, ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+        QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    },
+    types::{AMQPValue, FieldTable},
+    BasicProperties, Channel, Connection, ExchangeKind,
+};
+use serde_json::{json, Value};
+use system_tests::{amqp_url, free_port, pg, pg_url, pool, wait_for_ok, Database, Service};
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+// ---------------------------------------------------------------- helpers --
+
+fn short_id() -> String {
+    Uuid::new_v4().simple().to_string()[..10].to_owned()
+}
+
+/// The test's database client, with the orders schema migrated and the
+/// test's tenant registered (outbox rows need no tenant row; harmless).
+async fn db(tenant: &str) -> Client {
+    kit::migrations::run(&pool(Database::Orders), Database::Orders)
+        .await
+        .expect("migrate orders");
+    let client = pg(Database::Orders).await;
+    client
+        .execute(
+            "INSERT INTO tenants (tenant_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            &[&tenant],
+        )
+        .await
+        .expect("tenant");
+    client
+}
+
+/// A broker connection, with the test's own topic exchange (named like its
+/// tenant) declared the way the relay declares it: the relays of a test
+/// publish there (`OUTBOX_RELAY__RELAY__EXCHANGE`), so no other binding on
+/// the shared `order-events` (consumers bind `#`) makes an event routable,
+/// and no other consumer receives test events.
+async fn amqp(exchange: &str) -> (Connection, Channel) {
+    let shutdown = kit::CancellationToken::new();
+    let settings = kit::settings::AmqpSettings { url: amqp_url() };
+    let connection = kit::amqp::connect(&settings, "relay-test", &shutdown)
+        .await
+        .expect("connect to RabbitMQ");
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("test exchange");
+    (connection, channel)
+}
+
+async fn finish(connection: Connection, channel: &Channel, exchange: &str) {
+    let _ = channel
+        .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+        .await;
+    connection.close(200, "done".into()).await.ok();
+}
+
+/// A private queue bound to the test's exchange for the given routing keys.
+async fn bound_queue(channel: &Channel, exchange: &str, routing_keys: &[&str]) -> String {
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    let name = queue.name().to_string();
+    for key in routing_keys {
+        bind(channel, exchange, &name, key).await;
+    }
+    name
+}
+
+async fn bind(channel: &Channel, exchange: &str, queue: &str, routing_key: &str) {
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            routing_key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+}
+
+/// An event to insert.
+#[derive(Clone, Debug)]
+struct NewEvent {
+    event_id: Uuid,
+    aggregate_id: String,
+    sequence: i64,
+    event_type: String,
+    payload: Value,
+}
+
+fn payload(order: &str, sequence: i64) -> Value {
+    // The shape of an OrderPlaced v1 payload (about the size of a real one).
+    json!({
+        "order_id": order,
+        "customer_id": "77",
+        "lines": [{"sku": "JKT-M", "qty": 2, "unit_price": "40.00", "unit_cost": "22.00"}],
+        "shipping": "5.00",
+        "tax": "8.00",
+        "total": "93.00",
+        "currency": "USD",
+        "location": "WH-1",
+        "note": format!("relay test event {sequence}"),
+    })
+}
+
+/// `orders` orders with `per_order` events each, all of `event_type`.
+fn orders_with_events(orders: usize, per_order: i64, event_type: &str) -> Vec<NewEvent> {
+    let mut events = Vec::new();
+    let ids: Vec<String> = (0..orders).map(|_| Uuid::now_v7().to_string()).collect();
+    // Interleaved like real traffic: every order's first event, then the seconds...
+    for sequence in 1..=per_order {
+        for order in &ids {
+            events.push(NewEvent {
+                event_id: Uuid::now_v7(),
+                aggregate_id: order.clone(),
+                sequence,
+                event_type: event_type.to_owned(),
+                payload: payload(order, sequence),
+            });
+        }
+    }
+    events
+}
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
+async fn insert(db: &Client, tenant: &str, events: &[NewEvent]) {
+    for chunk in events.chunks(5_000) {
+        let ids: Vec<Uuid> = chunk.iter().map(|e| e.event_id).collect();
+        let aggregates: Vec<&str> = chunk.iter().map(|e| e.aggregate_id.as_str()).collect();
+        let sequences: Vec<i64> = chunk.iter().map(|e| e.sequence).collect();
+        let types: Vec<&str> = chunk.iter().map(|e| e.event_type.as_str()).collect();
+        let payloads: Vec<&Value> = chunk.iter().map(|e| &e.payload).collect();
+        db.execute(
+            "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+                 aggregate_sequence, event_type, schema_version, payload, traceparent)
+             SELECT id, $1, 'order', agg, seq, typ, 1, pay,
+                    '00-' || $7 || '-00f067aa0ba902b7-01'
+             FROM unnest($2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::jsonb[])
+                  AS t(id, agg, seq, typ, pay)",
+            &[
+                &tenant,
+                &ids,
+                &aggregates,
+                &sequences,
+                &types,
+                &payloads,
+                &TRACE_ID,
+            ],
+        )
+        .await
+        .expect("insert outbox rows");
+    }
+}
+
+async fn count(db: &Client, sql: &str, tenant: &str) -> i64 {
+    db.query_one(sql, &[&tenant]).await.expect(sql).get(0)
+}
+
+async fn unpublished(db: &Client, tenant: &str) -> i64 {
+    count(
+        db,
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+        tenant,
+    )
+    .await
+}
+
+async fn wait_db(db: &Client, what: &str, timeout: Duration, sql: &str, tenant: &str, want: i64) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let got = count(db, sql, tenant).await;
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still {got}, want {want} after {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn wait_all_published(db: &Client, tenant: &str, timeout: Duration) {
+    wait_db(
+        db,
+        "unpublished rows",
+        timeout,
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+        tenant,
+        0,
+    )
+    .await;
+}
+
+async fn delete_tenant_rows(db: &Client, tenant: &str) {
+    db.execute("DELETE FROM outbox_events WHERE tenant_id = $1", &[&tenant])
+        .await
+        .expect("clean up");
+}
+
+/// A running relay.
+struct Relay {
+    service: Service,
+    port: u16,
+    instance: String,
+}
+
+fn relay_env(tenant: &str, instance: &str, port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("OUTBOX_RELAY__HTTP__PORT", port.to_string()),
+        ("OUTBOX_RELAY__DATABASE__URL", pg_url(Database::Orders)),
+        ("OUTBOX_RELAY__AMQP__URL", amqp_url()),
+        ("OUTBOX_RELAY__RELAY__INSTANCE_ID", instance.to_owned()),
+        ("OUTBOX_RELAY__RELAY__ONLY_TENANT", tenant.to_owned()),
+        ("OUTBOX_RELAY__RELAY__EXCHANGE", tenant.to_owned()),
+        ("OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS", "200".to_owned()),
+        ("OUTBOX_RELAY__RELAY__LEASE_MS", "5000".to_owned()),
+        ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "3000".to_owned()),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "100".to_owned()),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "2000".to_owned()),
+        ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "50".to_owned()),
+        ("OUTBOX_RELAY__RELAY__METRICS_INTERVAL_MS", "300".to_owned()),
+        ("OUTBOX_RELAY__CLEANUP__ENABLED", "false".to_owned()),
+        ("RUST_LOG", "warn,outbox_relay=info,lapin=error".to_owned()),
+    ]
+}
+
+impl Relay {
+    /// Start a relay for `tenant`; `extra` overrides the test defaults.
+    fn start(tenant: &str, extra: &[(&'static str, String)]) -> Relay {
+        let port = free_port();
+        let instance = format!("relaytest-{}", short_id());
+        let mut env = relay_env(tenant, &instance, port);
+        env.extend(extra.iter().cloned());
+        let service = Service::start("outbox-relay", &[], &env);
+        Relay {
+            service,
+            port,
+            instance,
+        }
+    }
+
+    async fn ready(&self) {
+        wait_for_ok(
+            &format!("http://127.0.0.1:{}/readyz", self.port),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("relay ready");
+    }
+
+    /// The value of a metric (the sum over its label sets), 0 when absent.
+    async fn metric(&self, name: &str) -> u64 {
+        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.port))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics body");
+        text.lines()
+            .filter(|line| {
+                line.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .map(|v| v as u64)
+            .sum()
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    fn stop(mut self) {
+        self.service.signal("TERM");
+        let status = self
+            .service
+            .wait_exit(Duration::from_secs(30))
+            .expect("relay exits after SIGTERM");
+        assert!(status.success(), "relay exit status {status:?}");
+    }
+}
+
+/// Run an `outbox-relay` admin subcommand; (success, stdout + stderr).
+async fn admin(args: &[&str], env: &[(&str, String)]) -> (bool, String) {
+    let output = tokio::process::Command::new(system_tests::bin("outbox-relay"))
+        .args(args)
+        .env("OUTBOX_RELAY__DATABASE__URL", pg_url(Database::Orders))
+        .env("OUTBOX_RELAY__AMQP__URL", amqp_url())
+        .env("RUST_LOG", "warn,lapin=error")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .expect("run outbox-relay");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}
+
+/// A message received by a test queue.
+#[derive(Clone, Debug)]
+struct Received {
+    queue: String,
+    event_id: String,
+    aggregate_id: String,
+    sequence: i64,
+    replayed: bool,
+    body: Vec<u8>,
+    properties: BasicProperties,
+}
+
+fn header<'a>(properties: &'a BasicProperties, name: &str) -> Option<&'a AMQPValue> {
+    properties.headers().as_ref()?.inner().get(name)
+}
+
+fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
+    match header(properties, name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+/// Collects, in arrival order, the messages of `tenant` arriving on queues.
+#[derive(Clone)]
+struct Collector {
+    received: Arc<Mutex<Vec<Received>>>,
+}
+
+impl Collector {
+    async fn start(channel: &Channel, queues: &[String], tenant: &str) -> Collector {
+        let received = Arc::new(Mutex::new(Vec::new()));
+        for queue in queues {
+            let mut consumer = channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    format!("relay-test-{}", short_id()).as_str().into(),
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..BasicConsumeOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .expect("consume");
+            let received = Arc::clone(&received);
+            let tenant = tenant.to_owned();
+            let queue = queue.clone();
+            tokio::spawn(async move {
+                while let Some(Ok(delivery)) = consumer.next().await {
+                    let properties = delivery.properties.clone();
+                    if header_text(&properties, "tenant_id").as_deref() != Some(tenant.as_str()) {
+                        continue;
+                    }
+                    let sequence = match header(&properties, "aggregate_sequence") {
+                        Some(AMQPValue::LongLongInt(n)) => *n,
+                        other => panic!("aggregate_sequence header: {other:?}"),
+                    };
+                    let replayed = matches!(
+                        header(&properties, "replayed"),
+                        Some(AMQPValue::Boolean(true))
+                    );
+                    received.lock().expect("lock").push(Received {
+                        queue: queue.clone(),
+                        event_id: properties
+                            .message_id()
+                            .as_ref()
+                            .map(|m| m.to_string())
+                            .unwrap_or_default(),
+                        aggregate_id: header_text(&properties, "aggregate_id").unwrap_or_default(),
+                        sequence,
+                        replayed,
+                        body: delivery.data.clone(),
+                        properties,
+                    });
+                }
+            });
+        }
+        Collector { received }
+    }
+
+    fn snapshot(&self) -> Vec<Received> {
+        self.received.lock().expect("lock").clone()
+    }
+
+    fn distinct(&self) -> usize {
+        self.snapshot()
+            .iter()
+            .map(|r| r.event_id.clone())
+            .collect::<HashSet<_>>()
+            .len()
+    }
+
+    async fn wait_distinct(&self, want: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.distinct() < want {
+            assert!(
+                Instant::now() < deadline,
+                "received {} distinct events, want {want}, after {timeout:?}",
+                self.distinct()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Per order, the sequences in order of first delivery.
+fn first_delivery_order(received: &[Received]) -> HashMap<String, Vec<i64>> {
+    let mut seen = HashSet::new();
+    let mut orders: HashMap<String, Vec<i64>> = HashMap::new();
+    for r in received {
+        if seen.insert(r.event_id.clone()) {
+            orders
+                .entry(r.aggregate_id.clone())
+                .or_default()
+                .push(r.sequence);
+        }
+    }
+    orders
+}
+
+fn assert_in_sequence_order(received: &[Received], expect_per_order: &HashMap<String, i64>) {
+    let orders = first_delivery_order(received);
+    for (order, last) in expect_per_order {
+        let got = orders.get(order).cloned().unwrap_or_default();
+        let want: Vec<i64> = (1..=*last).collect();
+        assert_eq!(got, want, "first deliveries of order {order}");
+    }
+}
+
+fn duplicates(received: &[Received]) -> usize {
+    let distinct: HashSet<&str> = received.iter().map(|r| r.event_id.as_str()).collect();
+    received.len() - distinct.len()
+}
+
+/// The message is exactly what the contract says for `event`.
+fn assert_message_matches(r: &Received, event: &NewEvent, tenant: &str) {
+    let envelope = RawEnvelope::parse_raw(&r.body).expect("envelope");
+    assert_eq!(envelope.event_id, event.event_id);
+    assert_eq!(envelope.event_type, event.event_type);
+    assert_eq!(envelope.schema_version, 1);
+    assert_eq!(envelope.tenant_id, tenant);
+    assert_eq!(envelope.aggregate_type, "order");
+    assert_eq!(envelope.aggregate_id, event.aggregate_id);
+    assert_eq!(envelope.aggregate_sequence, event.sequence);
+    assert_eq!(envelope.payload, event.payload);
+    // The body is the envelope's canonical encoding, byte for byte (wire field order).
+    assert_eq!(envelope.to_json_bytes().expect("encode"), r.body);
+    let text = String::from_utf8(r.body.clone()).expect("utf-8");
+    assert!(
+        text.starts_with(&format!(
+            "{{\"event_id\":\"{}\",\"event_type\":\"{}\",\"schema_version\":1,",
+            event.event_id, event.event_type
+        )),
+        "{text}"
+    );
+    let p = &r.properties;
+    assert_eq!(
+        p.message_id().as_ref().map(|m| m.to_string()),
+        Some(event.event_id.to_string())
+    );
+    assert_eq!(
+        p.kind().as_ref().map(|k| k.to_string()),
+        Some(event.event_type.clone())
+    );
+    assert_eq!(
+        p.content_type().as_ref().map(|c| c.to_string()),
+        Some(events::CONTENT_TYPE.to_owned())
+    );
+    assert_eq!(*p.delivery_mode(), Some(2));
+    assert!(p.timestamp().is_some());
+    assert_eq!(
+        header_text(p, "aggregate_id").as_deref(),
+        Some(event.aggregate_id.as_str())
+    );
+    assert_eq!(header_text(p, "tenant_id").as_deref(), Some(tenant));
+    assert_eq!(
+        header_text(p, "event_type").as_deref(),
+        Some(event.event_type.as_str())
+    );
+    assert!(matches!(
+        header(p, "schema_version"),
+        Some(AMQPValue::LongInt(1))
+    ));
+    // The publish span continues the trace stored with the row.
+    let traceparent = header_text(p, "traceparent").expect("traceparent header");
+    let parts: Vec<&str> = traceparent.split('-').collect();
+    assert_eq!(parts.len(), 4, "{traceparent}");
+    assert_eq!(parts[1], TRACE_ID, "same trace as the stored traceparent");
+    assert_ne!(parts[2], "00f067aa0ba902b7", "its own span id");
+}
+
+// ------------------------------------------------------------------ tests --
+
+/// Issue 4, test 1 (scaled to 2,000 events over 200 orders): three relays at
+/// once; every event reaches the bound queue, per order the first deliveries
+/// come in sequence order, no duplicates without faults; the messages carry
+/// the contract's body, properties and headers; SIGTERM exits cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_relays_publish_every_event_once_in_per_order_sequence() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestMany{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+
+    let events = orders_with_events(200, 10, &event_type);
+    insert(&db, &tenant, &events).await;
+    let extra = [
+        ("OUTBOX_RELAY__RELAY__BATCH_SIZE", "50".to_owned()),
+        ("OUTBOX_RELAY__RELAY__LEASE_MS", "30000".to_owned()),
+        (
+            "OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS",
+            "10000".to_owned(),
+        ),
+    ];
+    let relays: Vec<Relay> = (0..3).map(|_| Relay::start(&tenant, &extra)).collect();
+
+    wait_all_published(&db, &tenant, Duration::from_secs(120)).await;
+    collector
+        .wait_distinct(events.len(), Duration::from_secs(30))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let received = collector.snapshot();
+
+    let expect: HashMap<String, i64> = events
+        .iter()
+        .map(|e| (e.aggregate_id.clone(), 10))
+        .collect();
+    assert_in_sequence_order(&received, &expect);
+    let dups = duplicates(&received);
+    println!(
+        "{} events, {} deliveries, {dups} duplicates",
+        events.len(),
+        received.len()
+    );
+    assert_eq!(dups, 0, "no duplicates without faults");
+
+    let by_id: HashMap<String, &NewEvent> =
+        events.iter().map(|e| (e.event_id.to_string(), e)).collect();
+    for r in &received {
+        assert_message_matches(r, by_id[&r.event_id], &tenant);
+    }
+
+    // Several instances really shared the work (claimed_by is kept on publish).
+    let instances: Vec<String> = relays.iter().map(|r| r.instance.clone()).collect();
+    let publishers = db
+        .query(
+            "SELECT claimed_by, count(*) FROM outbox_events WHERE tenant_id = $1 GROUP BY 1",
+            &[&tenant],
+        )
+        .await
+        .expect("publishers");
+    let ours = publishers
+        .iter()
+        .filter(|row| instances.contains(&row.get::<_, String>(0)))
+        .count();
+    println!(
+        "published by: {:?}",
+        publishers
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        ours >= 2,
+        "at least two of the three relays published: {ours}"
+    );
+    let mut published = 0;
+    for relay in &relays {
+        published += relay.metric("outbox_published_total").await;
+    }
+    assert!(published >= 2000, "published_total {published}");
+
+    for relay in relays {
+        relay.stop();
+    }
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// Issue 4, test 2: the relay dies after the broker's ack, before
+/// `published_at` (fail point). After a restart the events are published
+/// again: duplicates, nothing lost, per order still in sequence order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestCrash{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let events = orders_with_events(3, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+
+    let lease_ms = 2_000;
+    let mut crashing = Relay::start(
+        &tenant,
+        &[
+            (
+                "FAILPOINTS",
+                "relay.after_ack_before_mark=return".to_owned(),
+            ),
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", lease_ms.to_string()),
+            ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "1500".to_owned()),
+        ],
+    );
+    let status = crashing
+        .service
+        .wait_exit(Duration::from_secs(60))
+        .expect("the fail point aborts the relay");
+    assert!(!status.success(), "aborted: {status:?}");
+
+    // The broker has the first event of each order; the database does not know.
+    collector.wait_distinct(3, Duration::from_secs(10)).await;
+    let acked: HashSet<String> = collector
+        .snapshot()
+        .iter()
+        .map(|r| r.event_id.clone())
+        .collect();
+    assert_eq!(acked.len(), 3);
+    assert!(collector.snapshot().iter().all(|r| r.sequence == 1));
+    assert_eq!(unpublished(&db, &tenant).await, 6, "nothing marked");
+    let leased = count(
+        &db,
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND claim_until > now() - interval '1 hour' AND claimed_by IS NOT NULL",
+        &tenant,
+    )
+    .await;
+    assert_eq!(leased, 3, "the crashed relay still holds the 3 leases");
+
+    let restarted = Relay::start(&tenant, &[]);
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(6, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let received = collector.snapshot();
+    let mut times: HashMap<&str, usize> = HashMap::new();
+    for r in &received {
+        *times.entry(r.event_id.as_str()).or_default() += 1;
+    }
+    for event in &events {
+        let id = event.event_id.to_string();
+        let n = times.get(id.as_str()).copied().unwrap_or(0);
+        if acked.contains(&id) {
+            assert_eq!(n, 2, "{id}: acked before the crash, published again");
+        } else {
+            assert_eq!(n, 1, "{id}: published once");
+        }
+    }
+    // Duplicates are byte-identical (the consumer dedupes on event_id).
+    for id in &acked {
+        let bodies: HashSet<&Vec<u8>> = received
+            .iter()
+            .filter(|r| &r.event_id == id)
+            .map(|r| &r.body)
+            .collect();
+        assert_eq!(bodies.len(), 1);
+    }
+    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
+    assert_in_sequence_order(&received, &expect);
+    assert!(restarted.metric("outbox_expired_claims_total").await >= 3);
+    restarted.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// Issue 4, test 3: a relay killed (SIGKILL) while holding leases, before it
+/// published: another instance takes the rows over once the leases expire
+/// (not before), and publishes each exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestLease{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let events = orders_with_events(4, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+
+    // Stalls after claiming, before publishing.
+    let stalled = Relay::start(
+        &tenant,
+        &[
+            (
+                "FAILPOINTS",
+                "relay.before_publish=sleep(600000)".to_owned(),
+            ),
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
+            ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "1000".to_owned()),
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+        ],
+    );
+    let holds = "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND claimed_by IS NOT NULL AND published_at IS NULL";
+    wait_db(
+        &db,
+        "leases taken by the stalled relay",
+        Duration::from_secs(60),
+        holds,
+        &tenant,
+        4,
+    )
+    .await;
+    let row = db
+        .query_one(
+            "SELECT max(claim_until), count(DISTINCT claimed_by), min(claimed_by)
+             FROM outbox_events WHERE tenant_id = $1 AND claimed_by IS NOT NULL",
+            &[&tenant],
+        )
+        .await
+        .expect("leases");
+    let lease_end: std::time::SystemTime = row.get(0);
+    assert_eq!(row.get::<_, i64>(1), 1);
+    assert_eq!(row.get::<_, String>(2), stalled.instance);
+    stalled.service.signal("KILL");
+
+    let taker = Relay::start(&tenant, &[]);
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(8, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let received = collector.snapshot();
+    assert_eq!(
+        duplicates(&received),
+        0,
+        "the stalled relay never published"
+    );
+    let early = db
+        .query_one(
+            "SELECT count(*) FROM outbox_events
+             WHERE tenant_id = $1 AND aggregate_sequence = 1 AND published_at < $2",
+            &[&tenant, &lease_end],
+        )
+        .await
+        .expect("early")
+        .get::<_, i64>(0);
+    assert_eq!(early, 0, "nothing taken over before the lease expired");
+    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
+    assert_in_sequence_order(&received, &expect);
+    assert!(taker.metric("outbox_expired_claims_total").await >= 4);
+    taker.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// Issue 4, test 4: an unroutable event (mandatory, no queue bound for its
+/// type) fails with a growing backoff and `last_error`; the later events of
+/// its order are held back while other orders flow; after the maximum
+/// attempts it is quarantined (metric); `requeue` after the repair (a queue
+/// bound for it) releases it and the order's events flow, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() {
+    let tenant = format!("relaytest-{}", short_id());
+    let routed = format!("RelayTestRouted{}", short_id());
+    let unroutable = format!("RelayTestUnroutable{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&routed]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+
+    let stuck = Uuid::now_v7().to_string();
+    let mut stuck_events = orders_with_events(1, 3, &routed);
+    for e in &mut stuck_events {
+        e.aggregate_id = stuck.clone();
+        e.payload = payload(&stuck, e.sequence);
+    }
+    stuck_events[0].event_type = unroutable.clone();
+    let others = orders_with_events(3, 2, &routed);
+    insert(&db, &tenant, &stuck_events).await;
+    insert(&db, &tenant, &others).await;
+
+    let max_attempts = 5;
+    let relay = Relay::start(
+        &tenant,
+        &[
+            (
+                "OUTBOX_RELAY__RELAY__MAX_ATTEMPTS",
+                max_attempts.to_string(),
+            ),
+            ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "300".to_owned()),
+            ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "60000".to_owned()),
+        ],
+    );
+
+    // Watch the stuck event: attempt n sets available_at = now() + backoff(n).
+    let head = stuck_events[0].event_id;
+    let mut available: HashMap<i32, std::time::SystemTime> = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let row = db
+            .query_one(
+                "SELECT attempt_count, available_at, quarantined_at IS NOT NULL
+                 FROM outbox_events WHERE event_id = $1",
+                &[&head],
+            )
+            .await
+            .expect("head");
+        let attempts: i32 = row.get(0);
+        available.entry(attempts).or_insert(row.get(1));
+        if row.get::<_, bool>(2) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not quarantined: {attempts} attempts"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let row = db
+        .query_one(
+            "SELECT attempt_count, last_error, claimed_by FROM outbox_events WHERE event_id = $1",
+            &[&head],
+        )
+        .await
+        .expect("head");
+    assert_eq!(row.get::<_, i32>(0), max_attempts);
+    let last_error: String = row.get(1);
+    assert!(
+        last_error.contains("312") && last_error.contains("NO_ROUTE"),
+        "{last_error}"
+    );
+    assert_eq!(row.get::<_, Option<String>>(2), None, "lease released");
+    // The backoff grew: the gap before the last attempt exceeds the gap before the second.
+    let gap = |n: i32| -> Option<Duration> {
+        available
+            .get(&n)?
+            .duration_since(*available.get(&(n - 1))?)
+            .ok()
+    };
+    let (first, last) = (
+        gap(2).expect("attempt 2 observed"),
+        gap(max_attempts).expect("last attempt observed"),
+    );
+    println!("backoff gaps: {available:?}; first {first:?}, last {last:?}");
+    assert!(last > first * 2, "backoff grows: {first:?} then {last:?}");
+
+    // The order's later events were never even claimed; other orders flowed.
+    let held = db
+        .query_one(
+            "SELECT count(*) FILTER (WHERE published_at IS NULL AND claimed_by IS NULL AND attempt_count = 0),
+                    count(*)
+             FROM outbox_events WHERE aggregate_id = $1 AND aggregate_sequence > 1",
+            &[&stuck],
+        )
+        .await
+        .expect("held");
+    assert_eq!((held.get::<_, i64>(0), held.get::<_, i64>(1)), (2, 2));
+    collector
+        .wait_distinct(others.len(), Duration::from_secs(30))
+        .await;
+    // ... and keep flowing while the order is quarantined.
+    let later = orders_with_events(2, 1, &routed);
+    insert(&db, &tenant, &later).await;
+    collector
+        .wait_distinct(others.len() + later.len(), Duration::from_secs(30))
+        .await;
+    assert!(
+        collector.snapshot().iter().all(|r| r.aggregate_id != stuck),
+        "nothing of the quarantined order went out"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while relay.metric("outbox_quarantined_events").await < 1 {
+        assert!(Instant::now() < deadline, "quarantine gauge");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(relay.metric("outbox_returned_total").await >= 5);
+    assert!(relay.metric("outbox_publish_failures_total").await >= 5);
+
+    // Repair (a queue for the type), then release the order.
+    bind(&channel, &tenant, &queue, &unroutable).await;
+    let (ok, output) = admin(&["requeue", "--order", &stuck], &[]).await;
+    assert!(ok, "{output}");
+    assert!(output.contains(&head.to_string()), "{output}");
+    assert!(output.contains("released 1 event(s)"), "{output}");
+    assert!(output.contains("2 later event(s)"), "{output}");
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector
+        .wait_distinct(others.len() + later.len() + 3, Duration::from_secs(30))
+        .await;
+    let received = collector.snapshot();
+    let stuck_order: Vec<i64> = first_delivery_order(&received)
+        .remove(&stuck)
+        .unwrap_or_default();
+    assert_eq!(stuck_order, vec![1, 2, 3], "released in sequence order");
+    // Nothing quarantined any more: a second requeue has nothing to release.
+    let (ok, output) = admin(&["requeue", "--event", &head.to_string()], &[]).await;
+    assert!(!ok, "{output}");
+    assert!(output.contains("nothing is quarantined"), "{output}");
+
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// Issue 4, test 5: with a 10 s poll interval an idle relay publishes a new
+/// event well under a second after its commit (LISTEN/NOTIFY).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_an_idle_relay_within_milliseconds() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestNotify{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let relay = Relay::start(
+        &tenant,
+        &[("OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS", "10000".to_owned())],
+    );
+    relay.ready().await;
+    // Warm up: the first event also proves the LISTEN connection is up (or
+    // waits one poll interval at most).
+    insert(&db, &tenant, &orders_with_events(1, 1, &event_type)).await;
+    collector.wait_distinct(1, Duration::from_secs(30)).await;
+
+    for round in 1..=3_usize {
+        tokio::time::sleep(Duration::from_millis(500)).await; // idle again
+        let started = Instant::now();
+        insert(&db, &tenant, &orders_with_events(1, 1, &event_type)).await;
+        collector
+            .wait_distinct(1 + round, Duration::from_secs(30))
+            .await;
+        let elapsed = started.elapsed();
+        println!("round {round}: commit to delivery {elapsed:?}");
+        assert!(
+            elapsed < Duration::from_secs(1),
+            "published {elapsed:?} after commit with a 10 s poll interval"
+        );
+    }
+    let lag: f64 = db
+        .query_one(
+            "SELECT max(EXTRACT(EPOCH FROM published_at - occurred_at))::float8
+             FROM outbox_events WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("lag")
+        .get(0);
+    println!("max occurred_at -> published_at: {lag} s");
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// Issue 4, test 6: cleanup deletes only published rows past the horizon
+/// (default 7 days), in bounded batches, one instance at a time, never an
+/// unpublished or quarantined row; a crash inside a batch rolls that batch
+/// back and the next run finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestCleanup{}", short_id());
+    let db = db(&tenant).await;
+    let old = orders_with_events(25, 1, &event_type);
+    let recent = orders_with_events(5, 1, &event_type);
+    let pending = orders_with_events(3, 1, &event_type);
+    let quarantined = orders_with_events(2, 1, &event_type);
+    for set in [&old, &recent, &pending, &quarantined] {
+        insert(&db, &tenant, set).await;
+    }
+    let ids = |set: &[NewEvent]| set.iter().map(|e| e.event_id).collect::<Vec<_>>();
+    let set = |sql: &str, events: &[NewEvent]| {
+        let ids = ids(events);
+        let db = &db;
+        let sql = sql.to_owned();
+        async move { db.execute(&sql, &[&ids]).await.expect(&sql) }
+    };
+    set("UPDATE outbox_events SET occurred_at = now() - interval '9 days', published_at = now() - interval '8 days' WHERE event_id = ANY($1)", &old).await;
+    set("UPDATE outbox_events SET occurred_at = now() - interval '6 days', published_at = now() - interval '6 days' WHERE event_id = ANY($1)", &recent).await;
+    // Old but unpublished: never deleted (and not due, so no relay takes them).
+    set("UPDATE outbox_events SET occurred_at = now() - interval '30 days', available_at = now() + interval '1 day' WHERE event_id = ANY($1)", &pending).await;
+    set("UPDATE outbox_events SET occurred_at = now() - interval '30 days', quarantined_at = now() - interval '20 days', attempt_count = 10 WHERE event_id = ANY($1)", &quarantined).await;
+
+    let remaining = |events: Vec<NewEvent>| {
+        let ids = ids(&events);
+        let db = &db;
+        async move {
+            db.query_one(
+                "SELECT count(*) FROM outbox_events WHERE event_id = ANY($1)",
+                &[&ids],
+            )
+            .await
+            .expect("count")
+            .get::<_, i64>(0)
+        }
+    };
+    let batch = [("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", "10".to_owned())];
+
+    // One instance at a time: while another holds the lock, nothing happens.
+    let locker = pg(Database::Orders).await;
+    locker
+        .execute(
+            "SELECT pg_advisory_lock($1)",
+            &[&outbox_relay_cleanup_lock_key()],
+        )
+        .await
+        .expect("lock");
+    let (ok, output) = admin(&["cleanup"], &batch).await;
+    assert!(ok, "{output}");
+    assert!(
+        output.contains("another instance is cleaning up"),
+        "{output}"
+    );
+    assert_eq!(remaining(old.clone()).await, 25);
+    locker
+        .execute(
+            "SELECT pg_advisory_unlock($1)",
+            &[&outbox_relay_cleanup_lock_key()],
+        )
+        .await
+        .expect("unlock");
+
+    // A crash inside the second batch: the first batch is committed, the
+    // second rolled back.
+    let mut crash = batch.to_vec();
+    crash.push(("FAILPOINTS", "relay.cleanup=1*off->return".to_owned()));
+    let (ok, output) = admin(&["cleanup"], &crash).await;
+    assert!(!ok, "the fail point aborts: {output}");
+    let left = remaining(old.clone()).await;
+    assert!(
+        (15..=25).contains(&left),
+        "at most the first batch of 10 was deleted, the crashed one rolled back: {left} left"
+    );
+
+    let (ok, output) = admin(&["cleanup"], &batch).await;
+    assert!(ok, "{output}");
+    println!("{output}");
+    let batches: u64 = output
+        .split(" in ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("batch count in {output}"));
+    assert!(
+        batches >= 2,
+        "bounded batches of 10 for {left} rows: {output}"
+    );
+    assert_eq!(remaining(old.clone()).await, 0, "past the horizon: deleted");
+    assert_eq!(
+        remaining(recent.clone()).await,
+        5,
+        "within the horizon: kept"
+    );
+    assert_eq!(remaining(pending.clone()).await, 3, "unpublished: kept");
+    assert_eq!(remaining(quarantined.clone()).await, 2, "quarantined: kept");
+    delete_tenant_rows(&db, &tenant).await;
+}
+
+async fn rfc3339(t: std::time::SystemTime, db: &Client) -> String {
+    db.query_one(
+        "SELECT to_char($1::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
+        &[&t],
+    )
+    .await
+    .expect("format")
+    .get::<_, String>(0)
+}
+
+fn outbox_relay_cleanup_lock_key() -> i64 {
+    // outbox_relay::cleanup::CLEANUP_LOCK_KEY ("outbox_c"); the tests crate
+    // runs the binary and does not link the relay.
+    0x6f75_7462_6f78_5f63
+}
+
+/// A consumer topology like the consumer runtime's: `<name>.events`
+/// (x-consistent-hash on `aggregate_id`) bound to the events exchange
+/// `source` (`order-events` in production; the test's own here) with `#`,
+/// and `partitions` quorum single-active-consumer queues `<name>.p<i>`.
+async fn fake_consumer(
+    channel: &Channel,
+    source: &str,
+    name: &str,
+    partitions: usize,
+) -> Vec<String> {
+    let exchange = format!("{name}.events");
+    let mut args = FieldTable::default();
+    args.insert(
+        "hash-header".into(),
+        AMQPValue::LongString("aggregate_id".into()),
+    );
+    channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Custom("x-consistent-hash".into()),
+            ExchangeDeclareOptions::default(),
+            args,
+        )
+        .await
+        .expect("hash exchange");
+    channel
+        .exchange_bind(
+            exchange.as_str().into(),
+            source.into(),
+            "#".into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("exchange binding");
+    let mut queues = Vec::new();
+    for i in 0..partitions {
+        let queue = format!("{name}.p{i}");
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                args,
+            )
+            .await
+            .expect("partition queue");
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "1".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("partition binding");
+        queues.push(queue);
+    }
+    queues
+}
+
+async fn drop_fake_consumer(channel: &Channel, name: &str, queues: &[String]) {
+    for queue in queues {
+        let _ = channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = channel
+        .exchange_delete(
+            format!("{name}.events").as_str().into(),
+            ExchangeDeleteOptions::default(),
+        )
+        .await;
+}
+
+/// Issue 4, test 7: replay of one consumer purges its partitions and
+/// re-delivers the published events of the range (or of one order) to that
+/// consumer only, once each, in per-order sequence order, marked `replayed`,
+/// byte-identical to the original publish; another consumer sees nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_redelivers_a_range_to_one_consumer_only_in_order() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestReplay{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let target = format!("relaytest{}", short_id());
+    let bystander = format!("relaytest{}", short_id());
+    let target_queues = fake_consumer(&channel, &tenant, &target, 2).await;
+    let bystander_queues = fake_consumer(&channel, &tenant, &bystander, 2).await;
+    let target_seen = Collector::start(&channel, &target_queues, &tenant).await;
+    let bystander_seen = Collector::start(&channel, &bystander_queues, &tenant).await;
+
+    // 3 orders x 3 events inside the window, 1 order x 2 events before it.
+    let inside = orders_with_events(3, 3, &event_type);
+    let outside = orders_with_events(1, 2, &event_type);
+    insert(&db, &tenant, &inside).await;
+    insert(&db, &tenant, &outside).await;
+    // A window of this test's own, far in the past (occurred_at is the event's time).
+    let offset_minutes = i64::from(Uuid::new_v4().as_bytes()[0]) * 1_000 + 17;
+    let window_start: std::time::SystemTime = db
+        .query_one(
+            "SELECT timestamptz '2001-01-01T00:00:00Z' + $1::bigint * interval '1 minute'",
+            &[&offset_minutes],
+        )
+        .await
+        .expect("window")
+        .get(0);
+    let inside_ids: Vec<Uuid> = inside.iter().map(|e| e.event_id).collect();
+    let outside_ids: Vec<Uuid> = outside.iter().map(|e| e.event_id).collect();
+    db.execute(
+        "UPDATE outbox_events SET occurred_at = $2::timestamptz + aggregate_sequence * interval '1 second'
+         WHERE event_id = ANY($1)",
+        &[&inside_ids, &window_start],
+    )
+    .await
+    .expect("inside");
+    db.execute(
+        "UPDATE outbox_events SET occurred_at = $2::timestamptz - interval '1 day' WHERE event_id = ANY($1)",
+        &[&outside_ids, &window_start],
+    )
+    .await
+    .expect("outside");
+
+    let relay = Relay::start(&tenant, &[]);
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    relay.stop();
+    let total = inside.len() + outside.len();
+    target_seen
+        .wait_distinct(total, Duration::from_secs(30))
+        .await;
+    bystander_seen
+        .wait_distinct(total, Duration::from_secs(30))
+        .await;
+    let originals: HashMap<String, Vec<u8>> = bystander_seen
+        .snapshot()
+        .into_iter()
+        .map(|r| (r.event_id, r.body))
+        .collect();
+
+    let since = rfc3339(window_start, &db).await;
+    let until = rfc3339(window_start + Duration::from_secs(3600), &db).await;
+    let (ok, output) = admin(
+        &[
+            "replay",
+            "--consumer",
+            &target,
+            "--since",
+            &since,
+            "--until",
+            &until,
+            "--page-size",
+            "4",
+        ],
+        &[],
+    )
+    .await;
+    assert!(ok, "{output}");
+    println!("{output}");
+    assert!(
+        output.contains("re-published 9 event(s) of 3 order(s)"),
+        "{output}"
+    );
+    assert!(output.contains(&format!("{target}.p0")) && output.contains(&format!("{target}.p1")));
+
+    let replayed = |c: &Collector| -> Vec<Received> {
+        c.snapshot().into_iter().filter(|r| r.replayed).collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while replayed(&target_seen).len() < inside.len() {
+        assert!(
+            Instant::now() < deadline,
+            "replayed: {}",
+            replayed(&target_seen).len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await; // anything extra would show up
+    let got = replayed(&target_seen);
+    assert_eq!(got.len(), inside.len(), "each event of the range once");
+    let expect: HashMap<String, i64> = inside.iter().map(|e| (e.aggregate_id.clone(), 3)).collect();
+    assert_in_sequence_order(&got, &expect);
+    // One order, one partition.
+    for order in expect.keys() {
+        let queues: HashSet<&str> = got
+            .iter()
+            .filter(|r| &r.aggregate_id == order)
+            .map(|r| r.queue.as_str())
+            .collect();
+        assert_eq!(queues.len(), 1, "order {order} in one partition");
+    }
+    for r in &got {
+        assert_eq!(&r.body, &originals[&r.event_id], "byte-identical");
+        assert!(!outside.iter().any(|e| e.event_id.to_string() == r.event_id));
+    }
+    assert!(
+        replayed(&bystander_seen).is_empty(),
+        "the other consumer sees nothing of the replay"
+    );
+
+    // One order only.
+    let order = inside[0].aggregate_id.clone();
+    let (ok, output) = admin(&["replay", "--consumer", &target, "--order", &order], &[]).await;
+    assert!(ok, "{output}");
+    assert!(
+        output.contains("re-published 3 event(s) of 1 order(s)"),
+        "{output}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while replayed(&target_seen).len() < inside.len() + 3 {
+        assert!(Instant::now() < deadline, "order replay");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again: Vec<i64> = replayed(&target_seen)[inside.len()..]
+        .iter()
+        .map(|r| {
+            assert_eq!(r.aggregate_id, order);
+            r.sequence
+        })
+        .collect();
+    assert_eq!(again, vec![1, 2, 3]);
+    assert!(replayed(&bystander_seen).is_empty());
+
+    // An unknown consumer is an error, not a silent no-op.
+    let (ok, output) = admin(
+        &["replay", "--consumer", &format!("relaytest{}", short_id())],
+        &[],
+    )
+    .await;
+    assert!(!ok && output.contains("not found"), "{output}");
+
+    drop_fake_consumer(&channel, &target, &target_queues).await;
+    drop_fake_consumer(&channel, &bystander, &bystander_queues).await;
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// The claim query uses the partial indexes and never scans the table, with
+/// a large published history and a backlog: measured on a session-private
+/// copy of the outbox (a temporary table of the same name shadows the real
+/// one for this connection; same columns, constraints and indexes), so the
+/// shared database is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_query_uses_the_partial_indexes() {
+    let tenant = format!("relaytest-{}", short_id());
+    let _ = db(&tenant).await;
+    let session = pg(Database::Orders).await;
+    session
+        .batch_execute(
+            "CREATE TEMP TABLE outbox_events (LIKE public.outbox_events INCLUDING ALL);
+             -- 200,000 published rows of history, 20,000 pending over 4,000 orders.
+             INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+                 aggregate_sequence, event_type, schema_version, payload, occurred_at,
+                 available_at, published_at, claimed_by)
+             SELECT gen_random_uuid(), 'hist', 'order', 'h-' || (g / 5), (g % 5) + 1, 'Old', 1,
+                    '{}', now() - interval '3 days', now() - interval '3 days',
+                    now() - interval '3 days', 'old'
+             FROM generate_series(0, 199999) g;
+             INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+                 aggregate_sequence, event_type, schema_version, payload, occurred_at, available_at)
+             SELECT gen_random_uuid(), 'bench', 'order', 'b-' || (g % 4000), (g / 4000) + 1,
+                    'New', 1, '{}', now() - interval '1 hour' + g * interval '1 ms',
+                    now() - interval '1 hour' + g * interval '1 ms'
+             FROM generate_series(0, 19999) g;
+             ANALYZE outbox_events;",
+        )
+        .await
+        .expect("private outbox copy");
+    // The copies of outbox_dispatch_idx and outbox_pending_sequence_idx.
+    let index = |definition: &'static str| {
+        let session = &session;
+        async move {
+            session
+                .query_one(
+                    "SELECT indexname::text FROM pg_indexes
+                     WHERE tablename = 'outbox_events' AND schemaname LIKE 'pg_temp%'
+                       AND indexdef LIKE $1",
+                    &[&definition],
+                )
+                .await
+                .expect(definition)
+                .get::<_, String>(0)
+        }
+    };
+    let dispatch = index("%(available_at, occurred_at) WHERE (published_at IS NULL)").await;
+    let pending =
+        index("%(aggregate_id, aggregate_type, aggregate_sequence) WHERE (published_at IS NULL)")
+            .await;
+    let sql = CLAIM_SQL_FOR_EXPLAIN
+        .replace("$1", "'explain'")
+        .replace("$2", "30000")
+        .replace("$3", "500")
+        .replace("$4", "''");
+    let plan: Vec<String> = session
+        .query(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"), &[])
+        .await
+        .expect("explain")
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect();
+    let plan = plan.join("\n");
+    println!("{plan}");
+    assert!(
+        plan.contains(&format!("Index Scan using {dispatch}")),
+        "{plan}"
+    );
+    assert!(
+        plan.contains(&format!("Index Scan using {pending}")),
+        "{plan}"
+    );
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+    assert!(plan.contains("rows=500 loops=1"), "a full batch: {plan}");
+    session
+        .batch_execute("DROP TABLE pg_temp.outbox_events")
+        .await
+        .expect("drop");
+}
+
+/// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and
+/// do not link the relay crate): the very file the relay embeds.
+const CLAIM_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src/claim.sql");
