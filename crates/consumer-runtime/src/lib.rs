@@ -42,27 +42,66 @@ pub use topology::Topology;
 pub type Transaction<'a> = tokio_postgres::Transaction<'a>;
 
 /// A domain handler failure: the transaction is rolled back and the event is
-/// retried through the tiers, then dead-lettered.
+/// retried through the tiers, then dead-lettered. A *transient* failure (the
+/// database connection dropped, a deadlock, a serialization failure) is not
+/// the event's fault: the same message is retried in place, with backoff,
+/// without counting an attempt.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct HandlerError(String);
+#[error("{message}")]
+pub struct HandlerError {
+    message: String,
+    transient: bool,
+}
 
 impl HandlerError {
+    /// A failure of this event (counted as a failed attempt).
     pub fn new(message: impl Into<String>) -> Self {
-        Self(message.into())
+        Self {
+            message: message.into(),
+            transient: false,
+        }
     }
+
+    /// A failure of the infrastructure, not of the event.
+    pub fn transient(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            transient: true,
+        }
+    }
+
+    pub fn is_transient(&self) -> bool {
+        self.transient
+    }
+}
+
+/// SQLSTATE classes and codes that say "try again", not "this event is bad".
+fn transient_sqlstate(code: &str) -> bool {
+    code.starts_with("08") // connection exception
+        || code.starts_with("53") // insufficient resources
+        || code.starts_with("57P") // admin / crash shutdown, cannot connect now
+        || code == "40001" // serialization failure
+        || code == "40P01" // deadlock detected
 }
 
 impl From<tokio_postgres::Error> for HandlerError {
     fn from(error: tokio_postgres::Error) -> Self {
         // The server's message and detail (e.g. which constraint), not just "db error".
         match error.as_db_error() {
-            Some(db) => Self(format!(
-                "database: {}{}",
-                db.message(),
-                db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
-            )),
-            None => Self(format!("database: {error}")),
+            Some(db) => {
+                let message = format!(
+                    "database: {}{}",
+                    db.message(),
+                    db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
+                );
+                if transient_sqlstate(db.code().code()) {
+                    Self::transient(message)
+                } else {
+                    Self::new(message)
+                }
+            }
+            // No server error: the connection itself failed.
+            None => Self::transient(format!("database: {error}")),
         }
     }
 }
@@ -295,4 +334,23 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
         }
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_and_concurrency_errors_are_transient_constraint_errors_are_not() {
+        assert!(transient_sqlstate("08006"));
+        assert!(transient_sqlstate("40P01"));
+        assert!(transient_sqlstate("40001"));
+        assert!(transient_sqlstate("57P01"));
+        assert!(transient_sqlstate("53300"));
+        assert!(!transient_sqlstate("23514")); // check violation
+        assert!(!transient_sqlstate("23505")); // unique violation
+        assert!(!transient_sqlstate("P0001")); // raise exception
+        assert!(HandlerError::transient("x").is_transient());
+        assert!(!HandlerError::new("x").is_transient());
+    }
 }

@@ -282,6 +282,9 @@ impl<D: Domain> Processor<D> {
             if let Err(rollback) = tx.rollback().await {
                 tracing::warn!(%rollback, "rollback after a handler error");
             }
+            if error.is_transient() {
+                return Err(Infra::Database(error.to_string()));
+            }
             return self
                 .failed(publisher, incoming, raw, &error.to_string())
                 .await;

@@ -83,12 +83,17 @@ pub struct AuthSettings {
 
 impl Settings {
     pub fn defaults<D: Domain>() -> Self {
+        Self::local(D::NAME, D::DATABASE.name(), D::DEFAULT_PORT)
+    }
+
+    /// The zero-configuration settings of consumer `name`.
+    pub fn local(name: &str, database: &str, port: u16) -> Self {
         Self {
-            http: HttpSettings::local(D::DEFAULT_PORT),
-            database: DatabaseSettings::local(D::DATABASE.name()),
+            http: HttpSettings::local(port),
+            database: DatabaseSettings::local(database),
             amqp: AmqpSettings::default(),
             consumer: ConsumerSettings {
-                name: D::NAME.to_owned(),
+                name: name.to_owned(),
                 partitions: 4,
                 prefetch: 16,
                 retry_tiers_ms: "10000,60000,300000,1800000,7200000".to_owned(),
@@ -188,5 +193,72 @@ impl Settings {
             "SERVICE_TOKEN not set: the read endpoints accept the local development token"
         );
         Ok(LOCAL_DEV_TOKEN.to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_seed_tiers_and_validate() {
+        let settings = Settings::local("inventory", "inventory", 8081);
+        settings.validate().expect("valid");
+        let secs: Vec<u64> = settings
+            .retry_tiers()
+            .expect("tiers")
+            .iter()
+            .map(Duration::as_secs)
+            .collect();
+        assert_eq!(secs, vec![10, 60, 300, 1800, 7200]);
+        assert_eq!(settings.consumer.max_attempts, 5);
+        assert!(settings.cleanup.inbox_retention_hours >= 7 * 24);
+    }
+
+    #[test]
+    fn environment_overrides_tiers_name_and_partitions() {
+        // A prefix no other test uses.
+        std::env::set_var("CRT_SETTINGS_TEST__CONSUMER__RETRY_TIERS_MS", "50, 100,150");
+        std::env::set_var("CRT_SETTINGS_TEST__CONSUMER__NAME", "t-inv");
+        std::env::set_var("CRT_SETTINGS_TEST__CONSUMER__PARTITIONS", "2");
+        let loaded: Settings = kit::settings::load(
+            "CRT_SETTINGS_TEST",
+            &Settings::local("inventory", "inventory", 8081),
+        )
+        .expect("load");
+        assert_eq!(
+            loaded.retry_tiers().expect("tiers"),
+            vec![
+                Duration::from_millis(50),
+                Duration::from_millis(100),
+                Duration::from_millis(150)
+            ]
+        );
+        assert_eq!(loaded.consumer.name, "t-inv");
+        assert_eq!(loaded.consumer.partitions, 2);
+    }
+
+    #[test]
+    fn a_single_tier_from_the_environment_parses_too() {
+        std::env::set_var("CRT_SETTINGS_ONE__CONSUMER__RETRY_TIERS_MS", "250");
+        let loaded: Settings = kit::settings::load(
+            "CRT_SETTINGS_ONE",
+            &Settings::local("ledger", "ledger", 8082),
+        )
+        .expect("load");
+        assert_eq!(
+            loaded.retry_tiers().expect("tiers"),
+            vec![Duration::from_millis(250)]
+        );
+    }
+
+    #[test]
+    fn a_retention_shorter_than_the_replay_horizon_is_refused() {
+        let mut settings = Settings::local("loyalty", "loyalty", 8083);
+        settings.cleanup.inbox_retention_hours = 24;
+        assert!(settings.validate().is_err());
+        settings.cleanup.inbox_retention_hours = 8 * 24;
+        settings.consumer.retry_tiers_ms = "0".into();
+        assert!(settings.validate().is_err());
     }
 }

@@ -237,7 +237,17 @@ async fn sell(
     sku: &str,
     qty: i64,
 ) -> Result<(), HandlerError> {
-    let (on_hand, reserved) = lock_level(tx, &envelope.tenant_id, sku, location).await?;
+    let (on_hand, _reserved) = lock_level(tx, &envelope.tenant_id, sku, location).await?;
+    // What this order still holds reserved here (other orders' reservations
+    // of the same sku are theirs).
+    let outstanding: i64 = tx
+        .query_one(
+            "SELECT coalesce(sum(reserved_delta), 0)::bigint FROM stock_movements \
+             WHERE tenant_id = $1 AND order_id = $2 AND sku = $3 AND location = $4",
+            &[&envelope.tenant_id, &order_id, &sku, &location],
+        )
+        .await?
+        .get(0);
     if on_hand < qty {
         // Physically delivered but not on the books: a receipt is missing.
         // Never negative stock: fail (retry, then dead letter for a human).
@@ -254,8 +264,8 @@ async fn sell(
             kind: "sale",
             qty: -qty,
             on_hand_delta: -qty,
-            // Release what this order reserved (never below zero).
-            reserved_delta: -qty.min(reserved),
+            // Release this order's reservation (at most what was delivered).
+            reserved_delta: -qty.min(outstanding.max(0)),
             shortage: 0,
             order_id: Some(order_id),
             receipt_id: None,
