@@ -787,6 +787,58 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// Graceful shutdown: SIGTERM while a claimed batch is on its way (held
+/// before publishing by a fail point's sleep) stops claiming, but the batch
+/// is still published, confirmed and marked before the clean exit; no lease
+/// is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestTerm{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let events = orders_with_events(2, 1, &event_type);
+    insert(&db, &tenant, &events).await;
+    let relay = Relay::start(
+        &tenant,
+        &[
+            ("FAILPOINTS", "relay.before_publish=sleep(2000)".to_owned()),
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+        ],
+    );
+    wait_db(
+        &db,
+        "claimed, not yet published",
+        Duration::from_secs(60),
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND claimed_by IS NOT NULL AND published_at IS NULL",
+        &tenant,
+        2,
+    )
+    .await;
+    let instance = relay.instance.clone();
+    relay.stop(); // SIGTERM; asserts a clean exit
+    let row = db
+        .query_one(
+            "SELECT count(*) FILTER (WHERE published_at IS NOT NULL AND claimed_by = $2),
+                    count(*) FILTER (WHERE claim_until IS NOT NULL)
+             FROM outbox_events WHERE tenant_id = $1",
+            &[&tenant, &instance],
+        )
+        .await
+        .expect("state");
+    assert_eq!(
+        row.get::<_, i64>(0),
+        2,
+        "the batch in flight was published and marked"
+    );
+    assert_eq!(row.get::<_, i64>(1), 0, "no lease left behind");
+    collector.wait_distinct(2, Duration::from_secs(10)).await;
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Issue 4, test 4: an unroutable event (mandatory, no queue bound for its
 /// type) fails with a growing backoff and `last_error`; the later events of
 /// its order are held back while other orders flow; after the maximum
@@ -1434,3 +1486,264 @@ async fn the_claim_query_uses_the_partial_indexes() {
 /// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and
 /// do not link the relay crate): the very file the relay embeds.
 const CLAIM_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src/claim.sql");
+
+// ---------------------------------------------------------------- bench --
+
+/// A private database for the benchmark (the same server), so its backlog
+/// is not drained by other relays sharing `orders`.
+async fn bench_database() -> String {
+    let admin_db = pg(Database::Orders).await;
+    if let Err(error) = admin_db.batch_execute("CREATE DATABASE relay_bench").await {
+        assert_eq!(
+            error.code(),
+            Some(&tokio_postgres::error::SqlState::DUPLICATE_DATABASE),
+            "{error}"
+        );
+    }
+    let orders = pg_url(Database::Orders);
+    let base = orders.rsplit_once('/').expect("database url").0;
+    format!("{base}/relay_bench")
+}
+
+fn bench_size() -> i64 {
+    std::env::var("RELAY_BENCH_EVENTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100_000)
+}
+
+/// Not a test: `cargo test -p system-tests --test relay -- --ignored bench --nocapture`.
+/// The relay draining a backlog of `RELAY_BENCH_EVENTS` (default 100,000)
+/// events over 20,000 orders, next to a raw lapin confirm-publish loop of
+/// the same messages (same size, properties and headers) to the same queue
+/// (a quorum queue bound to a private topic exchange), on the same broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark; run explicitly"]
+async fn bench_relay_drain_vs_raw_confirm_publish() {
+    let events = bench_size();
+    let orders = 20_000.min(events);
+    let url = bench_database().await;
+    let (ok, output) = admin(
+        &["migrate"],
+        &[("OUTBOX_RELAY__DATABASE__URL", url.clone())],
+    )
+    .await;
+    assert!(ok, "{output}");
+    let (db, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("bench db");
+    tokio::spawn(connection);
+
+    let exchange = format!("relaybench-{}", short_id());
+    let (connection, channel) = amqp(&exchange).await;
+    let queue = format!("{exchange}.q");
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            args,
+        )
+        .await
+        .expect("queue");
+    bind(&channel, &exchange, &queue, "#").await;
+    // Drain the queue as fast as it fills (no_ack), counting.
+    let delivered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    {
+        let mut consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                "bench".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let delivered = Arc::clone(&delivered);
+        tokio::spawn(async move {
+            while let Some(Ok(_)) = consumer.next().await {
+                delivered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+    }
+    let wait_delivered = |want: u64| {
+        let delivered = Arc::clone(&delivered);
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(600);
+            while delivered.load(std::sync::atomic::Ordering::Relaxed) < want {
+                assert!(Instant::now() < deadline, "deliveries");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // The backlog.
+    db.batch_execute(&format!(
+        "TRUNCATE outbox_events;
+         INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+             aggregate_sequence, event_type, schema_version, payload, traceparent,
+             occurred_at, available_at)
+         SELECT gen_random_uuid(), 'bench', 'order', o.id::text, (g / {orders}) + 1,
+                'BenchEvent', 1,
+                jsonb_build_object('order_id', o.id, 'customer_id', '77',
+                    'lines', jsonb_build_array(jsonb_build_object('sku', 'JKT-M', 'qty', 2,
+                        'unit_price', '40.00', 'unit_cost', '22.00')),
+                    'shipping', '5.00', 'tax', '8.00', 'total', '93.00', 'currency', 'USD',
+                    'location', 'WH-1'),
+                '00-{TRACE_ID}-00f067aa0ba902b7-01',
+                now() - interval '1 hour' + g * interval '1 ms',
+                now() - interval '1 hour' + g * interval '1 ms'
+         FROM generate_series(0, {events} - 1) g
+         JOIN (SELECT n, gen_random_uuid() AS id FROM generate_series(0, {orders} - 1) n) o
+           ON o.n = g % {orders};
+         ANALYZE outbox_events;"
+    ))
+    .await
+    .expect("backlog");
+    let sample: Vec<u8> = db
+        .query_one(
+            "SELECT convert_to((jsonb_build_object('event_id', event_id, 'event_type', event_type,
+                 'schema_version', 1, 'tenant_id', tenant_id, 'aggregate_type', aggregate_type,
+                 'aggregate_id', aggregate_id, 'aggregate_sequence', aggregate_sequence,
+                 'occurred_at', occurred_at, 'payload', payload))::text, 'UTF8')
+             FROM outbox_events LIMIT 1",
+            &[],
+        )
+        .await
+        .expect("sample")
+        .get(0);
+
+    // The relay (default batch size, workers, lease, confirm timeout).
+    let started = Instant::now();
+    let relay = Relay::start(
+        "",
+        &[
+            ("OUTBOX_RELAY__DATABASE__URL", url.clone()),
+            ("OUTBOX_RELAY__RELAY__EXCHANGE", exchange.clone()),
+            ("OUTBOX_RELAY__RELAY__ONLY_TENANT", String::new()),
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "30000".to_owned()),
+            (
+                "OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS",
+                "10000".to_owned(),
+            ),
+            ("RUST_LOG", "warn,lapin=error".to_owned()),
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        let left: i64 = db
+            .query_one(
+                "SELECT count(*) FROM outbox_events WHERE published_at IS NULL",
+                &[],
+            )
+            .await
+            .expect("left")
+            .get(0);
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} left");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let wall = started.elapsed();
+    let span_ms: i64 = db
+        .query_one(
+            "SELECT (EXTRACT(EPOCH FROM max(published_at) - min(published_at)) * 1000)::bigint
+             FROM outbox_events",
+            &[],
+        )
+        .await
+        .expect("span")
+        .get(0);
+    relay.stop();
+    let want = u64::try_from(events).expect("events");
+    wait_delivered(want).await;
+    println!(
+        "relay: {events} events over {orders} orders drained in {wall:?} wall ({} events/s); \
+         first to last published_at {span_ms} ms ({} events/s)",
+        u128::from(want) * 1000 / wall.as_millis().max(1),
+        events * 1000 / span_ms.max(1),
+    );
+
+    // The raw loop: the same message, batches of 500 in flight with confirms.
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "aggregate_id".into(),
+        AMQPValue::LongString(Uuid::now_v7().to_string().into()),
+    );
+    headers.insert("aggregate_sequence".into(), AMQPValue::LongLongInt(1));
+    headers.insert("schema_version".into(), AMQPValue::LongInt(1));
+    headers.insert("tenant_id".into(), AMQPValue::LongString("bench".into()));
+    headers.insert(
+        "event_type".into(),
+        AMQPValue::LongString("BenchEvent".into()),
+    );
+    headers.insert(
+        "traceparent".into(),
+        AMQPValue::LongString(format!("00-{TRACE_ID}-00f067aa0ba902b7-01").into()),
+    );
+    let properties = BasicProperties::default()
+        .with_message_id(Uuid::now_v7().to_string().into())
+        .with_type("BenchEvent".into())
+        .with_content_type(events::CONTENT_TYPE.into())
+        .with_delivery_mode(2)
+        .with_timestamp(1)
+        .with_headers(headers);
+    for window in [500_i64, 50] {
+        let before = delivered.load(std::sync::atomic::Ordering::Relaxed);
+        let started = Instant::now();
+        let mut sent = 0;
+        while sent < events {
+            let mut confirms = Vec::new();
+            for _ in 0..window.min(events - sent) {
+                confirms.push(
+                    channel
+                        .basic_publish(
+                            exchange.as_str().into(),
+                            "BenchEvent".into(),
+                            lapin::options::BasicPublishOptions {
+                                mandatory: true,
+                                ..lapin::options::BasicPublishOptions::default()
+                            },
+                            &sample,
+                            properties.clone(),
+                        )
+                        .await
+                        .expect("publish"),
+                );
+                sent += 1;
+            }
+            for confirm in confirms {
+                kit::amqp::check_confirmation(confirm.await.expect("confirm")).expect("acked");
+            }
+        }
+        let elapsed = started.elapsed();
+        wait_delivered(before + want).await;
+        println!(
+            "raw lapin confirm-publish, {window} in flight: {events} messages of {} bytes in {elapsed:?} ({} msg/s)",
+            sample.len(),
+            u128::from(want) * 1000 / elapsed.as_millis().max(1)
+        );
+    }
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    db.batch_execute("TRUNCATE outbox_events")
+        .await
+        .expect("truncate");
+    finish(connection, &channel, &exchange).await;
+}
