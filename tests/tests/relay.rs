@@ -709,6 +709,48 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A crash inside the claim transaction (fail point `relay.claim`) leaves no
+/// lease behind (the transaction never committed) and publishes nothing; a
+/// restarted relay publishes every event exactly once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestClaim{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let events = orders_with_events(3, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+
+    let mut crashing = Relay::start(&tenant, &[("FAILPOINTS", "relay.claim=return".to_owned())]);
+    let status = crashing
+        .service
+        .wait_exit(Duration::from_secs(60))
+        .expect("the fail point aborts the relay");
+    assert!(!status.success(), "aborted: {status:?}");
+    let leased = count(
+        &db,
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND (claimed_by IS NOT NULL OR published_at IS NOT NULL)",
+        &tenant,
+    )
+    .await;
+    assert_eq!(leased, 0, "the claim was rolled back");
+
+    let relay = Relay::start(&tenant, &[]);
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(6, Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let received = collector.snapshot();
+    assert_eq!(received.len(), 6, "each event once");
+    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
+    assert_in_sequence_order(&received, &expect);
+    assert_eq!(relay.metric("outbox_expired_claims_total").await, 0);
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Issue 4, test 3: a relay killed (SIGKILL) while holding leases, before it
 /// published: another instance takes the rows over once the leases expire
 /// (not before), and publishes each exactly once.
@@ -1512,7 +1554,8 @@ fn bench_size() -> i64 {
         .unwrap_or(100_000)
 }
 
-/// Not a test: `cargo test -p system-tests --test relay -- --ignored bench --nocapture`.
+/// Not a test: `cargo test -p system-tests --test relay -- --ignored bench --nocapture`
+/// (optional `RELAY_BENCH_WORKERS`, `RELAY_BENCH_BATCH` tune the relay).
 /// The relay draining a backlog of `RELAY_BENCH_EVENTS` (default 100,000)
 /// events over 20,000 orders, next to a raw lapin confirm-publish loop of
 /// the same messages (same size, properties and headers) to the same queue
@@ -1624,6 +1667,16 @@ async fn bench_relay_drain_vs_raw_confirm_publish() {
         .get(0);
 
     // The relay (default batch size, workers, lease, confirm timeout).
+    let mut tuning = Vec::new();
+    for (var, setting) in [
+        ("RELAY_BENCH_WORKERS", "OUTBOX_RELAY__RELAY__WORKERS"),
+        ("RELAY_BENCH_BATCH", "OUTBOX_RELAY__RELAY__BATCH_SIZE"),
+    ] {
+        if let Ok(value) = std::env::var(var) {
+            tuning.push((setting, value));
+        }
+    }
+    println!("relay settings: defaults, lease 30 s, confirm timeout 10 s, {tuning:?}");
     let started = Instant::now();
     let relay = Relay::start(
         "",
@@ -1637,7 +1690,10 @@ async fn bench_relay_drain_vs_raw_confirm_publish() {
                 "10000".to_owned(),
             ),
             ("RUST_LOG", "warn,lapin=error".to_owned()),
-        ],
+        ]
+        .into_iter()
+        .chain(tuning)
+        .collect::<Vec<_>>(),
     );
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
