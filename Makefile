@@ -9,11 +9,13 @@ ENV := source scripts/infra-env.sh &&
 # unless FAILPOINTS is set), so crash tests can abort them at named boundaries.
 FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,inventory-consumer/failpoints,ledger-consumer/failpoints,loyalty-consumer/failpoints
 
-.PHONY: help up down migrate build run test lint bench
+.PHONY: help up down migrate build run demo drift test lint bench
 
 help:
 	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops them)"
 	@echo "make test     run the whole test suite (starts what it needs)"
+	@echo "make demo     run the seed 003 story against a running system (make run)"
+	@echo "make drift    compare the four databases; exit 1 on any drift"
 	@echo "make up       install where missing and start PostgreSQL + RabbitMQ, create the databases"
 	@echo "make down     stop what 'make up' started"
 	@echo "make migrate  apply every database's migrations"
@@ -36,6 +38,12 @@ migrate: up build
 
 run: up build
 	scripts/run.sh
+
+demo: build
+	$(ENV) set -a && { [ -f .run/credentials.env ] && . .run/credentials.env || true; } && set +a && target/debug/demo
+
+drift: build
+	$(ENV) target/debug/drift-check
 
 test: up
 	$(CARGO) build --workspace --all-targets $(FAILPOINTS_FEATURES)

@@ -50,7 +50,13 @@ for i in "${!SERVICES[@]}"; do
         echo "==> ${SERVICES[$i]} did not answer $url" >&2
     fi
 done
-echo "==> all services started; Ctrl-C stops them"
+echo "==> all services started"
+if [ "${RUN_DEMO:-1}" = 1 ]; then
+    echo "==> running the seed 003 story (make demo runs it again)"
+    ORDER_API_BIN="$BIN/order-api" "$BIN/demo" || echo "==> the story did not complete (see above)" >&2
+fi
+echo "==> order-api http://127.0.0.1:8080 (GET /openapi.json), inventory :8081, ledger :8082, loyalty :8083, relay metrics :9100/metrics"
 echo "==> demo tenant: $TENANT   API key: $ORDER_API_KEY   service token: $SERVICE_TOKEN  (in $CREDENTIALS)"
 echo "    (README.md, section API, has curl examples: source $CREDENTIALS first)"
+echo "==> Ctrl-C stops everything"
 wait

@@ -1,0 +1,43 @@
+//! `drift-check [--tenant T] [--grace-seconds N]`: exits 0 on zero drift,
+//! 1 on any drift, 2 when it cannot run.
+
+use std::time::Duration;
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "Compare the four databases (read-only) and report drift per tenant")]
+struct Cli {
+    /// Only this tenant.
+    #[arg(long)]
+    tenant: Option<String>,
+    /// Skip orders changed in the last N seconds (their events may be in flight).
+    #[arg(long, default_value_t = 0)]
+    grace_seconds: u64,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let databases = ops::drift::Databases::from_env();
+    match ops::drift::check(
+        &databases,
+        cli.tenant.as_deref(),
+        Duration::from_secs(cli.grace_seconds),
+    )
+    .await
+    {
+        Ok(report) => {
+            ops::drift::print(&report);
+            if report.is_clean() {
+                std::process::ExitCode::SUCCESS
+            } else {
+                std::process::ExitCode::from(1)
+            }
+        }
+        Err(error) => {
+            eprintln!("drift-check failed: {error:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

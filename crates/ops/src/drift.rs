@@ -1,0 +1,489 @@
+//! The drift check. Zero drift is the normal state.
+//!
+//! Expected effects, from the `orders` database (the source of truth):
+//! - every order: inventory reserve movements summing to the order's quantity
+//!   per SKU; the ledger and loyalty consumers know nothing before payment or
+//!   delivery;
+//! - paid (or delivered): exactly one PaymentReceived journal entry of the total;
+//! - delivered: sale movements summing to minus the quantity per SKU, exactly
+//!   one ParcelDelivered journal entry of total + cost of goods, exactly one
+//!   loyalty entry of the merchandise's whole units for the customer;
+//! - not delivered: none of those.
+//!
+//! Orders changed within `grace` are skipped (their events may be in flight).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tokio_postgres::{Client, NoTls};
+use uuid::Uuid;
+
+/// Where the four databases are.
+#[derive(Clone, Debug)]
+pub struct Databases {
+    pub orders: String,
+    pub inventory: String,
+    pub ledger: String,
+    pub loyalty: String,
+}
+
+impl Databases {
+    /// `PG_URL_<DB>` from the environment, or the local defaults.
+    pub fn from_env() -> Self {
+        let url = |db: &str| {
+            std::env::var(format!("PG_URL_{}", db.to_uppercase()))
+                .unwrap_or_else(|_| kit::settings::DatabaseSettings::local(db).url)
+        };
+        Self {
+            orders: url("orders"),
+            inventory: url("inventory"),
+            ledger: url("ledger"),
+            loyalty: url("loyalty"),
+        }
+    }
+}
+
+/// One finding.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Drift {
+    pub tenant: String,
+    pub order_id: Option<Uuid>,
+    pub what: String,
+}
+
+/// Per-tenant totals for the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantSummary {
+    pub orders: i64,
+    pub paid: i64,
+    pub delivered: i64,
+    pub skipped_in_flight: i64,
+    pub journal_entries: i64,
+    pub loyalty_entries: i64,
+    pub stock_levels: i64,
+    /// Trial balance per currency: (debits, credits) in minor units.
+    pub trial_balance: BTreeMap<String, (i64, i64)>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub tenants: BTreeMap<String, TenantSummary>,
+    pub drift: Vec<Drift>,
+}
+
+impl Report {
+    pub fn is_clean(&self) -> bool {
+        self.drift.is_empty()
+    }
+}
+
+async fn connect(url: &str) -> anyhow::Result<Client> {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
+    tokio::spawn(connection);
+    // Read-only, and one consistent snapshot per database.
+    client
+        .batch_execute(
+            "SET default_transaction_read_only = on; \
+             BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+        )
+        .await?;
+    Ok(client)
+}
+
+struct Order {
+    tenant: String,
+    status: String,
+    customer: String,
+    merchandise: i64,
+    total: i64,
+    cost: i64,
+    qty_by_sku: BTreeMap<(String, String), i64>,
+}
+
+type Key = (String, Uuid);
+
+/// Run the check, optionally for one tenant.
+pub async fn check(
+    dbs: &Databases,
+    tenant: Option<&str>,
+    grace: Duration,
+) -> anyhow::Result<Report> {
+    let orders_db = connect(&dbs.orders).await?;
+    let inventory = connect(&dbs.inventory).await?;
+    let ledger = connect(&dbs.ledger).await?;
+    let loyalty = connect(&dbs.loyalty).await?;
+    let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
+
+    let mut report = Report::default();
+    let mut orders: BTreeMap<Key, Order> = BTreeMap::new();
+    let mut in_flight: BTreeSet<Key> = BTreeSet::new();
+    for row in orders_db
+        .query(
+            "SELECT o.tenant_id, o.order_id, o.status, o.customer_id, o.location, o.merchandise_minor, \
+                    o.total_minor, l.sku, l.qty::bigint, l.unit_cost_minor, \
+                    o.updated_at > now() - ($2::bigint || ' seconds')::interval \
+               FROM orders o JOIN order_lines l USING (order_id) \
+              WHERE $1::text IS NULL OR o.tenant_id = $1",
+            &[&tenant, &grace_s],
+        )
+        .await?
+    {
+        let key: Key = (row.get(0), row.get(1));
+        if row.get::<_, bool>(10) {
+            in_flight.insert(key.clone());
+        }
+        let location: String = row.get(4);
+        let sku: String = row.get(7);
+        let qty: i64 = row.get(8);
+        let unit_cost: i64 = row.get(9);
+        let order = orders.entry(key.clone()).or_insert_with(|| Order {
+            tenant: key.0.clone(),
+            status: row.get(2),
+            customer: row.get(3),
+            merchandise: row.get(5),
+            total: row.get(6),
+            cost: 0,
+            qty_by_sku: BTreeMap::new(),
+        });
+        order.cost += qty * unit_cost;
+        *order.qty_by_sku.entry((sku, location)).or_default() += qty;
+    }
+
+    // Inventory: per order and movement type, quantity per (sku, location).
+    let mut movements: BTreeMap<(Key, String), BTreeMap<(String, String), i64>> = BTreeMap::new();
+    for row in inventory
+        .query(
+            "SELECT tenant_id, order_id, movement_type, sku, location, sum(qty)::bigint \
+               FROM stock_movements \
+              WHERE order_id IS NOT NULL AND ($1::text IS NULL OR tenant_id = $1) \
+              GROUP BY 1, 2, 3, 4, 5",
+            &[&tenant],
+        )
+        .await?
+    {
+        let key: Key = (row.get(0), row.get(1));
+        movements
+            .entry((key, row.get(2)))
+            .or_default()
+            .insert((row.get(3), row.get(4)), row.get(5));
+    }
+    // Ledger: per order and event type, (entries, total debits).
+    let mut journals: BTreeMap<(Key, String), (i64, i64)> = BTreeMap::new();
+    for row in ledger
+        .query(
+            "SELECT e.tenant_id, e.order_id, e.event_type, count(DISTINCT e.entry_id), \
+                    coalesce(sum(l.debit), 0)::bigint \
+               FROM journal_entries e JOIN journal_lines l USING (entry_id) \
+              WHERE $1::text IS NULL OR e.tenant_id = $1 \
+              GROUP BY 1, 2, 3",
+            &[&tenant],
+        )
+        .await?
+    {
+        journals.insert(
+            ((row.get(0), row.get(1)), row.get(2)),
+            (row.get(3), row.get(4)),
+        );
+    }
+    // Loyalty: per order, entries and points (and the customers credited).
+    let mut points: BTreeMap<Key, (i64, i64, BTreeSet<String>)> = BTreeMap::new();
+    for row in loyalty
+        .query(
+            "SELECT tenant_id, order_id, count(*), sum(points)::bigint, array_agg(DISTINCT customer_id) \
+               FROM loyalty_entries WHERE $1::text IS NULL OR tenant_id = $1 GROUP BY 1, 2",
+            &[&tenant],
+        )
+        .await?
+    {
+        let customers: Vec<String> = row.get(4);
+        points.insert(
+            (row.get(0), row.get(1)),
+            (row.get(2), row.get(3), customers.into_iter().collect()),
+        );
+    }
+
+    let mut drift = |tenant: &str, order: Option<Uuid>, what: String| {
+        report.drift.push(Drift {
+            tenant: tenant.to_owned(),
+            order_id: order,
+            what,
+        })
+    };
+    for (key, order) in &orders {
+        let summary = report.tenants.entry(order.tenant.clone()).or_default();
+        summary.orders += 1;
+        let paid = order.status == "paid" || order.status == "delivered";
+        let delivered = order.status == "delivered";
+        summary.paid += i64::from(paid);
+        summary.delivered += i64::from(delivered);
+        if in_flight.contains(key) {
+            summary.skipped_in_flight += 1;
+            continue;
+        }
+        let id = Some(key.1);
+        let t = order.tenant.as_str();
+        let empty = BTreeMap::new();
+        let reserved = movements
+            .get(&(key.clone(), "reserve".into()))
+            .unwrap_or(&empty);
+        if reserved != &order.qty_by_sku {
+            drift(t, id, describe("reservation", &order.qty_by_sku, reserved));
+        }
+        let sold = movements
+            .get(&(key.clone(), "sale".into()))
+            .unwrap_or(&empty);
+        let expected_sale: BTreeMap<_, _> = if delivered {
+            order
+                .qty_by_sku
+                .iter()
+                .map(|(k, q)| (k.clone(), -q))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
+        if sold != &expected_sale {
+            drift(t, id, describe("sale", &expected_sale, sold));
+        }
+        let payment = journals.get(&(key.clone(), "PaymentReceived".into()));
+        let expected_payment = paid.then_some((1, order.total));
+        if payment.copied() != expected_payment {
+            drift(
+                t,
+                id,
+                describe_journal("payment", expected_payment, payment.copied()),
+            );
+        }
+        let delivery = journals.get(&(key.clone(), "ParcelDelivered".into()));
+        let expected_delivery = delivered.then_some((1, order.total + order.cost));
+        if delivery.copied() != expected_delivery {
+            drift(
+                t,
+                id,
+                describe_journal("delivery", expected_delivery, delivery.copied()),
+            );
+        }
+        let loyalty = points.get(key);
+        let expected_points = delivered.then_some((1, order.merchandise / 100));
+        match (expected_points, loyalty) {
+            (None, None) => {}
+            (Some((n, p)), Some((got_n, got_p, customers)))
+                if n == *got_n
+                    && p == *got_p
+                    && customers.len() == 1
+                    && customers.contains(&order.customer) => {}
+            (expected, got) => drift(
+                t,
+                id,
+                format!(
+                    "loyalty: expected {} entr{} for customer {}, found {}",
+                    expected.map_or(0, |e| e.0),
+                    if expected.is_some() {
+                        format!("y of {} points", expected.map_or(0, |e| e.1))
+                    } else {
+                        "ies".into()
+                    },
+                    order.customer,
+                    got.map_or("none".to_owned(), |g| format!(
+                        "{} entr(ies), {} points, customers {:?}",
+                        g.0, g.1, g.2
+                    )),
+                ),
+            ),
+        }
+    }
+    // Effects for orders the orders database does not have.
+    let known = |key: &Key| orders.contains_key(key);
+    for (key, _) in movements.keys().filter(|(k, _)| !known(k)) {
+        drift(
+            &key.0,
+            Some(key.1),
+            "stock movements for an unknown order".into(),
+        );
+    }
+    for (key, _) in journals.keys().filter(|(k, _)| !known(k)) {
+        drift(
+            &key.0,
+            Some(key.1),
+            "journal entries for an unknown order".into(),
+        );
+    }
+    for key in points.keys().filter(|k| !known(k)) {
+        drift(
+            &key.0,
+            Some(key.1),
+            "loyalty entries for an unknown order".into(),
+        );
+    }
+
+    // Stock levels equal the sum of their movements.
+    for row in inventory
+        .query(
+            "SELECT s.tenant_id, s.sku, s.location, s.on_hand, s.reserved, \
+                    coalesce(m.on_hand, 0)::bigint, coalesce(m.reserved, 0)::bigint \
+               FROM stock_levels s \
+               LEFT JOIN (SELECT tenant_id, sku, location, sum(on_hand_delta) AS on_hand, \
+                                 sum(reserved_delta) AS reserved \
+                            FROM stock_movements GROUP BY 1, 2, 3) m USING (tenant_id, sku, location) \
+              WHERE $1::text IS NULL OR s.tenant_id = $1",
+            &[&tenant],
+        )
+        .await?
+    {
+        let t: String = row.get(0);
+        report.tenants.entry(t.clone()).or_default().stock_levels += 1;
+        let (on_hand, reserved, m_on_hand, m_reserved): (i64, i64, i64, i64) =
+            (row.get(3), row.get(4), row.get(5), row.get(6));
+        if (on_hand, reserved) != (m_on_hand, m_reserved) {
+            drift(
+                &t,
+                None,
+                format!(
+                    "stock level {}@{}: on_hand {on_hand} reserved {reserved}, movements say {m_on_hand} / {m_reserved}",
+                    row.get::<_, String>(1),
+                    row.get::<_, String>(2)
+                ),
+            );
+        }
+    }
+    // Every journal entry balances.
+    for row in ledger
+        .query(
+            "SELECT e.tenant_id, e.order_id, e.entry_id, sum(l.debit)::bigint, sum(l.credit)::bigint \
+               FROM journal_entries e JOIN journal_lines l USING (entry_id) \
+              WHERE $1::text IS NULL OR e.tenant_id = $1 \
+              GROUP BY 1, 2, 3 HAVING sum(l.debit) <> sum(l.credit)",
+            &[&tenant],
+        )
+        .await?
+    {
+        let (debit, credit): (i64, i64) = (row.get(3), row.get(4));
+        drift(
+            &row.get::<_, String>(0),
+            Some(row.get(1)),
+            format!("journal entry {} unbalanced: {debit} debit vs {credit} credit", row.get::<_, Uuid>(2)),
+        );
+    }
+    // Trial balance per tenant and currency.
+    for row in ledger
+        .query(
+            "SELECT e.tenant_id, e.currency, count(DISTINCT e.entry_id), \
+                    sum(l.debit)::bigint, sum(l.credit)::bigint \
+               FROM journal_entries e JOIN journal_lines l USING (entry_id) \
+              WHERE $1::text IS NULL OR e.tenant_id = $1 GROUP BY 1, 2",
+            &[&tenant],
+        )
+        .await?
+    {
+        let t: String = row.get(0);
+        let (debit, credit): (i64, i64) = (row.get(3), row.get(4));
+        let summary = report.tenants.entry(t.clone()).or_default();
+        summary.journal_entries += row.get::<_, i64>(2);
+        summary.trial_balance.insert(row.get(1), (debit, credit));
+        if debit != credit {
+            drift(
+                &t,
+                None,
+                format!("trial balance off: {debit} debit vs {credit} credit"),
+            );
+        }
+    }
+    for row in loyalty
+        .query(
+            "SELECT tenant_id, count(*) FROM loyalty_entries WHERE $1::text IS NULL OR tenant_id = $1 GROUP BY 1",
+            &[&tenant],
+        )
+        .await?
+    {
+        report.tenants.entry(row.get(0)).or_default().loyalty_entries = row.get(1);
+    }
+    report.drift.sort();
+    Ok(report)
+}
+
+fn describe(
+    what: &str,
+    expected: &BTreeMap<(String, String), i64>,
+    found: &BTreeMap<(String, String), i64>,
+) -> String {
+    let show = |m: &BTreeMap<(String, String), i64>| {
+        if m.is_empty() {
+            "none".to_owned()
+        } else {
+            m.iter()
+                .map(|((sku, loc), q)| format!("{sku}@{loc} {q}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let kind = if found.is_empty() {
+        "missing"
+    } else if expected.is_empty() {
+        "unexpected"
+    } else if found.values().map(|q| q.abs()).sum::<i64>()
+        > expected.values().map(|q| q.abs()).sum::<i64>()
+    {
+        "doubled"
+    } else {
+        "wrong"
+    };
+    format!(
+        "{what} {kind}: expected {}, found {}",
+        show(expected),
+        show(found)
+    )
+}
+
+fn describe_journal(what: &str, expected: Option<(i64, i64)>, found: Option<(i64, i64)>) -> String {
+    let show = |j: Option<(i64, i64)>| match j {
+        None => "no entry".to_owned(),
+        Some((n, debit)) => format!(
+            "{n} entr(ies) debiting {}",
+            events::Money::from_minor(debit)
+        ),
+    };
+    let kind = match (expected, found) {
+        (Some(_), None) => "missing",
+        (None, Some(_)) => "unexpected",
+        (Some((n, _)), Some((m, _))) if m > n => "doubled",
+        _ => "wrong",
+    };
+    format!(
+        "{what} journal {kind}: expected {}, found {}",
+        show(expected),
+        show(found)
+    )
+}
+
+/// Print the report for a person.
+pub fn print(report: &Report) {
+    println!("drift check over orders, inventory, ledger, loyalty (read-only)");
+    for (tenant, s) in &report.tenants {
+        println!(
+            "tenant {tenant}: {} orders ({} paid, {} delivered, {} skipped in flight), {} journal entries, {} loyalty entries, {} stock levels",
+            s.orders, s.paid, s.delivered, s.skipped_in_flight, s.journal_entries, s.loyalty_entries, s.stock_levels
+        );
+        for (currency, (debit, credit)) in &s.trial_balance {
+            println!(
+                "  trial balance {currency}: debits {} = credits {}{}",
+                events::Money::from_minor(*debit),
+                events::Money::from_minor(*credit),
+                if debit == credit {
+                    ""
+                } else {
+                    "  <-- UNBALANCED"
+                }
+            );
+        }
+    }
+    if report.drift.is_empty() {
+        println!("zero drift");
+    } else {
+        println!("{} drift finding(s):", report.drift.len());
+        for d in &report.drift {
+            match d.order_id {
+                Some(order) => println!("  [{}] order {order}: {}", d.tenant, d.what),
+                None => println!("  [{}] {}", d.tenant, d.what),
+            }
+        }
+    }
+}

@@ -1,0 +1,6 @@
+//! Operator tools. [`drift`] reads the four databases read-only and reports,
+//! per tenant, every way the consumers' state can disagree with the orders:
+//! missing or doubled effects, stock levels that differ from their movements,
+//! unbalanced journal entries, and the trial balance.
+
+pub mod drift;
