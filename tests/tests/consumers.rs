@@ -1245,3 +1245,90 @@ async fn the_consumer_reconnects_after_the_broker_drops_its_connection() {
         ]
     );
 }
+
+/// A random number from a fresh v4 UUID (no RNG dependency in the tests).
+fn random_below(n: usize) -> usize {
+    let bits = u128::from_le_bytes(*Uuid::new_v4().as_bytes());
+    usize::try_from(bits % u128::try_from(n.max(1)).unwrap_or(1)).unwrap_or(0)
+}
+
+/// Many orders, all their events shuffled and a quarter of them duplicated,
+/// to all three consumers: every order ends fully applied, exactly once, in
+/// sequence order (the payment entry before the delivery's, the reservation
+/// before the sale); levels equal movements; the books balance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shuffled_and_duplicated_events_of_many_orders_apply_once_in_sequence_order() {
+    let tenant = unique("t5-shuffle");
+    let (inventory, ledger, loyalty_c) = start_all("t5-shuffle", &Options::default()).await;
+    assert_eq!(receipt(&inventory, &tenant, "R-1000", 1000).await.0, 201);
+    let stories: Vec<_> = (0..30).map(|_| story(&tenant)).collect();
+    let mut messages: Vec<&system_tests::consumers::Message> = stories
+        .iter()
+        .flat_map(|s| [&s.placed, &s.paid, &s.delivered])
+        .collect();
+    let extra: Vec<_> = (0..messages.len() / 4)
+        .map(|_| messages[random_below(messages.len())])
+        .collect();
+    messages.extend(extra.iter().copied());
+    for i in (1..messages.len()).rev() {
+        messages.swap(i, random_below(i + 1));
+    }
+    let publisher = Publisher::connect().await;
+    let consumers = [&inventory, &ledger, &loyalty_c];
+    for m in &messages {
+        for c in consumers {
+            publisher.to_consumer(&c.name, m).await;
+        }
+    }
+    for c in consumers {
+        for s in &stories {
+            wait_sequence(c.kind.database(), &c.name, s.order, 3).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let duplicates = f64::from(u32::try_from(extra.len()).expect("small"));
+    for c in consumers {
+        assert_eq!(c.metric("consumer_events_applied_total", "").await, 90.0);
+        assert_eq!(c.metric("consumer_duplicates_total", "").await, duplicates);
+        assert_eq!(c.metric("consumer_dead_lettered_total", "").await, 0.0);
+    }
+
+    let m = movements(&tenant).await;
+    assert_eq!(
+        m.len(),
+        61,
+        "one receipt, a reservation and a sale per order"
+    );
+    for s in &stories {
+        let kinds: Vec<&str> = m
+            .iter()
+            .filter(|row| row.5 == Some(s.order))
+            .map(|row| row.0.as_str())
+            .collect();
+        assert_eq!(kinds, vec!["reserve", "sale"], "order {}", s.order);
+        assert_eq!(
+            journal(&tenant, s.order).await,
+            vec![
+                (s.paid.event_id, payment_lines()),
+                (s.delivered.event_id, delivery_lines()),
+            ]
+        );
+    }
+    assert_eq!(level(&tenant).await, Some((940, 0, 940)));
+    assert_levels_equal_movements(&tenant).await;
+    let (debit, credit): (i64, i64) = {
+        let row = pg(Database::Ledger)
+            .await
+            .query_one(
+                "SELECT sum(debit)::bigint, sum(credit)::bigint FROM journal_lines WHERE tenant_id = $1",
+                &[&tenant],
+            )
+            .await
+            .expect("trial balance");
+        (row.get(0), row.get(1))
+    };
+    assert_eq!((debit, credit), (30 * 23_000, 30 * 23_000));
+    let points = loyalty(&tenant).await;
+    assert_eq!(points.len(), 30);
+    assert!(points.iter().all(|p| p.1 == 80));
+}

@@ -187,19 +187,26 @@ impl<D: Domain> Application<D> {
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
         let port = listener.local_addr()?.port();
         let token = auth::ServiceToken(token);
-        let server = HttpServer::new(move || {
-            App::new()
-                .app_data(web::Data::new(pool.clone()))
-                .app_data(web::Data::new(domain.clone()))
-                .app_data(web::Data::new(token.clone()))
-                .configure(kit::http::health_routes(health.clone()))
-                .configure(D::routes)
-        })
-        .workers(1)
-        .disable_signals()
-        .shutdown_timeout(10)
-        .listen(listener)?
-        .run();
+        let server =
+            HttpServer::new(move || {
+                App::new()
+                    .app_data(web::Data::new(pool.clone()))
+                    .app_data(web::Data::new(domain.clone()))
+                    .app_data(web::Data::new(token.clone()))
+                    .app_data(web::JsonConfig::default().limit(64 * 1024).error_handler(
+                        |error, _| auth::bad_request("body", error.to_string()).into(),
+                    ))
+                    .app_data(web::QueryConfig::default().error_handler(|error, _| {
+                        auth::bad_request("query", error.to_string()).into()
+                    }))
+                    .configure(kit::http::health_routes(health.clone()))
+                    .configure(D::routes)
+            })
+            .workers(1)
+            .disable_signals()
+            .shutdown_timeout(10)
+            .listen(listener)?
+            .run();
         tracing::info!(port, consumer = %settings.consumer.name, "listening");
         Ok(Self {
             settings,
@@ -253,9 +260,15 @@ impl<D: Domain> Application<D> {
             shutdown.clone(),
         ));
         let http = kit::http::run_until_stopped(self.server, shutdown.clone()).await;
-        // The workers finish their in-flight messages before this returns.
-        broker.await?;
-        cleanup.await?;
+        tracing::info!("http server stopped");
+        // The workers finish their in-flight messages before this returns
+        // (bounded, so a stuck dependency cannot keep the process alive).
+        match tokio::time::timeout(Duration::from_secs(60), broker).await {
+            Ok(joined) => joined?,
+            Err(_) => tracing::error!("the broker side did not stop within 60 s; exiting anyway"),
+        }
+        tracing::info!("consumer stopped");
+        cleanup.abort();
         http?;
         Ok(())
     }

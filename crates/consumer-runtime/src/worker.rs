@@ -35,8 +35,13 @@ pub(crate) async fn run_connection<D: Domain>(
 ) -> Result<(), lapin::Error> {
     let result = consume(&connection, processor, prefetch, &shutdown).await;
     if connection.status().connected() {
-        if let Err(error) = connection.close(200, "bye".into()).await {
-            tracing::debug!(%error, "closing the broker connection");
+        // Bounded: a broker that does not answer must not hold up a shutdown.
+        match tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into()))
+            .await
+        {
+            Ok(Ok(())) => tracing::debug!("broker connection closed"),
+            Ok(Err(error)) => tracing::debug!(%error, "closing the broker connection"),
+            Err(_) => tracing::warn!("the broker did not confirm the connection close in 5 s"),
         }
     }
     result
@@ -126,6 +131,7 @@ async fn consume<D: Domain>(
         }
     }
     monitor.abort();
+    tracing::info!(failed = failure.is_some(), "partition workers stopped");
     match failure {
         Some(error) if !shutdown.is_cancelled() => Err(error),
         _ => Ok(()),
