@@ -131,11 +131,15 @@ pub struct Failure {
     pub error: String,
     /// Retry delay (backoff with jitter) in milliseconds.
     pub delay_ms: i64,
+    /// Whether this failure counts towards quarantine (see
+    /// [`crate::publish::PublishFailure::counts_towards_quarantine`]).
+    pub quarantinable: bool,
 }
 
 /// Record failed attempts in one statement: `attempt_count + 1`,
 /// `last_error`, `available_at = now() + delay`, lease released; rows that
-/// reach `max_attempts` are quarantined. Returns the event ids quarantined.
+/// reach `max_attempts` with a failure of their own are quarantined.
+/// Returns the event ids quarantined.
 pub async fn mark_failed(
     pool: &PgPool,
     instance: &str,
@@ -148,6 +152,7 @@ pub async fn mark_failed(
     let ids: Vec<Uuid> = failures.iter().map(|f| f.event_id).collect();
     let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
     let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
+    let quarantinable: Vec<bool> = failures.iter().map(|f| f.quarantinable).collect();
     let client = pool.get().await?;
     let rows = client
         .query(
@@ -155,13 +160,22 @@ pub async fn mark_failed(
              SET attempt_count = o.attempt_count + 1,
                  last_error = f.error,
                  available_at = now() + f.delay_ms * interval '1 millisecond',
-                 quarantined_at = CASE WHEN o.attempt_count + 1 >= $4 THEN now() END,
+                 quarantined_at = CASE WHEN f.quarantinable AND o.attempt_count + 1 >= $4
+                                       THEN now() END,
                  claimed_by = NULL,
                  claim_until = NULL
-             FROM unnest($1::uuid[], $2::text[], $3::bigint[]) AS f(event_id, error, delay_ms)
+             FROM unnest($1::uuid[], $2::text[], $3::bigint[], $6::bool[])
+                  AS f(event_id, error, delay_ms, quarantinable)
              WHERE o.event_id = f.event_id AND o.claimed_by = $5 AND o.published_at IS NULL
              RETURNING o.event_id, o.quarantined_at IS NOT NULL",
-            &[&ids, &errors, &delays, &max_attempts, &instance],
+            &[
+                &ids,
+                &errors,
+                &delays,
+                &max_attempts,
+                &instance,
+                &quarantinable,
+            ],
         )
         .await?;
     Ok(rows

@@ -122,6 +122,19 @@ impl PublishFailure {
         }
     }
 
+    /// Whether the failure is the message's own (its route, the broker's
+    /// verdict on it, its encoding), so that repeating it counts towards
+    /// quarantine. A timeout or a broken channel is the infrastructure's (a
+    /// memory or disk alarm, a restart): retried with backoff, never
+    /// quarantined, so a broker incident cannot quarantine healthy orders;
+    /// the oldest-pending-age alert covers it.
+    pub fn counts_towards_quarantine(&self) -> bool {
+        matches!(
+            self,
+            PublishFailure::Returned(_) | PublishFailure::Nacked | PublishFailure::Encode(_)
+        )
+    }
+
     /// Whether the channel should be replaced after this failure.
     pub fn breaks_channel(&self) -> bool {
         matches!(self, PublishFailure::Timeout | PublishFailure::Channel(_))
@@ -266,4 +279,96 @@ pub fn prepare(
     }
     let message = message(row, &trace, replayed)?;
     Ok((message, span))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row() -> OutboxRow {
+        OutboxRow {
+            event_id: Uuid::from_u128(0x0190_0000_0000_7000_8000_0000_0000_5001),
+            tenant_id: "acme".into(),
+            aggregate_type: "order".into(),
+            aggregate_id: "00000000-0000-7000-8000-000000001042".into(),
+            aggregate_sequence: 3,
+            event_type: "PaymentReceived".into(),
+            schema_version: 1,
+            payload: serde_json::json!({"order_id": "00000000-0000-7000-8000-000000001042", "amount": "93.00"}),
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+            tracestate: Some("vendor=1".into()),
+            occurred_at: time::macros::datetime!(2024-05-10 09:15:00 UTC),
+            attempt_count: 0,
+        }
+    }
+
+    #[test]
+    fn the_message_follows_the_wire_contract() {
+        let (message, _span) = prepare(&row(), false).expect("encodes");
+        assert_eq!(message.routing_key, "PaymentReceived");
+        assert_eq!(
+            String::from_utf8(message.body).expect("utf-8"),
+            "{\"event_id\":\"01900000-0000-7000-8000-000000005001\",\"event_type\":\"PaymentReceived\",\
+             \"schema_version\":1,\"tenant_id\":\"acme\",\"aggregate_type\":\"order\",\
+             \"aggregate_id\":\"00000000-0000-7000-8000-000000001042\",\"aggregate_sequence\":3,\
+             \"occurred_at\":\"2024-05-10T09:15:00Z\",\
+             \"payload\":{\"amount\":\"93.00\",\"order_id\":\"00000000-0000-7000-8000-000000001042\"}}"
+        );
+        let p = &message.properties;
+        assert_eq!(
+            p.message_id().as_ref().map(|m| m.as_str()),
+            Some("01900000-0000-7000-8000-000000005001")
+        );
+        assert_eq!(
+            p.kind().as_ref().map(|k| k.as_str()),
+            Some("PaymentReceived")
+        );
+        assert_eq!(
+            p.content_type().as_ref().map(|c| c.as_str()),
+            Some(events::CONTENT_TYPE)
+        );
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(*p.timestamp(), Some(1_715_332_500));
+        let headers = p.headers().as_ref().expect("headers");
+        let get = |name: &str| headers.inner().get(name).cloned();
+        assert_eq!(
+            get(headers::AGGREGATE_SEQUENCE),
+            Some(AMQPValue::LongLongInt(3))
+        );
+        assert_eq!(get(headers::SCHEMA_VERSION), Some(AMQPValue::LongInt(1)));
+        assert_eq!(
+            get(headers::TENANT_ID),
+            Some(AMQPValue::LongString("acme".into()))
+        );
+        assert_eq!(get(headers::REPLAYED), None);
+        // No tracing subscriber here, so the publish span is disabled: the
+        // stored context is forwarded unchanged rather than dropped.
+        assert_eq!(
+            get(headers::TRACEPARENT),
+            Some(AMQPValue::LongString(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()
+            ))
+        );
+        assert_eq!(
+            get(headers::TRACESTATE),
+            Some(AMQPValue::LongString("vendor=1".into()))
+        );
+        let (replayed, _) = prepare(&row(), true).expect("encodes");
+        let headers = replayed.properties.headers().clone().expect("headers");
+        assert_eq!(
+            headers.inner().get(headers::REPLAYED),
+            Some(&AMQPValue::Boolean(true))
+        );
+    }
+
+    #[test]
+    fn only_the_message_s_own_failures_count_towards_quarantine() {
+        assert!(PublishFailure::Returned("312 NO_ROUTE".into()).counts_towards_quarantine());
+        assert!(PublishFailure::Nacked.counts_towards_quarantine());
+        assert!(PublishFailure::Encode("x".into()).counts_towards_quarantine());
+        assert!(!PublishFailure::Timeout.counts_towards_quarantine());
+        assert!(!PublishFailure::Channel("closed".into()).counts_towards_quarantine());
+        assert!(PublishFailure::Timeout.breaks_channel());
+        assert!(!PublishFailure::Nacked.breaks_channel());
+    }
 }

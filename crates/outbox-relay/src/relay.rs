@@ -62,6 +62,7 @@ impl Relay {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> Result<(), lapin::Error> {
+        let mut broker_pause = Duration::from_millis(500);
         loop {
             let channel = connection.create_channel().await?;
             channel
@@ -69,7 +70,10 @@ impl Relay {
                 .await?;
             declare_exchange(&channel, &self.settings.exchange).await?;
             tracing::info!(worker, instance = %self.instance, "relay worker ready");
-            match self.work_channel(&channel, connection, shutdown).await? {
+            match self
+                .work_channel(&channel, connection, shutdown, &mut broker_pause)
+                .await?
+            {
                 ChannelEnd::Shutdown => {
                     let _ = channel.close(200, "shutting down".into()).await;
                     return Ok(());
@@ -87,6 +91,7 @@ impl Relay {
         channel: &Channel,
         connection: &Connection,
         shutdown: &CancellationToken,
+        broker_pause: &mut Duration,
     ) -> Result<ChannelEnd, lapin::Error> {
         let mut db_delay = Duration::from_millis(100);
         loop {
@@ -132,8 +137,21 @@ impl Relay {
             self.metrics.expired_claims.inc_by(claimed.taken_over);
             kit::failpoint::crash_point("relay.before_publish");
             if self.publish_and_settle(channel, claimed.rows).await {
+                // A timeout or channel failure: the broker is in trouble (an
+                // alarm, a restart). Pause before the next claim, growing
+                // while it lasts, instead of cycling the rows through it.
+                tracing::warn!(
+                    pause_ms = broker_pause.as_millis() as u64,
+                    "pausing after a broker failure"
+                );
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = tokio::time::sleep(*broker_pause) => {}
+                }
+                *broker_pause = (*broker_pause * 2).min(Duration::from_secs(30));
                 return Ok(ChannelEnd::Reopen);
             }
+            *broker_pause = Duration::from_millis(500);
         }
     }
 
@@ -257,6 +275,7 @@ impl Relay {
                             event_id: *event_id,
                             error: failure.describe(),
                             delay_ms: i64::try_from(delay).unwrap_or(i64::MAX),
+                            quarantinable: failure.counts_towards_quarantine(),
                         }
                     })
                     .collect()
