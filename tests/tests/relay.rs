@@ -536,7 +536,7 @@ fn assert_message_matches(r: &Received, event: &NewEvent, tenant: &str) {
 
 // ------------------------------------------------------------------ tests --
 
-/// Issue 4, test 1 (scaled to 2,000 events over 200 orders): three relays at
+/// Issue 4, test 1 (10,000 events over 500 orders): three relays at
 /// once; every event reaches the bound queue, per order the first deliveries
 /// come in sequence order, no duplicates without faults; the messages carry
 /// the contract's body, properties and headers; SIGTERM exits cleanly.
@@ -549,7 +549,13 @@ async fn three_relays_publish_every_event_once_in_per_order_sequence() {
     let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
     let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
 
-    let events = orders_with_events(200, 10, &event_type);
+    // The issue's 10,000 events over 500 orders; RELAY_TEST_MANY_ORDERS
+    // scales it down (20 events per order) on a slow machine.
+    let orders = std::env::var("RELAY_TEST_MANY_ORDERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(500);
+    let events = orders_with_events(orders, 20, &event_type);
     insert(&db, &tenant, &events).await;
     let extra = [
         ("OUTBOX_RELAY__RELAY__BATCH_SIZE", "50".to_owned()),
@@ -570,7 +576,7 @@ async fn three_relays_publish_every_event_once_in_per_order_sequence() {
 
     let expect: HashMap<String, i64> = events
         .iter()
-        .map(|e| (e.aggregate_id.clone(), 10))
+        .map(|e| (e.aggregate_id.clone(), 20))
         .collect();
     assert_in_sequence_order(&received, &expect);
     let dups = duplicates(&received);
@@ -615,7 +621,10 @@ async fn three_relays_publish_every_event_once_in_per_order_sequence() {
     for relay in &relays {
         published += relay.metric("outbox_published_total").await;
     }
-    assert!(published >= 2000, "published_total {published}");
+    assert!(
+        published >= events.len() as u64,
+        "published_total {published}"
+    );
 
     for relay in relays {
         relay.stop();
