@@ -238,6 +238,23 @@ impl Consumer {
         }
     }
 
+    /// Wait until metric `name{labels}` is exactly `value`.
+    pub async fn wait_metric_eq(&self, name: &str, labels: &str, value: f64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let current = self.metric(name, labels).await;
+            if current.to_bits() == value.to_bits() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: {name}{{{labels}}} = {current}, expected {value}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// GET a read endpoint with the service token.
     pub async fn get(&self, path_and_query: &str) -> (u16, Value) {
         let response = reqwest::Client::new()

@@ -645,7 +645,21 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     // The fix is deployed (no more fail point); redrive.
     broken.service.signal("TERM");
     assert!(broken.service.wait_exit(WAIT).is_some(), "stops on SIGTERM");
-    let fixed = Consumer::start(Kind::Loyalty, &name, Options::default()).await;
+    let fixed = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            extra: vec![(
+                "LOYALTY_CONSUMER__CLEANUP__INTERVAL_SECS".into(),
+                "1".into(),
+            )],
+            ..Options::default()
+        },
+    )
+    .await;
+    fixed
+        .wait_metric_eq("consumer_parked_orders", "", 1.0)
+        .await;
     let env = system_tests::consumers::consumer_env(
         Kind::Loyalty,
         &name,
@@ -695,6 +709,10 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     assert_eq!(entries, expected);
     assert_eq!(queue_depth(&format!("{name}.dlq")).await, 0);
     assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
+    fixed
+        .wait_metric_eq("consumer_parked_orders", "", 0.0)
+        .await;
+    fixed.wait_metric_eq("consumer_dlq_messages", "", 0.0).await;
 }
 
 /// (5) A crash after the commit and before the ack: the broker redelivers, the

@@ -61,14 +61,21 @@ pub(crate) async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
+    // The gauge is refreshed more often than the cleanup runs (a redrive
+    // un-parks orders from another process).
+    let tick = interval.min(Duration::from_secs(15));
+    let mut next_cleanup = tokio::time::Instant::now();
     loop {
-        match clean_inbox(&pool, &consumer, retention_hours, batch).await {
-            Ok(0) => {}
-            Ok(deleted) => {
-                metrics.inbox_cleaned.inc_by(deleted);
-                tracing::info!(deleted, retention_hours, "inbox cleaned");
+        if tokio::time::Instant::now() >= next_cleanup {
+            next_cleanup = tokio::time::Instant::now() + interval;
+            match clean_inbox(&pool, &consumer, retention_hours, batch).await {
+                Ok(0) => {}
+                Ok(deleted) => {
+                    metrics.inbox_cleaned.inc_by(deleted);
+                    tracing::info!(deleted, retention_hours, "inbox cleaned");
+                }
+                Err(error) => tracing::warn!(error = format!("{error:#}"), "inbox cleanup failed"),
             }
-            Err(error) => tracing::warn!(error = format!("{error:#}"), "inbox cleanup failed"),
         }
         match parked_orders(&pool, &consumer).await {
             Ok(parked) => metrics.parked_orders.set(parked),
@@ -76,7 +83,7 @@ pub(crate) async fn run(
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
+            _ = tokio::time::sleep(tick) => {}
         }
     }
 }
