@@ -1040,7 +1040,8 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
 }
 
 /// Issue 4, test 5: with a 10 s poll interval an idle relay publishes a new
-/// event well under a second after its commit (LISTEN/NOTIFY).
+/// event well under a second after its commit (LISTEN/NOTIFY), also after
+/// its LISTEN connection was dropped (reconnect and re-LISTEN).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_wakes_an_idle_relay_within_milliseconds() {
     let tenant = format!("relaytest-{}", short_id());
@@ -1073,6 +1074,38 @@ async fn notify_wakes_an_idle_relay_within_milliseconds() {
             "published {elapsed:?} after commit with a 10 s poll interval"
         );
     }
+    // The LISTEN connection dropping (terminated by the server here) is
+    // noticed, re-established and re-LISTENed: still no poll-interval wait.
+    let listener = format!("outbox-relay listen {}", relay.instance);
+    let old = backend(&db, &listener)
+        .await
+        .expect("the relay's LISTEN connection");
+    db.execute("SELECT pg_terminate_backend($1)", &[&old])
+        .await
+        .expect("terminate");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match backend(&db, &listener).await {
+            Some(pid) if pid != old => break,
+            _ => {}
+        }
+        assert!(
+            Instant::now() < deadline,
+            "LISTEN connection not re-established"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await; // LISTEN issued, relay idle
+    let started = Instant::now();
+    insert(&db, &tenant, &orders_with_events(1, 1, &event_type)).await;
+    collector.wait_distinct(5, Duration::from_secs(30)).await;
+    let elapsed = started.elapsed();
+    println!("after the LISTEN reconnect: commit to delivery {elapsed:?}");
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "{elapsed:?} after reconnect"
+    );
+
     let lag: f64 = db
         .query_one(
             "SELECT max(EXTRACT(EPOCH FROM published_at - occurred_at))::float8
@@ -1190,6 +1223,17 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
     assert_eq!(remaining(pending.clone()).await, 3, "unpublished: kept");
     assert_eq!(remaining(quarantined.clone()).await, 2, "quarantined: kept");
     delete_tenant_rows(&db, &tenant).await;
+}
+
+/// The server process of the connection named `application_name`.
+async fn backend(db: &Client, application_name: &str) -> Option<i32> {
+    db.query_opt(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1",
+        &[&application_name],
+    )
+    .await
+    .expect("pg_stat_activity")
+    .map(|row| row.get::<_, i32>(0))
 }
 
 async fn rfc3339(t: std::time::SystemTime, db: &Client) -> String {

@@ -96,6 +96,7 @@ impl Application {
         let wake_tx = Arc::new(wake_tx);
         let listener = tokio::spawn(listen::listen(
             self.settings.database.url.clone(),
+            self.instance.clone(),
             Arc::clone(&wake_tx),
             shutdown.clone(),
         ));

@@ -26,11 +26,30 @@ fn wake(sender: &watch::Sender<u64>) {
     sender.send_modify(|n| *n = n.wrapping_add(1));
 }
 
+/// The `application_name` of the listening connection of `instance` (in
+/// `pg_stat_activity`).
+pub fn application_name(instance: &str) -> String {
+    format!("outbox-relay listen {instance}")
+}
+
 /// Listen until `shutdown`, reconnecting with capped backoff.
-pub async fn listen(url: String, sender: Arc<watch::Sender<u64>>, shutdown: CancellationToken) {
+pub async fn listen(
+    url: String,
+    instance: String,
+    sender: Arc<watch::Sender<u64>>,
+    shutdown: CancellationToken,
+) {
     let mut delay = Duration::from_millis(100);
+    let mut config: tokio_postgres::Config = match url.parse() {
+        Ok(config) => config,
+        Err(error) => {
+            tracing::error!(%error, "bad database url: no LISTEN, polling only");
+            return;
+        }
+    };
+    config.application_name(application_name(&instance));
     loop {
-        match listen_once(&url, &sender, &shutdown, &mut delay).await {
+        match listen_once(&config, &sender, &shutdown, &mut delay).await {
             Ok(()) => return,
             Err(error) => tracing::warn!(
                 error = format!("{error:#}"),
@@ -47,12 +66,12 @@ pub async fn listen(url: String, sender: Arc<watch::Sender<u64>>, shutdown: Canc
 }
 
 async fn listen_once(
-    url: &str,
+    config: &tokio_postgres::Config,
     sender: &watch::Sender<u64>,
     shutdown: &CancellationToken,
     delay: &mut Duration,
 ) -> anyhow::Result<()> {
-    let (client, mut connection) = tokio_postgres::connect(url, NoTls).await?;
+    let (client, mut connection) = config.connect(NoTls).await?;
     let (notified, mut notifications) = mpsc::unbounded_channel::<()>();
     let driver = tokio::spawn(async move {
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
