@@ -1350,3 +1350,96 @@ async fn shuffled_and_duplicated_events_of_many_orders_apply_once_in_sequence_or
     assert_eq!(points.len(), 30);
     assert!(points.iter().all(|p| p.1 == 80));
 }
+
+/// The ledger never books what does not add up: an order whose total differs
+/// from merchandise + shipping + tax (seed 003's "wrong tax code") fails its
+/// delivery five times and is dead-lettered with the reason; a second delivery
+/// of a delivered order is refused rather than booking revenue twice. Other
+/// orders keep flowing and the books stay balanced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
+    let tenant = unique("t5-books");
+    let name = unique("t5-books-led");
+    let ledger = Consumer::start(Kind::Ledger, &name, Options::default()).await;
+    let publisher = Publisher::connect().await;
+
+    // Total 94.00 for 80.00 + 5.00 + 8.00.
+    let wrong = Uuid::now_v7();
+    let mut placed = order_placed(&tenant, wrong, 1, "77", 2);
+    let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
+    raw["payload"]["total"] = json!("94.00");
+    placed.body = serde_json::to_vec(&raw).expect("json");
+    let paid = payment_received(&tenant, wrong, 2, "94.00");
+    let delivered = parcel_delivered(&tenant, wrong, 3, 2);
+
+    let good = story(&tenant);
+    let again = parcel_delivered(&tenant, good.order, 4, 2);
+
+    for m in [
+        &placed,
+        &good.placed,
+        &paid,
+        &good.paid,
+        &delivered,
+        &good.delivered,
+        &again,
+    ] {
+        publisher.to_consumer(&name, m).await;
+    }
+    wait_sequence(Database::Ledger, &name, good.order, 3).await;
+    ledger
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            2.0,
+        )
+        .await;
+
+    assert_eq!(
+        progress(Database::Ledger, &name, wrong).await,
+        Some((2, true)),
+        "payment booked, delivery dead-lettered, order parked"
+    );
+    assert_eq!(
+        progress(Database::Ledger, &name, good.order).await,
+        Some((3, true)),
+        "the second delivery is parked for a human"
+    );
+    let mut letters = drain_dead_letters(&name).await;
+    letters.sort_by_key(|l| l.reason.clone());
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    assert!(
+        letters.iter().any(
+            |l| l.aggregate_id.as_deref() == Some(wrong.to_string().as_str())
+                && l.reason.contains("failed 5 times")
+                && l.reason
+                    .contains("order total 94.00 differs from merchandise + shipping + tax 93.00")
+        ),
+        "{letters:?}"
+    );
+    assert!(
+        letters.iter().any(
+            |l| l.aggregate_id.as_deref() == Some(good.order.to_string().as_str())
+                && l.reason.contains("already delivered")
+        ),
+        "{letters:?}"
+    );
+    assert_eq!(
+        journal(&tenant, wrong).await,
+        vec![(
+            paid.event_id,
+            lines(&[("clearing:card", 9400, 0), ("customer_deposits", 0, 9400)])
+        )]
+    );
+    assert_eq!(
+        journal(&tenant, good.order).await,
+        vec![
+            (good.paid.event_id, payment_lines()),
+            (good.delivered.event_id, delivery_lines()),
+        ]
+    );
+    let (status, tb) = ledger.get(&format!("/trial-balance?tenant={tenant}")).await;
+    assert_eq!(status, 200, "{tb}");
+    assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
+    assert_eq!(tb["currencies"][0]["total_debit"], json!("324.00"));
+}
