@@ -660,27 +660,7 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     fixed
         .wait_metric_eq("consumer_parked_orders", "", 1.0)
         .await;
-    let env = system_tests::consumers::consumer_env(
-        Kind::Loyalty,
-        &name,
-        system_tests::free_port(),
-        &Options::default(),
-    );
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(bin("loyalty-consumer"))
-            .arg("redrive")
-            .envs(env)
-            .output()
-            .expect("run redrive")
-    })
-    .await
-    .expect("redrive");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "redrive failed: {stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = redrive(Kind::Loyalty, &name, &[]).await;
     let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
     assert_eq!(moved.len(), 3, "{stdout}");
     for (line, m) in moved.iter().zip([&bad.placed, &bad.paid, &bad.delivered]) {
@@ -1442,4 +1422,105 @@ async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
     assert_eq!(status, 200, "{tb}");
     assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
     assert_eq!(tb["currencies"][0]["total_debit"], json!("324.00"));
+}
+
+/// Run `<binary> redrive [args]` for consumer `name`; returns stdout.
+async fn redrive(kind: Kind, name: &str, args: &[&str]) -> String {
+    let env = system_tests::consumers::consumer_env(
+        kind,
+        name,
+        system_tests::free_port(),
+        &Options::default(),
+    );
+    let mut command = std::process::Command::new(bin(kind.binary()));
+    command.arg("redrive").args(args).envs(env);
+    let output = tokio::task::spawn_blocking(move || command.output().expect("run redrive"))
+        .await
+        .expect("redrive");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "redrive failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The operator's loop: deliveries that would take stock below zero are
+/// dead-lettered (on_hand never goes negative); the missing receipt is posted;
+/// `redrive --order` moves back only that order's dead letters; a plain
+/// `redrive` moves the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sale_without_stock_is_dead_lettered_and_redriven_per_order_after_the_receipt() {
+    let tenant = unique("t5-stock");
+    let name = unique("t5-stock-inv");
+    let inventory = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            extra: vec![(
+                "INVENTORY_CONSUMER__CLEANUP__INTERVAL_SECS".into(),
+                "1".into(),
+            )],
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    let (a, b) = (story(&tenant), story(&tenant));
+    for s in [&a, &b] {
+        for m in [&s.placed, &s.paid, &s.delivered] {
+            publisher.to_consumer(&name, m).await;
+        }
+    }
+    inventory
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            2.0,
+        )
+        .await;
+    assert_eq!(
+        inventory.metric("inventory_shortages_total", "").await,
+        2.0,
+        "both reservations were short"
+    );
+    for s in [&a, &b] {
+        assert_eq!(
+            progress(Database::Inventory, &name, s.order).await,
+            Some((2, true))
+        );
+    }
+    assert_eq!(level(&tenant).await, Some((0, 4, -4)));
+
+    assert_eq!(receipt(&inventory, &tenant, "R-10", 10).await.0, 201);
+    let stdout = redrive(Kind::Inventory, &name, &["--order", &a.order.to_string()]).await;
+    assert!(
+        stdout.contains(&format!("moved {}", a.delivered.event_id)),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains(&b.order.to_string()),
+        "only order a: {stdout}"
+    );
+    wait_sequence(Database::Inventory, &name, a.order, 3).await;
+    assert_eq!(level(&tenant).await, Some((8, 2, 6)));
+    assert_eq!(
+        progress(Database::Inventory, &name, b.order).await,
+        Some((2, true)),
+        "b is still parked"
+    );
+    assert_eq!(queue_depth(&format!("{name}.dlq")).await, 1);
+
+    let stdout = redrive(Kind::Inventory, &name, &[]).await;
+    assert!(
+        stdout.contains(&format!("moved {}", b.delivered.event_id)),
+        "{stdout}"
+    );
+    wait_sequence(Database::Inventory, &name, b.order, 3).await;
+    assert_eq!(level(&tenant).await, Some((6, 0, 6)));
+    assert_levels_equal_movements(&tenant).await;
+    inventory
+        .wait_metric_eq("consumer_parked_orders", "", 0.0)
+        .await;
 }
