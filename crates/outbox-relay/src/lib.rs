@@ -1,6 +1,26 @@
 //! outbox-relay: moves committed outbox rows from the `orders` database to the
 //! `order-events` exchange, at least once, in per-order order.
 //!
+//! The cycle of each worker (several per instance, any number of instances):
+//!
+//! 1. **claim** (one short transaction): the due rows that are the lowest
+//!    unpublished sequence of their order, `FOR UPDATE SKIP LOCKED`, get a
+//!    lease (`claimed_by`, `claim_until`); commit.
+//! 2. **publish** outside any transaction: the whole batch in flight on a
+//!    confirm-mode channel, `mandatory`, bounded by the confirm timeout.
+//! 3. **mark** the acked rows `published_at` in one statement (only while
+//!    still leased to this instance); record failures in one statement
+//!    (`attempt_count + 1`, `last_error`, backoff with jitter in
+//!    `available_at`, lease released; quarantine after the maximum attempts
+//!    for failures of the message's own: returned, nacked, unencodable).
+//!
+//! A crash between 2 and 3 republishes (a duplicate, never a loss); an
+//! expired lease is taken over. Sequence k+1 is never claimed while k is
+//! unpublished (leased elsewhere, in backoff or quarantined), so an order's
+//! events reach the broker one confirmed event at a time, in order. Idle
+//! workers sleep until a NOTIFY from the outbox insert, the earliest backoff
+//! expiry or the poll interval.
+//!
 //! - [`claim`]: leased claims (short transaction, `FOR UPDATE SKIP LOCKED`,
 //!   only each order's lowest unpublished sequence), marking, failures.
 //! - [`publish`]: the AMQP message of a row and pipelined confirmed publishing.
