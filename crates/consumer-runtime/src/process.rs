@@ -225,6 +225,9 @@ impl<D: Domain> Processor<D> {
         }
         if parked {
             tx.rollback().await?;
+            // Publishing needs no database connection: give it back first (the
+            // park path takes one of its own).
+            drop(client);
             let parked_event: Option<uuid::Uuid> = progress.get(2);
             let parked_reason: Option<String> = progress.get(3);
             let reason = format!(
@@ -242,6 +245,7 @@ impl<D: Domain> Processor<D> {
         }
         if sequence > last + 1 {
             tx.rollback().await?;
+            drop(client);
             if incoming.deferrals < self.max_deferrals {
                 self.republish(
                     publisher,
@@ -282,6 +286,7 @@ impl<D: Domain> Processor<D> {
             if let Err(rollback) = tx.rollback().await {
                 tracing::warn!(%rollback, "rollback after a handler error");
             }
+            drop(client);
             if error.is_transient() {
                 return Err(Infra::Database(error.to_string()));
             }

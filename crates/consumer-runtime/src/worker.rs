@@ -119,7 +119,7 @@ async fn consume<D: Domain>(
                     stop.cancel();
                 }
                 Some(Err(join_error)) => {
-                    failure.get_or_insert(lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Error)));
+                    failure.get_or_insert(lost("a partition worker panicked"));
                     tracing::error!(%join_error, "a partition worker panicked");
                     stop.cancel();
                 }
