@@ -1,16 +1,53 @@
 //! The consumer runtime: one implementation of "receive an order event, apply it
 //! once, in order" shared by the inventory, ledger and loyalty consumers, which
-//! supply only a [`Domain`].
+//! supply only a [`Domain`] (names, database, `apply`, read routes).
 //!
-//! - [`topology`]: the consumer's own exchange and queues (hash exchange,
-//!   partition queues with single active consumer, retry tiers, DLQ);
+//! - [`topology`]: the consumer's own exchange and queues (hash exchange on
+//!   `aggregate_id`, quorum partition queues with single active consumer,
+//!   retry tiers dead-lettering back to the hash exchange, the DLQ);
 //! - [`process`]: the per-message transaction (inbox, per-order progress,
-//!   handler, retry / dead letter / park);
+//!   handler, retry / defer / dead letter / park);
 //! - `worker`: partitions consumed concurrently, in order within each, with
-//!   reconnect and graceful shutdown;
+//!   reconnect (kit::amqp::supervise) and graceful shutdown (the in-flight
+//!   message is finished and acknowledged);
 //! - [`redrive`]: the `redrive` subcommand; [`cleanup`]: inbox cleanup;
 //! - [`metrics`], [`auth`] (service token + tenant scope of read endpoints),
 //!   [`settings`].
+//!
+//! # Command line
+//!
+//! `<consumer>` or `<consumer> serve`: consume and serve HTTP;
+//! `<consumer> migrate`; `<consumer> redrive [--order <order id>]`: move dead
+//! letters back (per order, in sequence order) and un-park their orders.
+//!
+//! # Configuration (`<PREFIX>` = `INVENTORY_CONSUMER`, `LEDGER_CONSUMER`, `LOYALTY_CONSUMER`)
+//!
+//! | variable | default |
+//! |---|---|
+//! | `<PREFIX>__HTTP__PORT` | 8081 / 8082 / 8083 |
+//! | `<PREFIX>__DATABASE__URL`, `__DATABASE__POOL_SIZE` | local `inventory` / `ledger` / `loyalty`, 16 |
+//! | `<PREFIX>__AMQP__URL` | `amqp://app:app@127.0.0.1:5672/%2f` |
+//! | `<PREFIX>__CONSUMER__NAME` (inbox key, queue prefix) | `inventory` / `ledger` / `loyalty` |
+//! | `<PREFIX>__CONSUMER__PARTITIONS` | 4 |
+//! | `<PREFIX>__CONSUMER__PREFETCH` (per partition) | 16 |
+//! | `<PREFIX>__CONSUMER__RETRY_TIERS_MS` | `10000,60000,300000,1800000,7200000` |
+//! | `<PREFIX>__CONSUMER__MAX_ATTEMPTS` | 5 |
+//! | `<PREFIX>__CONSUMER__MAX_DEFERRALS` | 30 |
+//! | `<PREFIX>__CONSUMER__DELIVERY_LIMIT` (crash-loop backstop) | 20 |
+//! | `<PREFIX>__CONSUMER__BIND_ORDER_EVENTS` | true (tests: false) |
+//! | `<PREFIX>__CLEANUP__INBOX_RETENTION_HOURS` (>= `MIN_RETENTION_HOURS`, 168) | 192 |
+//! | `<PREFIX>__CLEANUP__INTERVAL_SECS`, `__CLEANUP__BATCH_SIZE` | 600, 1000 |
+//! | `SERVICE_TOKEN` (or `<PREFIX>__AUTH__SERVICE_TOKEN`) | `local-dev-token` unless `<PREFIX>__AUTH__REQUIRE_TOKEN=true` |
+//!
+//! # Fail points (binaries built with the `failpoints` feature, `FAILPOINTS=...`)
+//!
+//! - `consumer.in_handler`: a crash point inside the transaction, before the
+//!   handler (`return` aborts the process; `sleep(ms)` slows it down);
+//! - `consumer.after_commit_before_ack`: a crash point after the commit,
+//!   before the acknowledgement;
+//! - `consumer.handler_error`: the handler fails (not a crash): `return` for
+//!   every event, `return(<order id or event id>)` for one order or event,
+//!   `N*return(...)` for the first N evaluations.
 
 // Endpoints return kit::http::Problem (problem+json) as their error type.
 #![allow(clippy::result_large_err)]
