@@ -657,6 +657,8 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
             ),
             ("OUTBOX_RELAY__RELAY__LEASE_MS", lease_ms.to_string()),
             ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "1500".to_owned()),
+            // One batch in flight, so the crash catches all of it.
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
         ],
     );
     let status = crashing
@@ -732,7 +734,14 @@ async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
     let events = orders_with_events(3, 2, &event_type);
     insert(&db, &tenant, &events).await;
 
-    let mut crashing = Relay::start(&tenant, &[("FAILPOINTS", "relay.claim=return".to_owned())]);
+    let mut crashing = Relay::start(
+        &tenant,
+        &[
+            ("FAILPOINTS", "relay.claim=return".to_owned()),
+            // One claimer, so no other claim commits before the abort.
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+        ],
+    );
     let status = crashing
         .service
         .wait_exit(Duration::from_secs(60))
