@@ -185,6 +185,9 @@ fn topology_of(settings: &Settings) -> anyhow::Result<Topology> {
     })
 }
 
+/// How long a graceful shutdown may take before the process exits anyway.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
+
 /// A built consumer: database migrated, HTTP listener bound.
 pub struct Application<D: Domain> {
     settings: Settings,
@@ -261,6 +264,22 @@ impl<D: Domain> Application<D> {
     /// Serve until `shutdown`: HTTP, the partition workers (connection kept up,
     /// rebuilt when it drops) and the inbox cleanup.
     pub async fn run_until_stopped(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        // A shutdown must end: if something is stuck (a dependency that never
+        // answers), exit anyway once the grace period is over.
+        {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                shutdown.cancelled().await;
+                std::thread::spawn(|| {
+                    std::thread::sleep(SHUTDOWN_GRACE);
+                    tracing::error!(
+                        grace_secs = SHUTDOWN_GRACE.as_secs(),
+                        "shutdown did not finish in time: exiting"
+                    );
+                    std::process::exit(1);
+                });
+            });
+        }
         let broker = {
             let shutdown = shutdown.clone();
             let settings = self.settings.amqp.clone();
@@ -300,9 +319,9 @@ impl<D: Domain> Application<D> {
         tracing::info!("http server stopped");
         // The workers finish their in-flight messages before this returns
         // (bounded, so a stuck dependency cannot keep the process alive).
-        match tokio::time::timeout(Duration::from_secs(60), broker).await {
+        match tokio::time::timeout(SHUTDOWN_GRACE, broker).await {
             Ok(joined) => joined?,
-            Err(_) => tracing::error!("the broker side did not stop within 60 s; exiting anyway"),
+            Err(_) => tracing::error!("the broker side did not stop in time; exiting anyway"),
         }
         tracing::info!("consumer stopped");
         cleanup.abort();
