@@ -1524,3 +1524,73 @@ async fn a_sale_without_stock_is_dead_lettered_and_redriven_per_order_after_the_
         .wait_metric_eq("consumer_parked_orders", "", 0.0)
         .await;
 }
+
+/// The database drops the consumer's connections in the middle of a message
+/// (as in a database restart): the message is retried in place (not counted
+/// as a failed attempt, no retry tier) and applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_connection_lost_mid_message_is_retried_in_place() {
+    let tenant = unique("t5-pgdrop");
+    let name = unique("t5-pgdrop-led");
+    let url = format!(
+        "{}?application_name={name}",
+        system_tests::pg_url(Database::Ledger)
+    );
+    let ledger = Consumer::start(
+        Kind::Ledger,
+        &name,
+        Options {
+            partitions: 1,
+            failpoints: Some("consumer.in_handler=sleep(1000)".to_owned()),
+            extra: vec![("LEDGER_CONSUMER__DATABASE__URL".into(), url)],
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    let s = story(&tenant);
+    publisher.to_consumer(&name, &s.placed).await;
+    let admin = pg(Database::Ledger).await;
+    // Only this consumer's connections (by application name), once one of
+    // them is inside the message's transaction.
+    eventually("the consumer inside its transaction", WAIT, || async {
+        let busy: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND state = 'idle in transaction'",
+                &[&name],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        (busy > 0).then_some(())
+    })
+    .await;
+    let terminated: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = $1) t",
+            &[&name],
+        )
+        .await
+        .expect("terminate")
+        .get(0);
+    assert!(terminated >= 1);
+
+    wait_sequence(Database::Ledger, &name, s.order, 1).await;
+    let orders: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM ledger_orders WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(orders, 1);
+    assert_eq!(ledger.metric("consumer_retried_total", "").await, 0.0);
+    assert_eq!(ledger.metric("consumer_dead_lettered_total", "").await, 0.0);
+    assert_eq!(
+        ledger.metric("consumer_events_applied_total", "").await,
+        1.0
+    );
+}
