@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/infra-env.sh
-export LOG_FORMAT="${LOG_FORMAT:-text}" RUST_LOG="${RUST_LOG:-info,lapin=warn,actix_server=warn}"
+export LOG_FORMAT="${LOG_FORMAT:-text}" RUST_LOG="${RUST_LOG:-info,lapin=error,actix_server=warn,tokio_postgres=warn}"
 BIN="${BIN:-target/debug}"
 SERVICES=(order-api outbox-relay inventory-consumer ledger-consumer loyalty-consumer)
 PORTS=(8080 9100 8081 8082 8083)

@@ -188,7 +188,10 @@ impl OrderApi {
     /// wait until it is ready.
     pub async fn start(env: &[(&str, String)]) -> Self {
         let port = free_port();
-        let mut all = vec![("ORDER_API__HTTP__PORT", port.to_string())];
+        let mut all = vec![
+            ("ORDER_API__HTTP__PORT", port.to_string()),
+            ("RUST_LOG", "warn".to_owned()),
+        ];
         all.extend(env.iter().cloned());
         let service = Service::start("order-api", &[], &all);
         let base = format!("http://127.0.0.1:{port}");

@@ -61,7 +61,7 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     let tracer = provider.tracer(service);
 
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        EnvFilter::new("info,lapin=warn,actix_server=warn,tokio_postgres=warn")
+        EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
     });
     let text = std::env::var("LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("text"));
     let fmt_layer = if text {

@@ -1,0 +1,514 @@
+//! Full flow across the five real binaries: order-api -> outbox -> relay ->
+//! RabbitMQ -> inventory, ledger, loyalty. The seed 003 story row by row, and
+//! a load of orders with payments and deliveries in which every request is
+//! retried with its key and every consumer gets a full relay replay: effects
+//! exactly once, zero drift.
+//!
+//! The tests of this file run one at a time (their consumers listen on the
+//! shared `order-events` exchange); each has its own tenant, relay (scoped to
+//! that tenant) and privately named consumers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{stream, StreamExt};
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+use system_tests::{
+    api_key,
+    consumers::{eventually, unique, Consumer, Kind, Options, TEST_TOKEN},
+    free_port, pg, unique_tenant, wait_for_ok, Database, OrderApi, Service,
+};
+use tokio::sync::Mutex;
+
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+struct System {
+    api: OrderApi,
+    _relay: Service,
+    consumers: Vec<Consumer>,
+    tenant: String,
+    key: String,
+    http: Client,
+}
+
+impl System {
+    async fn start(prefix: &str) -> System {
+        let tenant = unique_tenant(prefix);
+        let key = api_key(&tenant);
+        let api = OrderApi::start(&[]).await;
+        let relay_port = free_port();
+        let relay = Service::start(
+            "outbox-relay",
+            &[],
+            &[
+                ("OUTBOX_RELAY__HTTP__PORT", relay_port.to_string()),
+                ("OUTBOX_RELAY__RELAY__ONLY_TENANT", tenant.clone()),
+                ("OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS", "200".to_owned()),
+                ("OUTBOX_RELAY__CLEANUP__ENABLED", "false".to_owned()),
+                ("RUST_LOG", "warn".to_owned()),
+            ],
+        );
+        wait_for_ok(
+            &format!("http://127.0.0.1:{relay_port}/readyz"),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("relay ready");
+        let mut consumers = Vec::new();
+        for kind in [Kind::Inventory, Kind::Ledger, Kind::Loyalty] {
+            let options = Options {
+                extra: vec![(
+                    format!("{}__CONSUMER__BIND_ORDER_EVENTS", kind.prefix()),
+                    "true".to_owned(),
+                )],
+                ..Options::default()
+            };
+            consumers.push(Consumer::start(kind, &unique("ff"), options).await);
+        }
+        System {
+            api,
+            _relay: relay,
+            consumers,
+            tenant,
+            key,
+            http: Client::new(),
+        }
+    }
+
+    fn consumer(&self, kind: Kind) -> &Consumer {
+        self.consumers
+            .iter()
+            .find(|c| c.kind == kind)
+            .expect("consumer")
+    }
+
+    /// POST to order-api; returns status, replay flag and body.
+    async fn post(&self, path: &str, key: &str, body: &Value) -> (StatusCode, bool, Vec<u8>) {
+        let response = self
+            .http
+            .post(self.api.url(path))
+            .bearer_auth(&self.key)
+            .header("Idempotency-Key", key)
+            .json(body)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .expect("request");
+        let replayed = response
+            .headers()
+            .get("Idempotent-Replayed")
+            .is_some_and(|v| v == "true");
+        (
+            response.status(),
+            replayed,
+            response.bytes().await.expect("body").to_vec(),
+        )
+    }
+
+    /// A request and its retry with the same key: one execution, one replay,
+    /// the same bytes.
+    async fn post_twice(&self, path: &str, key: &str, body: &Value) -> Value {
+        let (status, replayed, first) = self.post(path, key, body).await;
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "{path}: {}",
+            String::from_utf8_lossy(&first)
+        );
+        assert!(!replayed);
+        let (status, replayed, second) = self.post(path, key, body).await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert!(replayed, "{path}: the retry must be a replay");
+        assert_eq!(first, second, "{path}: the replay differs");
+        serde_json::from_slice(&first).expect("json")
+    }
+
+    async fn receive(&self, sku: &str, qty: i64) {
+        let response = self
+            .http
+            .post(format!("{}/stock/receipts", self.consumer(Kind::Inventory).base_url()))
+            .bearer_auth(TEST_TOKEN)
+            .header("X-Tenant-Id", &self.tenant)
+            .json(&json!({"receipt_id": format!("rcpt-{sku}"), "sku": sku, "location": "WH-1", "qty": qty}))
+            .send()
+            .await
+            .expect("receipt");
+        assert!(
+            response.status().is_success(),
+            "receipt: {}",
+            response.status()
+        );
+    }
+
+    /// Wait until each consumer's inbox holds `events` of this tenant's events.
+    async fn wait_applied(&self, events: i64) {
+        for consumer in &self.consumers {
+            let db = consumer.kind.database();
+            let name = consumer.name.clone();
+            eventually(
+                &format!("{name} applies {events} events"),
+                Duration::from_secs(300),
+                || {
+                    let name = name.clone();
+                    async move {
+                        let applied: i64 = pg(db)
+                            .await
+                            .query_one(
+                                "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
+                                &[&name],
+                            )
+                            .await
+                            .expect("count")
+                            .get(0);
+                        assert!(applied <= events, "{name} applied {applied} > {events}");
+                        (applied == events).then_some(())
+                    }
+                },
+            )
+            .await;
+        }
+    }
+
+    async fn drift(&self) {
+        let report = ops::drift::check(
+            &ops::drift::Databases::from_env(),
+            Some(&self.tenant),
+            Duration::ZERO,
+        )
+        .await
+        .expect("drift check");
+        assert!(report.is_clean(), "drift: {:#?}", report.drift);
+    }
+}
+
+async fn count(db: Database, sql: &str, tenant: &str) -> i64 {
+    pg(db)
+        .await
+        .query_one(sql, &[&tenant])
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
+}
+
+#[tokio::test]
+async fn the_seed_003_story_produces_exactly_the_seeds_rows() {
+    let _serial = SERIAL.lock().await;
+    let system = System::start("story").await;
+    system.receive("JKT-M", 48).await;
+    let order = system
+        .post_twice(
+            "/orders",
+            "order-1042",
+            &json!({"customer_id": "77", "checkout_id": "checkout-1042",
+                    "lines": [{"sku": "JKT-M", "qty": 2, "unit_price": "40.00", "unit_cost": "22.00"}],
+                    "shipping": "5.00", "tax": "8.00", "total": "93.00", "currency": "USD", "location": "WH-1"}),
+        )
+        .await;
+    let id = order["order_id"].as_str().expect("id").to_owned();
+    system
+        .post_twice(
+            &format!("/orders/{id}/payments"),
+            "payment-9001",
+            &json!({"payment_id": "9001", "amount": "93.00", "method": "card"}),
+        )
+        .await;
+    system
+        .post_twice(
+            &format!("/orders/{id}/deliveries"),
+            "delivery-311",
+            &json!({"delivery_id": "311", "lines": [{"sku": "JKT-M", "qty": 2}]}),
+        )
+        .await;
+    system.wait_applied(3).await;
+    let order_id: uuid::Uuid = id.parse().expect("uuid");
+    let t = &system.tenant;
+
+    // Inventory: receipt, reserve 2 (on_hand stays 48, available 46), sale -2.
+    let inventory = pg(Database::Inventory).await;
+    let movements: Vec<(String, i64, i64, i64, Option<uuid::Uuid>)> = inventory
+        .query(
+            "SELECT movement_type, qty, on_hand_delta, reserved_delta, order_id FROM stock_movements \
+             WHERE tenant_id = $1 AND sku = 'JKT-M' AND location = 'WH-1' ORDER BY movement_id",
+            &[t],
+        )
+        .await
+        .expect("movements")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect();
+    assert_eq!(
+        movements,
+        vec![
+            ("receipt".to_owned(), 48, 48, 0, None),
+            ("reserve".to_owned(), 2, 0, 2, Some(order_id)),
+            ("sale".to_owned(), -2, -2, -2, Some(order_id)),
+        ]
+    );
+    let level = inventory
+        .query_one(
+            "SELECT on_hand, reserved, available FROM stock_levels WHERE tenant_id = $1 AND sku = 'JKT-M' AND location = 'WH-1'",
+            &[t],
+        )
+        .await
+        .expect("level");
+    assert_eq!(
+        (
+            level.get::<_, i64>(0),
+            level.get::<_, i64>(1),
+            level.get::<_, i64>(2)
+        ),
+        (46, 0, 46)
+    );
+
+    // Ledger: the two journal entries of the seed, line by line.
+    let lines: Vec<(String, String, i64, i64)> = pg(Database::Ledger)
+        .await
+        .query(
+            "SELECT e.event_type, a.name, l.debit, l.credit FROM journal_entries e \
+             JOIN journal_lines l USING (entry_id) \
+             JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
+             WHERE e.tenant_id = $1 AND e.order_id = $2 ORDER BY e.posted_at, l.line_no",
+            &[t, &order_id],
+        )
+        .await
+        .expect("journal")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let expected: Vec<(String, String, i64, i64)> = [
+        ("PaymentReceived", "Card clearing", 9300, 0),
+        ("PaymentReceived", "Customer deposits", 0, 9300),
+        ("ParcelDelivered", "Customer deposits", 9300, 0),
+        ("ParcelDelivered", "Sales", 0, 8000),
+        ("ParcelDelivered", "Shipping income", 0, 500),
+        ("ParcelDelivered", "Tax payable", 0, 800),
+        ("ParcelDelivered", "Cost of goods sold", 4400, 0),
+        ("ParcelDelivered", "Inventory", 0, 4400),
+    ]
+    .iter()
+    .map(|(e, a, d, c)| ((*e).to_owned(), (*a).to_owned(), *d, *c))
+    .collect();
+    assert_eq!(lines, expected);
+    let delivery_debits: i64 = lines
+        .iter()
+        .filter(|l| l.0 == "ParcelDelivered")
+        .map(|l| l.2)
+        .sum();
+    let delivery_credits: i64 = lines
+        .iter()
+        .filter(|l| l.0 == "ParcelDelivered")
+        .map(|l| l.3)
+        .sum();
+    assert_eq!(
+        (delivery_debits, delivery_credits),
+        (13700, 13700),
+        "137.00 = 137.00"
+    );
+
+    // Loyalty: +80 for customer 77, pointing at the ParcelDelivered event.
+    let delivered_event: uuid::Uuid = pg(Database::Orders)
+        .await
+        .query_one(
+            "SELECT event_id FROM outbox_events WHERE aggregate_id = $1 AND event_type = 'ParcelDelivered'",
+            &[&id],
+        )
+        .await
+        .expect("event")
+        .get(0);
+    let entries: Vec<(String, i64, uuid::Uuid, uuid::Uuid)> = pg(Database::Loyalty)
+        .await
+        .query(
+            "SELECT customer_id, points, order_id, event_id FROM loyalty_entries WHERE tenant_id = $1",
+            &[t],
+        )
+        .await
+        .expect("loyalty")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    assert_eq!(
+        entries,
+        vec![("77".to_owned(), 80, order_id, delivered_event)]
+    );
+
+    system.drift().await;
+}
+
+/// A deterministic pseudo-random sequence (no shared RNG state between tasks).
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+fn cents(minor: u64) -> String {
+    format!("{}.{:02}", minor / 100, minor % 100)
+}
+
+#[tokio::test]
+async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero_drift() {
+    let _serial = SERIAL.lock().await;
+    let orders: u64 = std::env::var("FULL_FLOW_ORDERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let started = time::OffsetDateTime::now_utc() - time::Duration::seconds(5);
+    let system = Arc::new(System::start("load").await);
+    let skus: Vec<String> = (0..20).map(|i| format!("SKU-{i:02}")).collect();
+    for sku in &skus {
+        system.receive(sku, 1_000_000).await;
+    }
+
+    let results: Vec<(u64, u64)> = stream::iter(0..orders)
+        .map(|i| {
+            let system = system.clone();
+            let skus = skus.clone();
+            async move {
+                let r = mix(i + 1);
+                let line_count = 1 + (r % 3) as usize;
+                let mut lines = Vec::new();
+                let mut merchandise = 0;
+                for l in 0..line_count {
+                    let x = mix(r + l as u64);
+                    let qty = 1 + x % 3;
+                    let price = 100 + x % 9_900;
+                    let cost = price / 2;
+                    merchandise += qty * price;
+                    lines.push(json!({"sku": skus[(r as usize + l * 7) % skus.len()], "qty": qty,
+                                      "unit_price": cents(price), "unit_cost": cents(cost)}));
+                }
+                let (shipping, tax) = (r % 1_000, merchandise / 10);
+                let total = merchandise + shipping + tax;
+                let order = system
+                    .post_twice(
+                        "/orders",
+                        &format!("order-{i}"),
+                        &json!({"customer_id": format!("c-{}", r % 50), "checkout_id": format!("chk-{i}"),
+                                "lines": lines, "shipping": cents(shipping), "tax": cents(tax),
+                                "currency": "USD", "location": "WH-1"}),
+                    )
+                    .await;
+                let id = order["order_id"].as_str().expect("id").to_owned();
+                system
+                    .post_twice(
+                        &format!("/orders/{id}/payments"),
+                        &format!("pay-{i}"),
+                        &json!({"payment_id": format!("p-{i}"), "amount": cents(total), "method": "card"}),
+                    )
+                    .await;
+                let delivered: Vec<Value> = lines
+                    .iter()
+                    .map(|l| json!({"sku": l["sku"], "qty": l["qty"]}))
+                    .collect();
+                system
+                    .post_twice(
+                        &format!("/orders/{id}/deliveries"),
+                        &format!("deliver-{i}"),
+                        &json!({"delivery_id": format!("d-{i}"), "lines": delivered}),
+                    )
+                    .await;
+                (line_count as u64, merchandise / 100)
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    let line_total: u64 = results.iter().map(|r| r.0).sum();
+    let points_total: u64 = results.iter().map(|r| r.1).sum();
+    let events = i64::try_from(orders * 3).expect("fits");
+    system.wait_applied(events).await;
+    system.drift().await;
+
+    // A full replay of the range to every consumer: all duplicates.
+    for consumer in &system.consumers {
+        let before = consumer.metric("consumer_duplicates_total", "").await;
+        let output = std::process::Command::new(system_tests::bin("outbox-relay"))
+            .args([
+                "replay",
+                "--consumer",
+                &consumer.name,
+                "--since",
+                &started
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .expect("format"),
+            ])
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("replay");
+        assert!(
+            output.status.success(),
+            "replay: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        consumer
+            .wait_metric("consumer_duplicates_total", "", before + events as f64)
+            .await;
+    }
+    system.wait_applied(events).await;
+
+    let t = &system.tenant;
+    let n = i64::try_from(orders).expect("fits");
+    let lines = i64::try_from(line_total).expect("fits");
+    assert_eq!(
+        count(
+            Database::Orders,
+            "SELECT count(*) FROM orders WHERE tenant_id = $1",
+            t
+        )
+        .await,
+        n
+    );
+    assert_eq!(
+        count(
+            Database::Orders,
+            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND published_at IS NOT NULL",
+            t
+        )
+        .await,
+        events
+    );
+    assert_eq!(
+        count(Database::Inventory, "SELECT count(*) FROM stock_movements WHERE tenant_id = $1 AND movement_type = 'reserve'", t).await,
+        lines
+    );
+    assert_eq!(
+        count(
+            Database::Inventory,
+            "SELECT count(*) FROM stock_movements WHERE tenant_id = $1 AND movement_type = 'sale'",
+            t
+        )
+        .await,
+        lines
+    );
+    assert_eq!(
+        count(
+            Database::Ledger,
+            "SELECT count(*) FROM journal_entries WHERE tenant_id = $1",
+            t
+        )
+        .await,
+        2 * n
+    );
+    assert_eq!(
+        count(
+            Database::Loyalty,
+            "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
+            t
+        )
+        .await,
+        n
+    );
+    assert_eq!(
+        count(
+            Database::Loyalty,
+            "SELECT coalesce(sum(points), 0)::bigint FROM loyalty_entries WHERE tenant_id = $1",
+            t
+        )
+        .await,
+        i64::try_from(points_total).expect("fits")
+    );
+    system.drift().await;
+}
