@@ -33,6 +33,20 @@ fn long_string(value: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(value.as_bytes()))
 }
 
+/// A quorum queue dead-lettering to `exchange` at least once (which needs
+/// `x-overflow: reject-publish`, DESIGN.md section 13).
+fn dead_lettering_quorum_args(exchange: &str) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), long_string("quorum"));
+    args.insert("x-dead-letter-exchange".into(), long_string(exchange));
+    args.insert(
+        "x-dead-letter-strategy".into(),
+        long_string("at-least-once"),
+    );
+    args.insert("x-overflow".into(), long_string("reject-publish"));
+    args
+}
+
 impl Topology {
     /// The consistent-hash exchange of this consumer.
     pub fn exchange(&self) -> String {
@@ -96,22 +110,15 @@ impl Topology {
 
         for partition in 0..self.partitions {
             let queue = self.partition_queue(partition);
-            let mut args = FieldTable::default();
-            args.insert("x-queue-type".into(), long_string("quorum"));
+            // A message over the delivery limit (a crash loop) is not dropped:
+            // it lands in the dead-letter queue (default exchange), at least once.
+            let mut args = dead_lettering_quorum_args("");
+            args.insert("x-dead-letter-routing-key".into(), long_string(&dlq));
             args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
             args.insert(
                 "x-delivery-limit".into(),
                 AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
             );
-            // A message over the delivery limit (a crash loop) is not dropped:
-            // it lands in the dead-letter queue, at least once.
-            args.insert("x-dead-letter-exchange".into(), long_string(""));
-            args.insert("x-dead-letter-routing-key".into(), long_string(&dlq));
-            args.insert(
-                "x-dead-letter-strategy".into(),
-                long_string("at-least-once"),
-            );
-            args.insert("x-overflow".into(), long_string("reject-publish"));
             channel
                 .queue_declare(queue.as_str().into(), durable, args)
                 .await?;
@@ -128,21 +135,12 @@ impl Topology {
 
         for (tier, delay) in self.tiers.iter().enumerate() {
             let queue = self.retry_queue(tier);
-            let mut args = FieldTable::default();
-            args.insert("x-queue-type".into(), long_string("quorum"));
+            // Expired messages go back to the hash exchange: their partition.
+            let mut args = dead_lettering_quorum_args(&self.exchange());
             args.insert(
                 "x-message-ttl".into(),
                 AMQPValue::LongLongInt(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)),
             );
-            args.insert(
-                "x-dead-letter-exchange".into(),
-                long_string(&self.exchange()),
-            );
-            args.insert(
-                "x-dead-letter-strategy".into(),
-                long_string("at-least-once"),
-            );
-            args.insert("x-overflow".into(), long_string("reject-publish"));
             channel
                 .queue_declare(queue.as_str().into(), durable, args)
                 .await?;
