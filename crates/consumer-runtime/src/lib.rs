@@ -349,6 +349,10 @@ enum Command {
         /// Only this order (its aggregate id).
         #[arg(long)]
         order: Option<String>,
+        /// At most this many dead letters are read per run (they are held
+        /// unacknowledged while sorting); run again for the rest.
+        #[arg(long, default_value_t = 10_000)]
+        max: usize,
     },
 }
 
@@ -362,13 +366,14 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                 let app = Application::<D>::build(settings, &shutdown).await?;
                 app.run_until_stopped(shutdown).await
             }
-            Command::Redrive { order } => {
+            Command::Redrive { order, max } => {
                 let pool = kit::db::pool(&settings.database)?;
                 kit::db::wait_until_ready(&pool, &shutdown).await?;
                 kit::migrations::run(&pool, D::DATABASE).await?;
                 let topology = topology_of(&settings)?;
                 let report =
-                    redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref()).await?;
+                    redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref(), max)
+                        .await?;
                 for moved in &report.moved {
                     println!(
                         "moved {} {} order {} seq {} (was: {})",

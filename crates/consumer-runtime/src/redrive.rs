@@ -105,6 +105,7 @@ pub async fn redrive(
     amqp: &kit::settings::AmqpSettings,
     topology: &Topology,
     only_order: Option<&str>,
+    max: usize,
 ) -> anyhow::Result<Report> {
     let shutdown = CancellationToken::new();
     let connection =
@@ -114,7 +115,7 @@ pub async fn redrive(
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    let result = move_letters(pool, &channel, topology, only_order).await;
+    let result = move_letters(pool, &channel, topology, only_order, max).await;
     let _ = connection.close(200, "redrive done".into()).await;
     result
 }
@@ -124,15 +125,19 @@ async fn move_letters(
     channel: &Channel,
     topology: &Topology,
     only_order: Option<&str>,
+    max: usize,
 ) -> anyhow::Result<Report> {
     let mut letters = Vec::new();
-    while let Some(message) = channel
-        .basic_get(
-            topology.dead_letter_queue().as_str().into(),
-            BasicGetOptions { no_ack: false },
-        )
-        .await?
-    {
+    while letters.len() < max.max(1) {
+        let Some(message) = channel
+            .basic_get(
+                topology.dead_letter_queue().as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await?
+        else {
+            break;
+        };
         letters.push(letter(message.delivery));
     }
 
