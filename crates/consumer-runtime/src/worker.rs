@@ -35,13 +35,14 @@ pub(crate) async fn run_connection<D: Domain>(
 ) -> Result<(), lapin::Error> {
     let result = consume(&connection, processor, prefetch, &shutdown).await;
     if connection.status().connected() {
-        // Bounded: a broker that does not answer must not hold up a shutdown.
-        match tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into()))
+        // Bounded: a broker that does not answer must not hold up a shutdown
+        // (unacknowledged messages are requeued when the socket goes anyway).
+        match tokio::time::timeout(Duration::from_secs(3), connection.close(200, "bye".into()))
             .await
         {
             Ok(Ok(())) => tracing::debug!("broker connection closed"),
             Ok(Err(error)) => tracing::debug!(%error, "closing the broker connection"),
-            Err(_) => tracing::warn!("the broker did not confirm the connection close in 5 s"),
+            Err(_) => tracing::warn!("the broker did not confirm the connection close in 3 s"),
         }
     }
     result
@@ -130,6 +131,10 @@ async fn consume<D: Domain>(
             }
         }
     }
+    // Let it finish a request in flight rather than cancel it half-way
+    // (bounded), then stop it.
+    let mut monitor = monitor;
+    let _ = tokio::time::timeout(Duration::from_secs(2), &mut monitor).await;
     monitor.abort();
     tracing::info!(failed = failure.is_some(), "partition workers stopped");
     match failure {
