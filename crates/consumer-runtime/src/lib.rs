@@ -207,7 +207,7 @@ impl<D: Domain> Application<D> {
         kit::db::wait_until_ready(&pool, shutdown).await?;
         kit::migrations::run(&pool, D::DATABASE).await?;
         let registry = kit::metrics::registry(D::SERVICE);
-        let metrics = metrics::Metrics::new(&registry, &topology.name)?;
+        let metrics = metrics::Metrics::new(&registry, &topology.name, topology.tiers.len())?;
         let domain = Arc::new(D::new(&registry));
         let processor = Arc::new(process::Processor {
             domain: domain.clone(),

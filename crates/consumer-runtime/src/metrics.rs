@@ -37,7 +37,13 @@ fn opts(name: &str, help: &str, consumer: &str) -> Opts {
 }
 
 impl Metrics {
-    pub fn new(registry: &Registry, consumer: &str) -> Result<Self, prometheus::Error> {
+    /// Register the consumer's metrics; the labelled series that alerts rate()
+    /// over (retry tiers, dead-letter reasons) start at zero rather than absent.
+    pub fn new(
+        registry: &Registry,
+        consumer: &str,
+        tiers: usize,
+    ) -> Result<Self, prometheus::Error> {
         let metrics = Self {
             applied: IntCounterVec::new(
                 opts(
@@ -115,6 +121,12 @@ impl Metrics {
                 consumer,
             ))?,
         };
+        for tier in 0..tiers {
+            metrics.retried.with_label_values(&[&tier.to_string()]);
+        }
+        for reason in ["poison", "parked", "max_attempts"] {
+            metrics.dead_lettered.with_label_values(&[reason]);
+        }
         kit::metrics::register(registry, &metrics.applied);
         kit::metrics::register(registry, &metrics.duplicates);
         kit::metrics::register(registry, &metrics.stale);
