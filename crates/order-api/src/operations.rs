@@ -217,6 +217,29 @@ UPDATE orders SET status = $2, last_event_sequence = last_event_sequence + 1, up
  WHERE order_id = $1
 RETURNING last_event_sequence, updated_at";
 
+struct LockedOrder {
+    status: String,
+    total: Money,
+    currency: String,
+}
+
+/// The tenant's order, locked for the rest of the transaction.
+async fn lock_order(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order_id: Uuid,
+) -> Result<Option<LockedOrder>, ApiError> {
+    let lock = tx.prepare_cached(LOCK_ORDER).await?;
+    Ok(tx
+        .query_opt(&lock, &[&order_id, &tenant])
+        .await?
+        .map(|row| LockedOrder {
+            status: row.get(0),
+            total: Money::from_minor(row.get(1)),
+            currency: row.get(2),
+        }))
+}
+
 async fn advance(
     tx: &Transaction<'_>,
     order_id: Uuid,
@@ -249,13 +272,14 @@ async fn pay(
     payment: PaymentRequest,
     trace: &TraceContext,
 ) -> Result<Result<Stored, Rejection>, ApiError> {
-    let lock = tx.prepare_cached(LOCK_ORDER).await?;
-    let Some(order) = tx.query_opt(&lock, &[&order_id, &tenant]).await? else {
+    let Some(LockedOrder {
+        status,
+        total,
+        currency,
+    }) = lock_order(tx, tenant, order_id).await?
+    else {
         return Ok(Err(Rejection::OrderNotFound));
     };
-    let status: String = order.get(0);
-    let total = Money::from_minor(order.get(1));
-    let currency: String = order.get(2);
     if status != "placed" {
         return Ok(Err(Rejection::OrderAlreadyPaid));
     }
@@ -334,12 +358,10 @@ async fn deliver(
     delivery: DeliveryRequest,
     trace: &TraceContext,
 ) -> Result<Result<Stored, Rejection>, ApiError> {
-    let lock = tx.prepare_cached(LOCK_ORDER).await?;
-    let Some(order) = tx.query_opt(&lock, &[&order_id, &tenant]).await? else {
+    let Some(order) = lock_order(tx, tenant, order_id).await? else {
         return Ok(Err(Rejection::OrderNotFound));
     };
-    let status: String = order.get(0);
-    match status.as_str() {
+    match order.status.as_str() {
         "placed" => return Ok(Err(Rejection::OrderNotPaid)),
         "delivered" => return Ok(Err(Rejection::OrderAlreadyDelivered)),
         _ => {}

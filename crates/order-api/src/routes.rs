@@ -30,12 +30,12 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     )
     .service(
         web::resource("/orders/{id}/payments")
-            .route(web::post().to(create_payment))
+            .route(web::post().to(order_command::<PaymentRequest>))
             .default_service(web::to(method_not_allowed)),
     )
     .service(
         web::resource("/orders/{id}/deliveries")
-            .route(web::post().to(create_delivery))
+            .route(web::post().to(order_command::<DeliveryRequest>))
             .default_service(web::to(method_not_allowed)),
     )
     .route(
@@ -125,33 +125,45 @@ async fn create_order(
     .await
 }
 
-async fn create_payment(
-    state: web::Data<AppState>,
-    request: HttpRequest,
-    path: web::Path<String>,
-    payload: web::Payload,
-) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(&state.pool, &request).await?;
-    let key = idempotency::key(&request)?;
-    let order_id = order_id(&path)?;
-    let body = body(&state, &request, payload).await?;
-    let payment = request::parse::<PaymentRequest>(&body)?;
-    payment.validate()?;
-    let fingerprint = payment.fingerprint(order_id);
-    let (span, trace) = operation_span(&request, "receive_payment");
-    idempotency::execute(
-        &state,
-        &tenant,
-        "POST /orders/{id}/payments",
-        &key,
-        &fingerprint,
-        Operation::Pay(order_id, payment, trace),
-    )
-    .instrument(span)
-    .await
+/// A command on an existing order (payment, delivery): same checks, same
+/// idempotent transaction, its own endpoint scope.
+pub trait OrderCommand: serde::de::DeserializeOwned {
+    const ENDPOINT: &'static str;
+    const SPAN: &'static str;
+    fn validate(&self) -> Result<(), ApiError>;
+    fn fingerprint(&self, order_id: Uuid) -> String;
+    fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation;
 }
 
-async fn create_delivery(
+impl OrderCommand for PaymentRequest {
+    const ENDPOINT: &'static str = "POST /orders/{id}/payments";
+    const SPAN: &'static str = "receive_payment";
+    fn validate(&self) -> Result<(), ApiError> {
+        PaymentRequest::validate(self)
+    }
+    fn fingerprint(&self, order_id: Uuid) -> String {
+        PaymentRequest::fingerprint(self, order_id)
+    }
+    fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation {
+        Operation::Pay(order_id, self, trace)
+    }
+}
+
+impl OrderCommand for DeliveryRequest {
+    const ENDPOINT: &'static str = "POST /orders/{id}/deliveries";
+    const SPAN: &'static str = "deliver_parcel";
+    fn validate(&self) -> Result<(), ApiError> {
+        DeliveryRequest::validate(self)
+    }
+    fn fingerprint(&self, order_id: Uuid) -> String {
+        DeliveryRequest::fingerprint(self, order_id)
+    }
+    fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation {
+        Operation::Deliver(order_id, self, trace)
+    }
+}
+
+async fn order_command<C: OrderCommand>(
     state: web::Data<AppState>,
     request: HttpRequest,
     path: web::Path<String>,
@@ -161,17 +173,17 @@ async fn create_delivery(
     let key = idempotency::key(&request)?;
     let order_id = order_id(&path)?;
     let body = body(&state, &request, payload).await?;
-    let delivery = request::parse::<DeliveryRequest>(&body)?;
-    delivery.validate()?;
-    let fingerprint = delivery.fingerprint(order_id);
-    let (span, trace) = operation_span(&request, "deliver_parcel");
+    let command = request::parse::<C>(&body)?;
+    command.validate()?;
+    let fingerprint = command.fingerprint(order_id);
+    let (span, trace) = operation_span(&request, C::SPAN);
     idempotency::execute(
         &state,
         &tenant,
-        "POST /orders/{id}/deliveries",
+        C::ENDPOINT,
         &key,
         &fingerprint,
-        Operation::Deliver(order_id, delivery, trace),
+        command.into_operation(order_id, trace),
     )
     .instrument(span)
     .await
