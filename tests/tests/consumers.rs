@@ -1594,3 +1594,52 @@ async fn a_database_connection_lost_mid_message_is_retried_in_place() {
         1.0
     );
 }
+
+/// `ONLY_TENANTS` (isolation of test systems that share the broker): events of
+/// other tenants are acknowledged without any effect or inbox row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_filtered_consumer_acknowledges_other_tenants_events_without_effect() {
+    let (mine, other) = (unique("t5-mine"), unique("t5-other"));
+    let name = unique("t5-filter-loy");
+    let loyalty_c = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            extra: vec![(
+                "LOYALTY_CONSUMER__CONSUMER__ONLY_TENANTS".into(),
+                mine.clone(),
+            )],
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    let (a, b) = (story(&mine), story(&other));
+    for m in [
+        &b.placed,
+        &a.placed,
+        &b.paid,
+        &a.paid,
+        &b.delivered,
+        &a.delivered,
+    ] {
+        publisher.to_consumer(&name, m).await;
+    }
+    wait_sequence(Database::Loyalty, &name, a.order, 3).await;
+    loyalty_c
+        .wait_metric("consumer_filtered_total", "", 3.0)
+        .await;
+    assert_eq!(loyalty(&mine).await.len(), 1);
+    assert!(loyalty(&other).await.is_empty());
+    assert_eq!(progress(Database::Loyalty, &name, b.order).await, None);
+    let inbox: i64 = pg(Database::Loyalty)
+        .await
+        .query_one(
+            "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("inbox")
+        .get(0);
+    assert_eq!(inbox, 3, "only this tenant's events are in the inbox");
+}

@@ -35,6 +35,7 @@
 //! | `<PREFIX>__CONSUMER__MAX_DEFERRALS` | 30 |
 //! | `<PREFIX>__CONSUMER__DELIVERY_LIMIT` (crash-loop backstop) | 20 |
 //! | `<PREFIX>__CONSUMER__BIND_ORDER_EVENTS` | true (tests: false) |
+//! | `<PREFIX>__CONSUMER__ONLY_TENANTS` (test isolation; comma-separated) | empty = every tenant |
 //! | `<PREFIX>__CLEANUP__INBOX_RETENTION_HOURS` (>= `MIN_RETENTION_HOURS`, 168) | 192 |
 //! | `<PREFIX>__CLEANUP__INTERVAL_SECS`, `__CLEANUP__BATCH_SIZE` | 600, 1000 |
 //! | `SERVICE_TOKEN` (or `<PREFIX>__AUTH__SERVICE_TOKEN`) | `local-dev-token` unless `<PREFIX>__AUTH__REQUIRE_TOKEN=true` |
@@ -216,6 +217,7 @@ impl<D: Domain> Application<D> {
             metrics,
             max_attempts: settings.consumer.max_attempts,
             max_deferrals: settings.consumer.max_deferrals,
+            only_tenants: settings.only_tenants(),
         });
         let connected = Connected::default();
         let health = Health {

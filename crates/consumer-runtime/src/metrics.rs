@@ -30,6 +30,8 @@ pub struct Metrics {
     pub lag_seconds: Histogram,
     /// Inbox rows deleted by cleanup.
     pub inbox_cleaned: IntCounter,
+    /// Events of tenants outside `consumer.only_tenants`, acknowledged unapplied.
+    pub filtered: IntCounter,
 }
 
 fn opts(name: &str, help: &str, consumer: &str) -> Opts {
@@ -120,6 +122,11 @@ impl Metrics {
                 "Inbox rows deleted after the replay horizon",
                 consumer,
             ))?,
+            filtered: IntCounter::with_opts(opts(
+                "consumer_filtered_total",
+                "Events of other tenants acknowledged without effect (consumer.only_tenants)",
+                consumer,
+            ))?,
         };
         for tier in 0..tiers {
             metrics.retried.with_label_values(&[&tier.to_string()]);
@@ -138,6 +145,7 @@ impl Metrics {
         kit::metrics::register(registry, &metrics.handler_seconds);
         kit::metrics::register(registry, &metrics.lag_seconds);
         kit::metrics::register(registry, &metrics.inbox_cleaned);
+        kit::metrics::register(registry, &metrics.filtered);
         Ok(metrics)
     }
 }

@@ -38,12 +38,20 @@ use crate::{
 /// What happened to a message (it is acknowledged in every case).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Applied { event_type: String },
+    Applied {
+        event_type: String,
+    },
     Duplicate,
     Stale,
     Deferred,
-    Retried { tier: usize },
-    DeadLettered { reason: String },
+    Retried {
+        tier: usize,
+    },
+    DeadLettered {
+        reason: String,
+    },
+    /// Another tenant's event, outside `only_tenants`.
+    Filtered,
 }
 
 /// Why a message could not be settled now. The message is not acknowledged.
@@ -78,6 +86,8 @@ pub struct Processor<D: Domain> {
     pub metrics: Metrics,
     pub max_attempts: u32,
     pub max_deferrals: u32,
+    /// `Some`: apply only these tenants' events (see `ConsumerSettings::only_tenants`).
+    pub only_tenants: Option<Vec<String>>,
 }
 
 /// The facts about one message the decisions need.
@@ -150,7 +160,16 @@ impl<D: Domain> Processor<D> {
                 .and_then(|v| u32::try_from(v).ok())
                 .unwrap_or(0),
         };
-        match decode(&delivery.data) {
+        let decoded = decode(&delivery.data);
+        if let (Some(only), Decoded::Ok(raw, _) | Decoded::PoisonPayload(raw, _)) =
+            (&self.only_tenants, &decoded)
+        {
+            if !only.contains(&raw.tenant_id) {
+                self.metrics.filtered.inc();
+                return Ok(Outcome::Filtered);
+            }
+        }
+        match decoded {
             Decoded::Malformed(error) => {
                 let reason = format!("poison: {error}");
                 tracing::error!(%reason, "dead-lettering a malformed message");

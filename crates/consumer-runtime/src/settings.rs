@@ -54,6 +54,11 @@ pub struct ConsumerSettings {
     /// deployment; tests turn it off to feed a private consumer only through
     /// its own hash exchange (isolated from every other event publisher).
     pub bind_order_events: bool,
+    /// Comma-separated tenant ids: when set, events of any other tenant are
+    /// acknowledged without effect (no inbox row, counted in
+    /// `consumer_filtered_total`). For isolated test systems that share one
+    /// broker and database with others; empty (every tenant) in production.
+    pub only_tenants: String,
 }
 
 /// Inbox cleanup.
@@ -101,6 +106,7 @@ impl Settings {
                 max_deferrals: 30,
                 delivery_limit: 20,
                 bind_order_events: true,
+                only_tenants: String::new(),
             },
             cleanup: CleanupSettings {
                 inbox_retention_hours: 8 * 24,
@@ -172,6 +178,19 @@ impl Settings {
             "consumer.retry_tiers_ms: a tier of 0 ms would be a tight retry loop"
         );
         Ok(tiers)
+    }
+
+    /// The tenants this consumer applies (`None`: all of them).
+    pub fn only_tenants(&self) -> Option<Vec<String>> {
+        let tenants: Vec<String> = self
+            .consumer
+            .only_tenants
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned)
+            .collect();
+        (!tenants.is_empty()).then_some(tenants)
     }
 
     /// The bearer token of the read endpoints (see [`AuthSettings`]).
