@@ -206,3 +206,4 @@ impl OrderApi {
     }
 }
 pub mod consumers;
+pub mod system;

@@ -12,174 +12,102 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{stream, StreamExt};
-use reqwest::{Client, StatusCode};
+use reqwest::StatusCode;
 use serde_json::{json, Value};
 use system_tests::{
-    api_key,
-    consumers::{eventually, unique, Consumer, Kind, Options, TEST_TOKEN},
-    free_port, pg, unique_tenant, wait_for_ok, Database, OrderApi, Service,
+    consumers::eventually,
+    pg,
+    system::{cents, mix, System, SystemOptions},
+    Database,
 };
 use tokio::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
-struct System {
-    api: OrderApi,
-    _relay: Service,
-    consumers: Vec<Consumer>,
-    tenant: String,
-    key: String,
-    http: Client,
+/// The system of these tests: one relay, one instance of each consumer.
+async fn start(prefix: &str) -> System {
+    System::start(prefix, SystemOptions::default()).await
 }
 
-impl System {
-    async fn start(prefix: &str) -> System {
-        let tenant = unique_tenant(prefix);
-        let key = api_key(&tenant);
-        let api = OrderApi::start(&[]).await;
-        let relay_port = free_port();
-        let relay = Service::start(
-            "outbox-relay",
-            &[],
-            &[
-                ("OUTBOX_RELAY__HTTP__PORT", relay_port.to_string()),
-                ("OUTBOX_RELAY__RELAY__ONLY_TENANT", tenant.clone()),
-                ("OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS", "200".to_owned()),
-                ("OUTBOX_RELAY__CLEANUP__ENABLED", "false".to_owned()),
-                ("RUST_LOG", "warn".to_owned()),
-            ],
-        );
-        wait_for_ok(
-            &format!("http://127.0.0.1:{relay_port}/readyz"),
-            Duration::from_secs(60),
-        )
+/// POST to order-api once; returns status, replay flag and body.
+async fn post(system: &System, path: &str, key: &str, body: &Value) -> (StatusCode, bool, Vec<u8>) {
+    let response = system
+        .http
+        .post(system.api.url(path))
+        .bearer_auth(&system.key)
+        .header("Idempotency-Key", key)
+        .json(body)
+        .timeout(Duration::from_secs(30))
+        .send()
         .await
-        .expect("relay ready");
-        let mut consumers = Vec::new();
-        for kind in [Kind::Inventory, Kind::Ledger, Kind::Loyalty] {
-            let options = Options {
-                extra: vec![(
-                    format!("{}__CONSUMER__BIND_ORDER_EVENTS", kind.prefix()),
-                    "true".to_owned(),
-                )],
-                ..Options::default()
-            };
-            consumers.push(Consumer::start(kind, &unique("ff"), options).await);
-        }
-        System {
-            api,
-            _relay: relay,
-            consumers,
-            tenant,
-            key,
-            http: Client::new(),
-        }
-    }
+        .expect("request");
+    let replayed = response
+        .headers()
+        .get("Idempotent-Replayed")
+        .is_some_and(|v| v == "true");
+    (
+        response.status(),
+        replayed,
+        response.bytes().await.expect("body").to_vec(),
+    )
+}
 
-    fn consumer(&self, kind: Kind) -> &Consumer {
-        self.consumers
-            .iter()
-            .find(|c| c.kind == kind)
-            .expect("consumer")
-    }
+/// A request and its retry with the same key: one execution, one replay,
+/// the same bytes.
+async fn post_twice(system: &System, path: &str, key: &str, body: &Value) -> Value {
+    let (status, replayed, first) = post(system, path, key, body).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{path}: {}",
+        String::from_utf8_lossy(&first)
+    );
+    assert!(!replayed);
+    let (status, replayed, second) = post(system, path, key, body).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(replayed, "{path}: the retry must be a replay");
+    assert_eq!(first, second, "{path}: the replay differs");
+    serde_json::from_slice(&first).expect("json")
+}
 
-    /// POST to order-api; returns status, replay flag and body.
-    async fn post(&self, path: &str, key: &str, body: &Value) -> (StatusCode, bool, Vec<u8>) {
-        let response = self
-            .http
-            .post(self.api.url(path))
-            .bearer_auth(&self.key)
-            .header("Idempotency-Key", key)
-            .json(body)
-            .timeout(Duration::from_secs(30))
-            .send()
-            .await
-            .expect("request");
-        let replayed = response
-            .headers()
-            .get("Idempotent-Replayed")
-            .is_some_and(|v| v == "true");
-        (
-            response.status(),
-            replayed,
-            response.bytes().await.expect("body").to_vec(),
+/// Wait until each consumer's inbox holds `events` of this tenant's events.
+async fn wait_applied(system: &System, events: i64) {
+    for consumer in &system.consumers {
+        let db = consumer.kind.expect("consumer").database();
+        let name = consumer.name.clone();
+        eventually(
+            &format!("{name} applies {events} events"),
+            Duration::from_secs(300),
+            || {
+                let name = name.clone();
+                async move {
+                    let applied: i64 = pg(db)
+                        .await
+                        .query_one(
+                            "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
+                            &[&name],
+                        )
+                        .await
+                        .expect("count")
+                        .get(0);
+                    assert!(applied <= events, "{name} applied {applied} > {events}");
+                    (applied == events).then_some(())
+                }
+            },
         )
+        .await;
     }
+}
 
-    /// A request and its retry with the same key: one execution, one replay,
-    /// the same bytes.
-    async fn post_twice(&self, path: &str, key: &str, body: &Value) -> Value {
-        let (status, replayed, first) = self.post(path, key, body).await;
-        assert_eq!(
-            status,
-            StatusCode::CREATED,
-            "{path}: {}",
-            String::from_utf8_lossy(&first)
-        );
-        assert!(!replayed);
-        let (status, replayed, second) = self.post(path, key, body).await;
-        assert_eq!(status, StatusCode::CREATED);
-        assert!(replayed, "{path}: the retry must be a replay");
-        assert_eq!(first, second, "{path}: the replay differs");
-        serde_json::from_slice(&first).expect("json")
-    }
-
-    async fn receive(&self, sku: &str, qty: i64) {
-        let response = self
-            .http
-            .post(format!("{}/stock/receipts", self.consumer(Kind::Inventory).base_url()))
-            .bearer_auth(TEST_TOKEN)
-            .header("X-Tenant-Id", &self.tenant)
-            .json(&json!({"receipt_id": format!("rcpt-{sku}"), "sku": sku, "location": "WH-1", "qty": qty}))
-            .send()
-            .await
-            .expect("receipt");
-        assert!(
-            response.status().is_success(),
-            "receipt: {}",
-            response.status()
-        );
-    }
-
-    /// Wait until each consumer's inbox holds `events` of this tenant's events.
-    async fn wait_applied(&self, events: i64) {
-        for consumer in &self.consumers {
-            let db = consumer.kind.database();
-            let name = consumer.name.clone();
-            eventually(
-                &format!("{name} applies {events} events"),
-                Duration::from_secs(300),
-                || {
-                    let name = name.clone();
-                    async move {
-                        let applied: i64 = pg(db)
-                            .await
-                            .query_one(
-                                "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
-                                &[&name],
-                            )
-                            .await
-                            .expect("count")
-                            .get(0);
-                        assert!(applied <= events, "{name} applied {applied} > {events}");
-                        (applied == events).then_some(())
-                    }
-                },
-            )
-            .await;
-        }
-    }
-
-    async fn drift(&self) {
-        let report = ops::drift::check(
-            &ops::drift::Databases::from_env(),
-            Some(&self.tenant),
-            Duration::ZERO,
-        )
-        .await
-        .expect("drift check");
-        assert!(report.is_clean(), "drift: {:#?}", report.drift);
-    }
+async fn drift(system: &System) {
+    let report = ops::drift::check(
+        &ops::drift::Databases::from_env(),
+        Some(&system.tenant),
+        Duration::ZERO,
+    )
+    .await
+    .expect("drift check");
+    assert!(report.is_clean(), "drift: {:#?}", report.drift);
 }
 
 async fn count(db: Database, sql: &str, tenant: &str) -> i64 {
@@ -194,10 +122,10 @@ async fn count(db: Database, sql: &str, tenant: &str) -> i64 {
 #[tokio::test]
 async fn the_seed_003_story_produces_exactly_the_seeds_rows() {
     let _serial = SERIAL.lock().await;
-    let system = System::start("story").await;
+    let system = start("story").await;
     system.receive("JKT-M", 48).await;
-    let order = system
-        .post_twice(
+    let order = post_twice(
+            &system,
             "/orders",
             "order-1042",
             &json!({"customer_id": "77", "checkout_id": "checkout-1042",
@@ -206,21 +134,21 @@ async fn the_seed_003_story_produces_exactly_the_seeds_rows() {
         )
         .await;
     let id = order["order_id"].as_str().expect("id").to_owned();
-    system
-        .post_twice(
-            &format!("/orders/{id}/payments"),
-            "payment-9001",
-            &json!({"payment_id": "9001", "amount": "93.00", "method": "card"}),
-        )
-        .await;
-    system
-        .post_twice(
-            &format!("/orders/{id}/deliveries"),
-            "delivery-311",
-            &json!({"delivery_id": "311", "lines": [{"sku": "JKT-M", "qty": 2}]}),
-        )
-        .await;
-    system.wait_applied(3).await;
+    post_twice(
+        &system,
+        &format!("/orders/{id}/payments"),
+        "payment-9001",
+        &json!({"payment_id": "9001", "amount": "93.00", "method": "card"}),
+    )
+    .await;
+    post_twice(
+        &system,
+        &format!("/orders/{id}/deliveries"),
+        "delivery-311",
+        &json!({"delivery_id": "311", "lines": [{"sku": "JKT-M", "qty": 2}]}),
+    )
+    .await;
+    wait_applied(&system, 3).await;
     let order_id: uuid::Uuid = id.parse().expect("uuid");
     let t = &system.tenant;
 
@@ -332,20 +260,7 @@ async fn the_seed_003_story_produces_exactly_the_seeds_rows() {
         vec![("77".to_owned(), 80, order_id, delivered_event)]
     );
 
-    system.drift().await;
-}
-
-/// A deterministic pseudo-random sequence (no shared RNG state between tasks).
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
-}
-
-fn cents(minor: u64) -> String {
-    format!("{}.{:02}", minor / 100, minor % 100)
+    drift(&system).await;
 }
 
 #[tokio::test]
@@ -356,7 +271,7 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
     let started = time::OffsetDateTime::now_utc() - time::Duration::seconds(5);
-    let system = Arc::new(System::start("load").await);
+    let system = Arc::new(start("load").await);
     let skus: Vec<String> = (0..20).map(|i| format!("SKU-{i:02}")).collect();
     for sku in &skus {
         system.receive(sku, 1_000_000).await;
@@ -382,8 +297,8 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
                 }
                 let (shipping, tax) = (r % 1_000, merchandise / 10);
                 let total = merchandise + shipping + tax;
-                let order = system
-                    .post_twice(
+                let order = post_twice(
+                    &system,
                         "/orders",
                         &format!("order-{i}"),
                         &json!({"customer_id": format!("c-{}", r % 50), "checkout_id": format!("chk-{i}"),
@@ -392,8 +307,8 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
                     )
                     .await;
                 let id = order["order_id"].as_str().expect("id").to_owned();
-                system
-                    .post_twice(
+                post_twice(
+                    &system,
                         &format!("/orders/{id}/payments"),
                         &format!("pay-{i}"),
                         &json!({"payment_id": format!("p-{i}"), "amount": cents(total), "method": "card"}),
@@ -403,8 +318,8 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
                     .iter()
                     .map(|l| json!({"sku": l["sku"], "qty": l["qty"]}))
                     .collect();
-                system
-                    .post_twice(
+                post_twice(
+                    &system,
                         &format!("/orders/{id}/deliveries"),
                         &format!("deliver-{i}"),
                         &json!({"delivery_id": format!("d-{i}"), "lines": delivered}),
@@ -419,8 +334,8 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
     let line_total: u64 = results.iter().map(|r| r.0).sum();
     let points_total: u64 = results.iter().map(|r| r.1).sum();
     let events = i64::try_from(orders * 3).expect("fits");
-    system.wait_applied(events).await;
-    system.drift().await;
+    wait_applied(&system, events).await;
+    drift(&system).await;
 
     // A full replay of the range to every consumer: all duplicates.
     for consumer in &system.consumers {
@@ -447,7 +362,7 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
             .wait_metric("consumer_duplicates_total", "", before + events as f64)
             .await;
     }
-    system.wait_applied(events).await;
+    wait_applied(&system, events).await;
 
     let t = &system.tenant;
     let n = i64::try_from(orders).expect("fits");
@@ -510,5 +425,5 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
         .await,
         i64::try_from(points_total).expect("fits")
     );
-    system.drift().await;
+    drift(&system).await;
 }

@@ -1,0 +1,376 @@
+//! The crash matrix (issue 7): for each named boundary, the real binaries
+//! run as child processes, one of them with its fail point armed
+//! (`FAILPOINTS`, fired once after some traffic), traffic flows (every
+//! request retried with its key like a real client), the process aborts
+//! exactly there (SIGABRT, not a caught panic), it is restarted without the
+//! fail point, and the invariant checker (`ops::invariants`) must find all
+//! six invariants holding once the system has drained.
+//!
+//! | boundary | fail point | test |
+//! |---|---|---|
+//! | order-api, before commit | `order_api.before_commit` | `order_api_crash_before_commit` |
+//! | order-api, after commit, before the response | `order_api.after_commit` | `order_api_crash_after_commit_before_response` |
+//! | relay, during the claim | `relay.claim` | `relay_crash_during_claim` |
+//! | relay, after the claim, before publish | `relay.before_publish` | `relay_crash_after_claim_before_publish` |
+//! | relay, after the broker's ack, before `published_at` | `relay.after_ack_before_mark` | `relay_crash_after_ack_before_mark` |
+//! | relay, during cleanup | `relay.cleanup` | `relay_crash_during_cleanup` |
+//! | consumer, inside the handler | `consumer.in_handler` | `consumer_crash_inside_the_handler` |
+//! | consumer, after commit, before ack | `consumer.after_commit_before_ack` | `consumer_crash_after_commit_before_ack` |
+//!
+//! The tests run one at a time (their consumers share `order-events`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use system_tests::{
+    pg,
+    system::{aborted, System, SystemOptions},
+    Database,
+};
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+/// Orders per test (3 events each).
+fn orders() -> u64 {
+    std::env::var("FAULTS_ORDERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30)
+}
+
+const CRASH_TIMEOUT: Duration = Duration::from_secs(240);
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(300);
+const READY: Duration = Duration::from_secs(90);
+
+fn options(label: &str, failpoint: &str) -> SystemOptions {
+    SystemOptions {
+        failpoints: vec![(label.to_owned(), failpoint.to_owned())],
+        ..SystemOptions::default()
+    }
+}
+
+/// Relay settings of the relay crash tests: one worker (the crash covers the
+/// whole claim/batch) and small batches (the fail point fires on a batch
+/// with rows, while others are still pending).
+fn small_batches() -> Vec<(String, String)> {
+    vec![
+        ("OUTBOX_RELAY__RELAY__WORKERS".to_owned(), "1".to_owned()),
+        (
+            "OUTBOX_RELAY__RELAY__BATCH_SIZE".to_owned(),
+            "10".to_owned(),
+        ),
+    ]
+}
+
+/// Wait until `label` aborts by itself; assert it was the fail point's abort.
+async fn wait_abort(system: &System, label: &str) {
+    let status = system
+        .member(label)
+        .wait_exit(CRASH_TIMEOUT)
+        .await
+        .unwrap_or_else(|| panic!("{label}: the fail point never fired"));
+    assert!(
+        aborted(&status),
+        "{label} must die by SIGABRT at the fail point, not {status:?}"
+    );
+}
+
+/// Restart `label` without fail points and wait until it is ready.
+async fn restart(system: &System, label: &str) {
+    let member = system.member(label);
+    member.start("");
+    member.ready(READY).await;
+}
+
+/// The whole system with traffic running while `label` crashes at
+/// `failpoint`: crash, restart, finish the traffic, drain, check.
+async fn crash_under_traffic(prefix: &str, label: &str, failpoint: &str) -> Arc<System> {
+    let system = Arc::new(System::start(prefix, options(label, failpoint)).await);
+    system.stock_up().await;
+    let n = orders();
+    let traffic = tokio::spawn({
+        let system = system.clone();
+        async move { system.drive(0..n, 8).await }
+    });
+    wait_abort(&system, label).await;
+    restart(&system, label).await;
+    let traffic = traffic.await.expect("traffic");
+    assert_eq!(traffic.orders, n);
+    assert_invariants(&system, n).await;
+    system
+}
+
+/// All six invariants, with the expected numbers of orders and events.
+async fn assert_invariants(system: &System, orders: u64) -> ops::invariants::Report {
+    let report = system.assert_invariants(DRAIN_TIMEOUT).await;
+    let orders = i64::try_from(orders).expect("fits");
+    assert_eq!(report.orders, orders, "one order per checkout");
+    assert_eq!(report.events, 3 * orders, "three events per order");
+    assert_eq!(report.published, 3 * orders);
+    for consumer in &report.consumers {
+        assert_eq!(consumer.applied, 3 * orders, "{}", consumer.name);
+    }
+    report
+}
+
+async fn count(db: Database, sql: &str, tenant: &str) -> i64 {
+    pg(db)
+        .await
+        .query_one(sql, &[&tenant])
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
+}
+
+/// Rows of `tenant` leased and not published.
+async fn leased(tenant: &str) -> i64 {
+    count(
+        Database::Orders,
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 \
+         AND published_at IS NULL AND claim_until > now()",
+        tenant,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn order_api_crash_before_commit() {
+    let _serial = SERIAL.lock().await;
+    let system = crash_under_traffic(
+        "fault-api-pre",
+        "order-api",
+        "order_api.before_commit=20*off->1*return",
+    )
+    .await;
+    let (retries, _) = system.client_counts();
+    assert!(retries >= 1, "the crashed request was retried");
+    // Exactly one stored response per key: the rolled-back attempt left nothing.
+    assert_eq!(
+        count(
+            Database::Orders,
+            "SELECT count(*) FROM idempotency_requests WHERE tenant_id = $1",
+            &system.tenant
+        )
+        .await,
+        i64::try_from(3 * orders()).expect("fits")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn order_api_crash_after_commit_before_response() {
+    let _serial = SERIAL.lock().await;
+    let system = crash_under_traffic(
+        "fault-api-post",
+        "order-api",
+        "order_api.after_commit=20*off->1*return",
+    )
+    .await;
+    let (retries, replays) = system.client_counts();
+    assert!(retries >= 1, "the crashed request was retried");
+    assert!(
+        replays >= 1,
+        "the retry of the committed request is an idempotent replay"
+    );
+}
+
+/// Relay crash tests: a backlog first (relay stopped), then the relay starts
+/// with the fail point, crashes on its third batch, and is restarted while
+/// more traffic arrives.
+async fn relay_crash(prefix: &str, failpoint: &str) -> (Arc<System>, i64) {
+    let system = Arc::new(
+        System::start(
+            prefix,
+            SystemOptions {
+                start_relays: false,
+                relay_env: small_batches(),
+                ..SystemOptions::default()
+            },
+        )
+        .await,
+    );
+    system.stock_up().await;
+    let n = orders();
+    let first = n / 2;
+    system.drive(0..first, 8).await;
+    let relay = system.member("relay-0");
+    relay.start(failpoint);
+    let traffic = tokio::spawn({
+        let system = system.clone();
+        async move { system.drive(first..n, 8).await }
+    });
+    wait_abort(&system, "relay-0").await;
+    let leased_after_crash = leased(&system.tenant).await;
+    restart(&system, "relay-0").await;
+    traffic.await.expect("traffic");
+    assert_invariants(&system, n).await;
+    (system, leased_after_crash)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn relay_crash_during_claim() {
+    let _serial = SERIAL.lock().await;
+    let (_system, leased) = relay_crash("fault-claim", "relay.claim=2*off->1*return").await;
+    assert_eq!(
+        leased, 0,
+        "the crashed claim rolled back: no lease outlives it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn relay_crash_after_claim_before_publish() {
+    let _serial = SERIAL.lock().await;
+    let (system, leased) =
+        relay_crash("fault-prepub", "relay.before_publish=2*off->1*return").await;
+    assert_eq!(
+        leased, 10,
+        "the claimed batch stays leased to the dead relay until expiry"
+    );
+    let relay = system.member("relay-0");
+    assert!(
+        relay.metric("outbox_expired_claims_total", "").await >= 10.0,
+        "the restarted relay took the expired leases over"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn relay_crash_after_ack_before_mark() {
+    let _serial = SERIAL.lock().await;
+    let (system, leased) = relay_crash(
+        "fault-ackmark",
+        "relay.after_ack_before_mark=2*off->1*return",
+    )
+    .await;
+    assert_eq!(
+        leased, 10,
+        "the confirmed batch is not marked published: it is published again"
+    );
+    // Every consumer got both copies of those 10 events and applied one.
+    for consumer in &system.consumers {
+        let suppressed = consumer.metric("consumer_duplicates_total", "").await
+            + consumer.metric("consumer_stale_total", "").await;
+        assert!(
+            suppressed >= 10.0,
+            "{}: {suppressed} duplicates suppressed, expected at least 10",
+            consumer.label
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn relay_crash_during_cleanup() {
+    let _serial = SERIAL.lock().await;
+    // Published rows past the 7-day horizon, of a tenant of their own.
+    let aged_tenant = system_tests::unique_tenant("fault-aged");
+    let db = pg(Database::Orders).await;
+    for i in 0..25 {
+        let order = Uuid::now_v7().to_string();
+        db.execute(
+            "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+               aggregate_sequence, event_type, schema_version, payload, occurred_at, published_at) \
+             VALUES ($1, $2, 'order', $3, 1, 'FaultTestAged', 1, $4, \
+                     now() - interval '9 days', now() - interval '8 days' - $5 * interval '1 second')",
+            &[
+                &Uuid::now_v7(),
+                &aged_tenant,
+                &order,
+                &serde_json::json!({"order_id": order}),
+                &f64::from(i),
+            ],
+        )
+        .await
+        .expect("aged row");
+    }
+    let aged = || {
+        count(
+            Database::Orders,
+            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1",
+            &aged_tenant,
+        )
+    };
+
+    let mut relay_env = small_batches();
+    relay_env.extend([
+        (
+            "OUTBOX_RELAY__CLEANUP__ENABLED".to_owned(),
+            "true".to_owned(),
+        ),
+        (
+            "OUTBOX_RELAY__CLEANUP__BATCH_SIZE".to_owned(),
+            "10".to_owned(),
+        ),
+        (
+            "OUTBOX_RELAY__CLEANUP__INTERVAL_MS".to_owned(),
+            "1000".to_owned(),
+        ),
+    ]);
+    let system = Arc::new(
+        System::start(
+            "fault-cleanup",
+            SystemOptions {
+                start_relays: false,
+                relay_env,
+                ..SystemOptions::default()
+            },
+        )
+        .await,
+    );
+    system.stock_up().await;
+    let n = orders();
+    system.drive(0..n / 2, 8).await;
+    // The first cleanup batch commits, the second aborts before its commit.
+    system
+        .member("relay-0")
+        .start("relay.cleanup=1*off->1*return");
+    let traffic = tokio::spawn({
+        let system = system.clone();
+        async move { system.drive(n / 2..n, 8).await }
+    });
+    wait_abort(&system, "relay-0").await;
+    assert_eq!(
+        aged().await,
+        15,
+        "batch 1 (10 rows) committed, batch 2 rolled back by the crash"
+    );
+    restart(&system, "relay-0").await;
+    traffic.await.expect("traffic");
+    system_tests::consumers::eventually(
+        "the restarted relay's cleanup finishes",
+        Duration::from_secs(60),
+        || async { (aged().await == 0).then_some(()) },
+    )
+    .await;
+    // The live tenant lost nothing: every row within the horizon is there.
+    assert_invariants(&system, n).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_crash_inside_the_handler() {
+    let _serial = SERIAL.lock().await;
+    crash_under_traffic(
+        "fault-handler",
+        "ledger-0",
+        "consumer.in_handler=30*off->1*return",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_crash_after_commit_before_ack() {
+    let _serial = SERIAL.lock().await;
+    let system = crash_under_traffic(
+        "fault-ack",
+        "inventory-0",
+        "consumer.after_commit_before_ack=30*off->1*return",
+    )
+    .await;
+    // The committed, unacknowledged message came back and was a duplicate.
+    let inventory = system.member("inventory-0");
+    let suppressed = inventory.metric("consumer_duplicates_total", "").await
+        + inventory.metric("consumer_stale_total", "").await;
+    assert!(
+        suppressed >= 1.0,
+        "the redelivered message was suppressed ({suppressed})"
+    );
+}
