@@ -157,12 +157,13 @@ async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
         .expect("bind");
 
     let body = br#"{"hello":"order-events"}"#;
-    let publish = |key: String| {
+    let publish = |exchange: &str, key: String| {
         let channel = channel.clone();
+        let exchange = exchange.to_owned();
         async move {
             channel
                 .basic_publish(
-                    events::EXCHANGE.into(),
+                    exchange.as_str().into(),
                     key.as_str().into(),
                     BasicPublishOptions {
                         mandatory: true,
@@ -178,16 +179,34 @@ async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
         }
     };
 
-    let routed = publish(routing_key.clone()).await;
+    let routed = publish(events::EXCHANGE, routing_key.clone()).await;
     assert_eq!(check_confirmation(routed), Ok(()));
 
     // Unroutable + mandatory: lapin reports an Ack carrying the returned message;
-    // the kit must call it a failure.
-    let unroutable = publish(format!("NoSuchEvent.{}", uuid::Uuid::now_v7())).await;
+    // the kit must call it a failure. (On a private exchange with no bindings:
+    // on `order-events` every consumer's `#` binding makes everything routable.)
+    let private = format!("foundation-test.{}", uuid::Uuid::now_v7());
+    channel
+        .exchange_declare(
+            private.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            lapin::options::ExchangeDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("private exchange");
+    let unroutable = publish(&private, "NoSuchEvent".to_owned()).await;
     match check_confirmation(unroutable) {
         Err(PublishRejected::Returned { code, .. }) => assert_eq!(code, 312),
         other => panic!("unroutable publish must be Returned(312), got {other:?}"),
     }
+    channel
+        .exchange_delete(private.as_str().into(), Default::default())
+        .await
+        .expect("delete private exchange");
 
     // The routed message is in the queue, byte for byte.
     let mut consumer = channel
@@ -224,14 +243,28 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
         ("ledger-consumer", "LEDGER_CONSUMER"),
         ("loyalty-consumer", "LOYALTY_CONSUMER"),
     ];
+    // Consumers get a private name (their queues are deleted afterwards) and
+    // stay unbound from order-events; everything else is the zero-config default.
+    let private = system_tests::consumers::unique("foundation");
     let mut running = Vec::new();
     for (name, prefix) in services {
         let port = free_port();
-        let service = Service::start(
-            name,
-            &[],
-            &[(&format!("{prefix}__HTTP__PORT"), port.to_string())],
-        );
+        let mut env = vec![
+            (format!("{prefix}__HTTP__PORT"), port.to_string()),
+            ("RUST_LOG".to_owned(), "warn".to_owned()),
+        ];
+        if name.ends_with("-consumer") {
+            env.push((
+                format!("{prefix}__CONSUMER__NAME"),
+                format!("{private}-{name}"),
+            ));
+            env.push((
+                format!("{prefix}__CONSUMER__BIND_ORDER_EVENTS"),
+                "false".to_owned(),
+            ));
+        }
+        let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let service = Service::start(name, &[], &env);
         running.push((service, port));
     }
     for (service, port) in &running {
@@ -267,5 +300,9 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
             .wait_exit(Duration::from_secs(20))
             .unwrap_or_else(|| panic!("{} did not stop within 20 s of SIGTERM", service.name));
         assert!(status.success(), "{} exited with {status}", service.name);
+        if service.name.ends_with("-consumer") {
+            // Default partitions (4) and tiers (5).
+            system_tests::consumers::teardown(&format!("{private}-{}", service.name), 4, 5).await;
+        }
     }
 }
