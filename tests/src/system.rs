@@ -31,7 +31,9 @@ use crate::consumers::{
 };
 use crate::{api_key, free_port, unique_tenant, wait_for_ok, Service};
 use kit::amqp::lapin::{
-    options::{ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions},
+    options::{
+        ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, ExchangeUnbindOptions,
+    },
     types::FieldTable,
     ExchangeKind,
 };
@@ -123,6 +125,29 @@ impl Member {
 
     pub fn base_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Run a subcommand of this member's binary with its environment
+    /// (e.g. `redrive`, `requeue`); (success, stdout + stderr).
+    pub fn run(&self, args: &[&str]) -> (bool, String) {
+        let output = std::process::Command::new(crate::bin(self.binary))
+            .args(args)
+            .envs(
+                self.env
+                    .iter()
+                    .filter(|(k, _)| k != "FAILPOINTS")
+                    .map(|(k, v)| (k.as_str(), v.as_str())),
+            )
+            .output()
+            .expect("run a subcommand");
+        (
+            output.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        )
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -340,8 +365,26 @@ async fn declare_exchange(exchange: &str) {
     let _ = connection.close(200, "ok".into()).await;
 }
 
+/// Unbind consumer `name`'s hash exchange from `exchange` (`#`): the
+/// relay's publishes become unroutable (returned, mandatory).
+pub async fn unbind_consumer(name: &str, exchange: &str) {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .exchange_unbind(
+            format!("{name}.events").as_str().into(),
+            exchange.into(),
+            "#".into(),
+            ExchangeUnbindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the consumer");
+    let _ = connection.close(200, "ok".into()).await;
+}
+
 /// Bind consumer `name`'s hash exchange to `exchange` (everything: `#`).
-async fn bind_consumer(name: &str, exchange: &str) {
+pub async fn bind_consumer(name: &str, exchange: &str) {
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
     channel

@@ -270,8 +270,10 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
-    let started = time::OffsetDateTime::now_utc() - time::Duration::seconds(5);
     let system = Arc::new(start("load").await);
+    // The replay window starts once this system is up: the replay is not
+    // tenant-scoped, and the previous test's events must stay out of it.
+    let started = time::OffsetDateTime::now_utc() - time::Duration::seconds(1);
     let skus: Vec<String> = (0..20).map(|i| format!("SKU-{i:02}")).collect();
     for sku in &skus {
         system.receive(sku, 1_000_000).await;
