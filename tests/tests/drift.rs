@@ -1,0 +1,154 @@
+//! The drift check finds drift (and only drift): rows written by hand into the
+//! real databases, checked with the real `drift-check` binary.
+
+use std::process::Command;
+
+use system_tests::{bin, pg, unique_tenant, Database};
+use uuid::Uuid;
+
+fn drift_check(tenant: &str) -> (i32, String) {
+    let output = Command::new(bin("drift-check"))
+        .args(["--tenant", tenant])
+        .output()
+        .expect("run drift-check");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_non_zero() {
+    let tenant = unique_tenant("drift");
+    let order = Uuid::now_v7();
+    let orders = pg(Database::Orders).await;
+    orders
+        .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
+        .await
+        .expect("tenant");
+    orders
+        .execute(
+            "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, merchandise_minor, \
+             shipping_minor, tax_minor, total_minor, last_event_sequence) \
+             VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
+            &[&order, &tenant],
+        )
+        .await
+        .expect("order");
+    orders
+        .execute(
+            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
+             VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
+            &[&order],
+        )
+        .await
+        .expect("line");
+
+    // Placed, but inventory never reserved: drift.
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("reservation missing"), "{out}");
+
+    // The reservation as the consumer writes it: zero drift.
+    let inventory = pg(Database::Inventory).await;
+    inventory
+        .execute(
+            "INSERT INTO stock_levels (tenant_id, sku, location, on_hand, reserved) VALUES ($1, 'JKT-M', 'WH-1', 48, 2)",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    inventory
+        .execute(
+            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta, reserved_delta, receipt_id) \
+             VALUES ($1, 'JKT-M', 'WH-1', 'receipt', 48, 48, 0, 'r-1')",
+            &[&tenant],
+        )
+        .await
+        .expect("receipt");
+    let reserve = "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta, \
+                   reserved_delta, order_id, event_id) VALUES ($1, 'JKT-M', 'WH-1', 'reserve', 2, 0, 2, $2, $3)";
+    inventory
+        .execute(reserve, &[&tenant, &order, &Uuid::now_v7()])
+        .await
+        .expect("reserve");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("zero drift"), "{out}");
+
+    // A second reservation for the same order (a double apply): drift.
+    inventory
+        .execute(reserve, &[&tenant, &order, &Uuid::now_v7()])
+        .await
+        .expect("second reserve");
+    inventory
+        .execute(
+            "UPDATE stock_levels SET reserved = 4 WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("reservation doubled"), "{out}");
+
+    // A level that no longer equals its movements: drift.
+    inventory
+        .execute(
+            "DELETE FROM stock_movements WHERE tenant_id = $1 AND movement_type = 'reserve' \
+             AND movement_id = (SELECT max(movement_id) FROM stock_movements WHERE tenant_id = $1)",
+            &[&tenant],
+        )
+        .await
+        .expect("undo double");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("stock level JKT-M@WH-1: on_hand 48 reserved 4, movements say 48 / 2"),
+        "{out}"
+    );
+
+    // A paid order without its payment journal: drift.
+    inventory
+        .execute(
+            "UPDATE stock_levels SET reserved = 2 WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    orders
+        .execute(
+            "UPDATE orders SET status = 'paid' WHERE order_id = $1",
+            &[&order],
+        )
+        .await
+        .expect("paid");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("payment journal missing"), "{out}");
+
+    // Leave nothing behind.
+    inventory
+        .execute(
+            "DELETE FROM stock_movements WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("clean");
+    inventory
+        .execute("DELETE FROM stock_levels WHERE tenant_id = $1", &[&tenant])
+        .await
+        .expect("clean");
+    orders
+        .execute("DELETE FROM order_lines WHERE order_id = $1", &[&order])
+        .await
+        .expect("clean");
+    orders
+        .execute("DELETE FROM orders WHERE order_id = $1", &[&order])
+        .await
+        .expect("clean");
+    orders
+        .execute("DELETE FROM tenants WHERE tenant_id = $1", &[&tenant])
+        .await
+        .expect("clean");
+}
