@@ -50,7 +50,12 @@ pub fn free_port() -> u16 {
 
 /// Path of a workspace binary, next to the test executable's directory
 /// (`target/<profile>/`). `make test` builds them before running the tests.
+/// `SERVICE_BIN_DIR` overrides the directory (the benchmark runs release
+/// binaries from its own target directory).
 pub fn bin(name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("SERVICE_BIN_DIR") {
+        return PathBuf::from(dir).join(name);
+    }
     let exe = std::env::current_exe().expect("current exe");
     let dir = exe
         .parent()
@@ -206,4 +211,5 @@ impl OrderApi {
     }
 }
 pub mod consumers;
+pub mod otlp;
 pub mod system;

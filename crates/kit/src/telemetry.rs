@@ -7,7 +7,15 @@
 //!   carry W3C trace context that can be stored (outbox `traceparent`) and
 //!   propagated (AMQP headers). Spans are exported over OTLP/HTTP only when
 //!   `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set; the other
-//!   standard `OTEL_*` variables apply (`OTEL_SERVICE_NAME` overrides the name).
+//!   standard `OTEL_*` variables apply (`OTEL_SERVICE_NAME` overrides the name,
+//!   `OTEL_BSP_SCHEDULE_DELAY` / `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` tune the batch
+//!   exporter; the protocol is `http/protobuf`). Pending spans are flushed when
+//!   the [`TelemetryGuard`] is dropped at the end of `main`.
+//! - The log filter (`RUST_LOG`) applies to the log lines only: spans reach
+//!   the OpenTelemetry layer at INFO whatever `RUST_LOG` says (noisy
+//!   dependencies excluded; `OTEL_TRACES_FILTER` overrides, in `RUST_LOG`
+//!   syntax), so the trace context stored and propagated never depends on the
+//!   log level.
 
 use std::collections::HashMap;
 
@@ -28,6 +36,13 @@ impl Drop for TelemetryGuard {
         }
     }
 }
+
+/// Spans (and the events inside them) the OpenTelemetry layer records:
+/// the services' own at INFO; the libraries' (including the exporter's own
+/// HTTP client, which would otherwise trace its exports) off.
+const TRACE_FILTER: &str = "info,lapin=off,tokio_postgres=off,deadpool=off,refinery=off,\
+actix_server=off,actix_http=off,h2=off,hyper=off,hyper_util=off,reqwest=off,\
+opentelemetry=off,opentelemetry_sdk=off,opentelemetry_otlp=off,opentelemetry_http=off";
 
 fn otlp_configured() -> bool {
     [
@@ -63,6 +78,8 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
     });
+    let trace_filter = EnvFilter::try_from_env("OTEL_TRACES_FILTER")
+        .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER));
     let text = std::env::var("LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("text"));
     let fmt_layer = if text {
         tracing_subscriber::fmt::layer()
@@ -79,9 +96,12 @@ pub fn init(service: &'static str) -> TelemetryGuard {
             .boxed()
     };
     let init = tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt_layer)
-        .with(tracing_opentelemetry::layer().with_tracer(tracer))
+        .with(fmt_layer.with_filter(filter))
+        .with(
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(trace_filter),
+        )
         .try_init();
     if let Err(error) = init {
         eprintln!("telemetry already initialised: {error}");

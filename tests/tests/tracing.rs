@@ -1,0 +1,216 @@
+//! One trace per business operation, across the broker: the five real
+//! binaries export their spans over OTLP/HTTP to an in-test receiver, and for
+//! each of an order's three operations (placed, paid, delivered) the spans of
+//! order-api, outbox-relay and the three consumers share one trace id with
+//! the right parents:
+//!
+//! client (traceparent header) -> order-api `order_operation` (its context
+//! stored in `outbox_events.traceparent`) -> outbox-relay `outbox.publish`
+//! (`traceparent` AMQP header) -> each consumer's `consume` span.
+//!
+//! The services run with `RUST_LOG=warn`: the trace must not depend on the
+//! log level.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use system_tests::{
+    consumers::eventually,
+    otlp::{Receiver, Span},
+    pg,
+    system::{System, SystemOptions},
+    Database,
+};
+
+const CONSUMERS: [&str; 3] = ["inventory-consumer", "ledger-consumer", "loyalty-consumer"];
+
+/// The trace of one operation, once every consumer has exported its span.
+struct Trace<'a> {
+    operation: &'a Span,
+    publishes: Vec<&'a Span>,
+    consumes: Vec<&'a Span>,
+}
+
+fn trace<'a>(spans: &'a [Span], trace_id: &str) -> Option<Trace<'a>> {
+    let in_trace: Vec<&Span> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
+    let operation = *in_trace
+        .iter()
+        .find(|s| s.service == "order-api" && s.name == "order_operation")?;
+    let publishes: Vec<&Span> = in_trace
+        .iter()
+        .copied()
+        .filter(|s| s.service == "outbox-relay" && s.name == "outbox.publish")
+        .collect();
+    let consumes: Vec<&Span> = in_trace
+        .iter()
+        .copied()
+        .filter(|s| CONSUMERS.contains(&s.service.as_str()) && s.name == "consume")
+        .collect();
+    let services: BTreeSet<&str> = consumes.iter().map(|s| s.service.as_str()).collect();
+    (!publishes.is_empty() && services.len() == CONSUMERS.len()).then_some(Trace {
+        operation,
+        publishes,
+        consumes,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_per_operation_across_the_broker() {
+    let receiver = Receiver::start().await;
+    // Inherited by every process the system starts (the test process starts no
+    // other thread that reads the environment at this point).
+    for (name, value) in [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned()),
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000".to_owned()),
+    ] {
+        std::env::set_var(name, value);
+    }
+    let system = System::start("trace", SystemOptions::default()).await;
+    system.receive("SKU-00", 100).await;
+
+    // Each operation continues a trace the client started.
+    let client_trace = |i: u8| {
+        (
+            format!("4bf92f3577b34da6a3ce929d0e0e47{i:02x}"),
+            format!("00f067aa0ba902{i:02x}"),
+        )
+    };
+    let post = |path: String, key: &'static str, body: Value, i: u8| {
+        let (trace_id, parent) = client_trace(i);
+        let request = system
+            .http
+            .post(system.api.url(&path))
+            .bearer_auth(&system.key)
+            .header("Idempotency-Key", key)
+            .header("traceparent", format!("00-{trace_id}-{parent}-01"))
+            .header("tracestate", "vendor=test")
+            .json(&body)
+            .timeout(Duration::from_secs(30));
+        async move {
+            let response = request.send().await.expect("request");
+            assert_eq!(response.status(), 201, "{path}");
+            response.json::<Value>().await.expect("json")
+        }
+    };
+    let order = post(
+        "/orders".into(),
+        "trace-order",
+        json!({"customer_id": "c-trace", "checkout_id": "chk-trace",
+               "lines": [{"sku": "SKU-00", "qty": 2, "unit_price": "10.00", "unit_cost": "5.00"}],
+               "shipping": "1.00", "tax": "2.00", "currency": "USD", "location": "WH-1"}),
+        1,
+    )
+    .await;
+    let order_id = order["order_id"].as_str().expect("order id").to_owned();
+    post(
+        format!("/orders/{order_id}/payments"),
+        "trace-pay",
+        json!({"payment_id": "p-trace", "amount": "23.00", "method": "card"}),
+        2,
+    )
+    .await;
+    post(
+        format!("/orders/{order_id}/deliveries"),
+        "trace-deliver",
+        json!({"delivery_id": "d-trace", "lines": [{"sku": "SKU-00", "qty": 2}]}),
+        3,
+    )
+    .await;
+
+    // The stored trace context of each event (in sequence order).
+    let orders = pg(Database::Orders).await;
+    let stored: Vec<(String, String, Option<String>, Option<String>)> = orders
+        .query(
+            "SELECT event_id::text, event_type, traceparent, tracestate FROM outbox_events
+             WHERE tenant_id = $1 AND aggregate_id = $2 ORDER BY aggregate_sequence",
+            &[&system.tenant, &order_id],
+        )
+        .await
+        .expect("outbox rows")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    let types: Vec<&str> = stored.iter().map(|s| s.1.as_str()).collect();
+    assert_eq!(
+        types,
+        ["OrderPlaced", "PaymentReceived", "ParcelDelivered"],
+        "events of the order"
+    );
+
+    for (i, (event_id, event_type, traceparent, tracestate)) in stored.iter().enumerate() {
+        let (trace_id, client_span) = client_trace(i as u8 + 1);
+        let spans = eventually(
+            &format!("the spans of {event_type} from all five services"),
+            Duration::from_secs(60),
+            || {
+                let spans = receiver.spans();
+                let found = trace(&spans, &trace_id).is_some();
+                async move { found.then_some(spans) }
+            },
+        )
+        .await;
+        let t = trace(&spans, &trace_id).expect("trace");
+
+        // order-api continues the client's trace and stores its own span's context.
+        assert_eq!(
+            t.operation.parent_span_id, client_span,
+            "{event_type}: order-api parent"
+        );
+        let traceparent = traceparent.as_deref().expect("stored traceparent");
+        assert_eq!(
+            traceparent,
+            format!("00-{trace_id}-{}-01", t.operation.span_id),
+            "{event_type}: the outbox row stores the order-api span's context"
+        );
+        assert_eq!(
+            tracestate.as_deref(),
+            Some("vendor=test"),
+            "{event_type}: tracestate"
+        );
+
+        // The relay's publish span is a child of the stored context.
+        for publish in &t.publishes {
+            assert_eq!(
+                publish.parent_span_id, t.operation.span_id,
+                "{event_type}: relay publish parent"
+            );
+            assert_eq!(publish.attribute("event_id"), Some(event_id.as_str()));
+            assert_eq!(publish.attribute("aggregate_id"), Some(order_id.as_str()));
+        }
+        // Each consumer's span is a child of a publish span (the message's headers).
+        let publish_ids: BTreeSet<&str> = t.publishes.iter().map(|s| s.span_id.as_str()).collect();
+        for consume in &t.consumes {
+            assert!(
+                publish_ids.contains(consume.parent_span_id.as_str()),
+                "{event_type}: {} consume span's parent {} is not a publish span {publish_ids:?}",
+                consume.service,
+                consume.parent_span_id
+            );
+        }
+        // No other span of this trace is a root or dangles outside it.
+        let ids: BTreeSet<&str> = spans
+            .iter()
+            .filter(|s| s.trace_id == trace_id)
+            .map(|s| s.span_id.as_str())
+            .collect();
+        for span in spans.iter().filter(|s| s.trace_id == trace_id) {
+            assert!(
+                span.parent_span_id == client_span || ids.contains(span.parent_span_id.as_str()),
+                "{event_type}: {} {} has an unknown parent {}",
+                span.service,
+                span.name,
+                span.parent_span_id
+            );
+        }
+    }
+    assert!(
+        receiver
+            .requests()
+            .iter()
+            .all(|r| r.starts_with("POST /v1/traces")),
+        "only trace exports: {:?}",
+        receiver.requests()
+    );
+}
