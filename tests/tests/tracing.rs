@@ -12,6 +12,8 @@
 //! log level.
 
 use std::collections::BTreeSet;
+use std::io::Write;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -22,6 +24,10 @@ use system_tests::{
     system::{System, SystemOptions},
     Database,
 };
+
+/// The tests of this file run one at a time (the first sets the OTLP
+/// environment its services inherit).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const CONSUMERS: [&str; 3] = ["inventory-consumer", "ledger-consumer", "loyalty-consumer"];
 
@@ -57,6 +63,7 @@ fn trace<'a>(spans: &'a [Span], trace_id: &str) -> Option<Trace<'a>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_per_operation_across_the_broker() {
+    let _serial = SERIAL.lock().await;
     let receiver = Receiver::start().await;
     // Inherited by every process the system starts (the test process starts no
     // other thread that reads the environment at this point).
@@ -213,4 +220,120 @@ async fn one_trace_per_operation_across_the_broker() {
         "only trace exports: {:?}",
         receiver.requests()
     );
+    for name in [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_BSP_SCHEDULE_DELAY",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ] {
+        std::env::remove_var(name);
+    }
+}
+
+/// `promtool` (Debian's `prometheus` package; `scripts/check-deploy.sh`,
+/// which `make test` runs first, installs it where missing).
+fn promtool() -> String {
+    let path = std::env::var("PROMTOOL").unwrap_or_else(|_| "promtool".to_owned());
+    let found = Command::new(&path)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "{path} not found: run scripts/check-deploy.sh (installs it) or apt-get install prometheus"
+    );
+    path
+}
+
+/// Every service's `/metrics`, after an order went through the whole system
+/// (so histograms and labelled counters have samples), passes `promtool
+/// check metrics` (Prometheus naming: `_total`, `_seconds`, base units) and
+/// has the metrics of DESIGN.md section 10 that the alerts read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_exposes_lint_clean_prometheus_metrics() {
+    let _serial = SERIAL.lock().await;
+    let promtool = promtool();
+    let system = System::start("metrics", SystemOptions::default()).await;
+    system.stock_up().await;
+    system.order_flow(0).await;
+    system.assert_invariants(Duration::from_secs(60)).await;
+
+    let expected: [(&str, &[&str]); 3] = [
+        (
+            "order-api",
+            &[
+                "idempotency_claims_total",
+                "idempotency_replays_total",
+                "idempotency_key_conflicts_total",
+                "idempotency_in_progress_total",
+                "idempotency_rollbacks_total",
+            ],
+        ),
+        (
+            "relay",
+            &[
+                "outbox_pending_events",
+                "outbox_oldest_pending_age_seconds",
+                "outbox_published_total",
+                "outbox_publish_failures_total",
+                "outbox_attempts_total",
+                "outbox_expired_claims_total",
+                "outbox_confirm_latency_seconds_bucket",
+                "outbox_quarantined_events",
+                "outbox_table_bytes",
+            ],
+        ),
+        (
+            "consumer",
+            &[
+                "consumer_events_applied_total",
+                "consumer_duplicates_total",
+                "consumer_deferred_total",
+                "consumer_retried_total",
+                "consumer_dead_lettered_total",
+                "consumer_dlq_messages",
+                "consumer_handler_duration_seconds_bucket",
+                "consumer_lag_seconds_bucket",
+            ],
+        ),
+    ];
+    for member in system.members() {
+        let body = system_tests::wait_for_ok(&member.url("/metrics"), Duration::from_secs(10))
+            .await
+            .expect("metrics");
+        let names: &[&str] = expected
+            .iter()
+            .find(|(prefix, _)| {
+                member.label.starts_with(prefix) || member.kind.is_some() && *prefix == "consumer"
+            })
+            .map(|(_, names)| *names)
+            .unwrap_or(&[]);
+        for name in names {
+            assert!(
+                body.lines().any(|l| l.starts_with(name)),
+                "{}: no {name} in /metrics:\n{body}",
+                member.label
+            );
+        }
+        let mut child = Command::new(&promtool)
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("promtool");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(body.as_bytes())
+            .expect("write metrics");
+        let output = child.wait_with_output().expect("promtool output");
+        assert!(
+            output.status.success(),
+            "promtool check metrics on {}'s /metrics:\n{}{}",
+            member.label,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
 }

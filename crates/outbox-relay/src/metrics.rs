@@ -61,6 +61,10 @@ impl Metrics {
             &["reason"],
         )
         .expect("valid counter vec");
+        // Every reason's series starts at zero (present for rate() and alerts).
+        for reason in ["returned", "nacked", "timeout", "channel", "encode"] {
+            failures.with_label_values(&[reason]);
+        }
         kit::metrics::register(registry, &failures);
         let confirm_latency = Histogram::with_opts(
             HistogramOpts::new(
