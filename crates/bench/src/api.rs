@@ -1,0 +1,384 @@
+//! Phase 1: `POST /orders` at a fixed concurrency for a fixed time, then the
+//! same transaction (the same statements, in the same order, one round
+//! trip each, prepared once per connection) straight through tokio-postgres.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use serde::Serialize;
+use serde_json::{json, Value};
+use system_tests::system::{cents, mix, skus};
+use tokio_postgres::types::Json;
+use uuid::Uuid;
+
+use crate::stats::{ms, rate, Latency};
+
+/// One side of the comparison.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Load {
+    pub requests: u64,
+    pub errors: u64,
+    pub seconds: f64,
+    pub per_second: f64,
+    pub latency: Latency,
+    /// Completions per whole second of the run (for the chart).
+    #[serde(skip)]
+    pub timeline: Vec<u64>,
+}
+
+/// A realistic order: 1-5 lines over 20 SKUs, deterministic from `i`.
+pub fn order_body(i: u64) -> Value {
+    let skus = skus();
+    let r = mix(i + 1);
+    let line_count = 1 + (r % 5) as usize;
+    let mut lines = Vec::new();
+    let mut merchandise = 0;
+    for l in 0..line_count {
+        let x = mix(r + l as u64);
+        let qty = 1 + x % 3;
+        let price = 100 + x % 9_900;
+        merchandise += qty * price;
+        lines.push(
+            json!({"sku": skus[(r as usize + l * 7) % skus.len()], "qty": qty,
+                          "unit_price": cents(price), "unit_cost": cents(price / 2)}),
+        );
+    }
+    let (shipping, tax) = (r % 1_000, merchandise / 10);
+    json!({"customer_id": format!("c-{}", r % 50), "checkout_id": format!("chk-{i}"),
+           "lines": lines, "shipping": cents(shipping), "tax": cents(tax),
+           "currency": "USD", "location": "WH-1"})
+}
+
+fn summarize(samples: Vec<(Duration, Duration)>, errors: u64, elapsed: Duration) -> Load {
+    let secs = elapsed.as_secs() as usize + 1;
+    let mut timeline = vec![0; secs];
+    for (at, _) in &samples {
+        if let Some(slot) = timeline.get_mut(at.as_secs() as usize) {
+            *slot += 1;
+        }
+    }
+    let requests = samples.len() as u64;
+    Load {
+        requests,
+        errors,
+        seconds: elapsed.as_secs_f64(),
+        per_second: rate(requests, elapsed),
+        latency: Latency::of(samples.iter().map(|(_, l)| ms(*l)).collect()),
+        timeline,
+    }
+}
+
+/// `concurrency` clients posting orders back to back for `duration`.
+/// Order numbers start at `first` (unique idempotency and checkout keys).
+pub async fn http_load(
+    base: &str,
+    key: &str,
+    first: u64,
+    concurrency: usize,
+    duration: Duration,
+) -> Load {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(concurrency)
+        .build()
+        .expect("http client");
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(first));
+    let started = Instant::now();
+    let deadline = started + duration;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (client, next, url, key) = (
+            client.clone(),
+            next.clone(),
+            format!("{base}/orders"),
+            key.to_owned(),
+        );
+        tasks.spawn(async move {
+            let mut samples = Vec::new();
+            let mut errors = 0;
+            while Instant::now() < deadline {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let body = order_body(i);
+                let sent = Instant::now();
+                let response = client
+                    .post(&url)
+                    .bearer_auth(&key)
+                    .header("Idempotency-Key", format!("bench-{i}"))
+                    .json(&body)
+                    .send()
+                    .await;
+                match response {
+                    Ok(r) if r.status().as_u16() == 201 => {
+                        let _ = r.bytes().await;
+                        samples.push((sent - started, sent.elapsed()));
+                    }
+                    _ => errors += 1,
+                }
+            }
+            (samples, errors)
+        });
+    }
+    let mut samples = Vec::new();
+    let mut errors = 0;
+    while let Some(result) = tasks.join_next().await {
+        let (s, e) = result.expect("client task");
+        samples.extend(s);
+        errors += e;
+    }
+    summarize(samples, errors, started.elapsed())
+}
+
+// order-api's statements (crates/order-api/src/{idempotency,operations}.rs).
+const CLAIM: &str = "\
+INSERT INTO idempotency_requests AS r
+    (tenant_id, endpoint, idempotency_key, request_fingerprint, expires_at)
+VALUES ($1, $2, $3, $4, now() + ($5::bigint || ' seconds')::interval)
+ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE
+    SET request_fingerprint = EXCLUDED.request_fingerprint,
+        response_status = NULL, response_body = NULL, resource_id = NULL,
+        created_at = now(), expires_at = EXCLUDED.expires_at
+    WHERE r.expires_at <= now()
+RETURNING 1";
+const INSERT_ORDER: &str = "\
+INSERT INTO orders (order_id, tenant_id, customer_id, checkout_id, currency, location,
+                    merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1)
+ON CONFLICT (tenant_id, checkout_id) WHERE checkout_id IS NOT NULL DO NOTHING
+RETURNING created_at";
+const INSERT_LINES: &str = "\
+INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor)
+SELECT $1, line_no, sku, qty, price, cost
+  FROM unnest($2::int[], $3::text[], $4::int[], $5::bigint[], $6::bigint[])
+       AS l(line_no, sku, qty, price, cost)";
+const INSERT_OUTBOX: &str = "\
+INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
+                           event_type, schema_version, payload, traceparent, tracestate, occurred_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+const STORE: &str = "\
+UPDATE idempotency_requests
+   SET response_status = $4, response_body = $5, resource_id = $6
+ WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
+
+fn minor(text: &Value) -> i64 {
+    let s = text.as_str().unwrap_or("0");
+    let (whole, frac) = s.split_once('.').unwrap_or((s, "0"));
+    whole.parse::<i64>().unwrap_or(0) * 100 + frac.parse::<i64>().unwrap_or(0)
+}
+
+/// One create-order transaction, raw: BEGIN, claim the key, order, lines,
+/// outbox row, store the response, COMMIT (7 round trips, like the API's).
+async fn raw_order(
+    client: &mut tokio_postgres::Client,
+    statements: &[tokio_postgres::Statement; 5],
+    tenant: &str,
+    i: u64,
+) -> Result<(), tokio_postgres::Error> {
+    let body = order_body(i);
+    let key = format!("raw-{i}");
+    let fingerprint = blake_like(&body);
+    let tx = client.transaction().await?;
+    let claimed = tx
+        .query_opt(
+            &statements[0],
+            &[&tenant, &"POST /orders", &key, &fingerprint, &86_400_i64],
+        )
+        .await?;
+    assert!(claimed.is_some(), "raw keys are unique");
+    let order_id = Uuid::now_v7();
+    let lines = body["lines"].as_array().cloned().unwrap_or_default();
+    let merchandise: i64 = lines
+        .iter()
+        .map(|l| l["qty"].as_i64().unwrap_or(0) * minor(&l["unit_price"]))
+        .sum();
+    let (shipping, tax) = (minor(&body["shipping"]), minor(&body["tax"]));
+    let total = merchandise + shipping + tax;
+    let checkout = body["checkout_id"].as_str().map(str::to_owned);
+    let customer = body["customer_id"].as_str().unwrap_or_default().to_owned();
+    let created_at: time::OffsetDateTime = tx
+        .query_one(
+            &statements[1],
+            &[
+                &order_id,
+                &tenant,
+                &customer,
+                &checkout,
+                &"USD",
+                &"WH-1",
+                &merchandise,
+                &shipping,
+                &tax,
+                &total,
+            ],
+        )
+        .await?
+        .get(0);
+    let line_nos: Vec<i32> = (1..=lines.len() as i32).collect();
+    let skus: Vec<&str> = lines
+        .iter()
+        .map(|l| l["sku"].as_str().unwrap_or(""))
+        .collect();
+    let qtys: Vec<i32> = lines
+        .iter()
+        .map(|l| l["qty"].as_i64().unwrap_or(0) as i32)
+        .collect();
+    let prices: Vec<i64> = lines.iter().map(|l| minor(&l["unit_price"])).collect();
+    let costs: Vec<i64> = lines.iter().map(|l| minor(&l["unit_cost"])).collect();
+    tx.execute(
+        &statements[2],
+        &[&order_id, &line_nos, &skus, &qtys, &prices, &costs],
+    )
+    .await?;
+    let mut payload = body.clone();
+    payload["order_id"] = json!(order_id);
+    payload["total"] = json!(format!("{}.{:02}", total / 100, total % 100));
+    let traceparent = Some(format!(
+        "00-{}-{}-01",
+        Uuid::new_v4().simple(),
+        &Uuid::new_v4().simple().to_string()[..16]
+    ));
+    tx.execute(
+        &statements[3],
+        &[
+            &Uuid::now_v7(),
+            &tenant,
+            &"order",
+            &order_id.to_string(),
+            &1_i64,
+            &"OrderPlaced",
+            &1_i32,
+            &Json(&payload),
+            &traceparent,
+            &None::<String>,
+            &created_at,
+        ],
+    )
+    .await?;
+    let mut view = payload;
+    view["status"] = json!("placed");
+    view["created_at"] = json!(created_at.unix_timestamp());
+    let response = serde_json::to_vec(&view).unwrap_or_default();
+    tx.execute(
+        &statements[4],
+        &[
+            &tenant,
+            &"POST /orders",
+            &key,
+            &201_i32,
+            &response,
+            &Some(order_id),
+        ],
+    )
+    .await?;
+    tx.commit().await
+}
+
+/// A request fingerprint of the same length as the API's (a blake3 hex digest).
+fn blake_like(body: &Value) -> String {
+    let text = body.to_string();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    format!("{h:016x}").repeat(4)
+}
+
+/// The same transaction at the same concurrency, one connection per client.
+pub async fn raw_load(url: &str, tenant: &str, concurrency: usize, duration: Duration) -> Load {
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut clients = Vec::new();
+    for _ in 0..concurrency {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .expect("raw connection");
+        tokio::spawn(connection);
+        let statements = [
+            client.prepare(CLAIM).await.expect("prepare"),
+            client.prepare(INSERT_ORDER).await.expect("prepare"),
+            client.prepare(INSERT_LINES).await.expect("prepare"),
+            client.prepare(INSERT_OUTBOX).await.expect("prepare"),
+            client.prepare(STORE).await.expect("prepare"),
+        ];
+        clients.push((client, statements));
+    }
+    let started = Instant::now();
+    let deadline = started + duration;
+    let mut tasks = tokio::task::JoinSet::new();
+    for (mut client, statements) in clients {
+        let (next, tenant) = (next.clone(), tenant.to_owned());
+        tasks.spawn(async move {
+            let mut samples = Vec::new();
+            let mut errors = 0;
+            while Instant::now() < deadline {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let sent = Instant::now();
+                match raw_order(&mut client, &statements, &tenant, i).await {
+                    Ok(()) => samples.push((sent - started, sent.elapsed())),
+                    Err(error) => {
+                        errors += 1;
+                        eprintln!("raw order: {error}");
+                    }
+                }
+            }
+            (samples, errors)
+        });
+    }
+    let mut samples = Vec::new();
+    let mut errors = 0;
+    while let Some(result) = tasks.join_next().await {
+        let (s, e) = result.expect("raw task");
+        samples.extend(s);
+        errors += e;
+    }
+    summarize(samples, errors, started.elapsed())
+}
+
+/// An open-loop load: `per_second` orders started at even intervals for
+/// `duration`, each on its own task (a slow answer does not slow the rate).
+pub async fn paced_load(
+    base: &str,
+    key: &str,
+    first: u64,
+    per_second: f64,
+    duration: Duration,
+) -> Load {
+    let client = reqwest::Client::new();
+    let interval = Duration::from_secs_f64(1.0 / per_second.max(1.0));
+    let started = Instant::now();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut i = first;
+    while started.elapsed() < duration {
+        ticker.tick().await;
+        let (client, url, key) = (client.clone(), format!("{base}/orders"), key.to_owned());
+        let n = i;
+        i += 1;
+        tasks.spawn(async move {
+            let sent = Instant::now();
+            let response = client
+                .post(&url)
+                .bearer_auth(&key)
+                .header("Idempotency-Key", format!("bench-{n}"))
+                .json(&order_body(n))
+                .send()
+                .await;
+            match response {
+                Ok(r) if r.status().as_u16() == 201 => {
+                    let _ = r.bytes().await;
+                    Ok((sent - started, sent.elapsed()))
+                }
+                _ => Err(()),
+            }
+        });
+    }
+    let mut samples = Vec::new();
+    let mut errors = 0;
+    while let Some(result) = tasks.join_next().await {
+        match result.expect("paced task") {
+            Ok(s) => samples.push(s),
+            Err(()) => errors += 1,
+        }
+    }
+    summarize(samples, errors, started.elapsed())
+}

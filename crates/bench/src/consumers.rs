@@ -1,0 +1,229 @@
+//! Phase 3: each consumer applying a filled queue, against the same inbox +
+//! effect transaction run raw (the runtime's statements and the domain's
+//! own `apply`, straight through tokio-postgres, no broker), at the same
+//! concurrency (one sequential worker per partition).
+
+use std::time::{Duration, Instant};
+
+use consumer_runtime::Domain;
+use events::RawEnvelope;
+use serde::Serialize;
+use system_tests::{consumers::Kind, pg_url};
+use tokio_postgres::Client;
+
+use crate::stats::rate;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Apply {
+    pub events: u64,
+    pub wall_seconds: f64,
+    /// First to last `processed_at` (without the process's start-up).
+    pub span_seconds: f64,
+    pub per_second: f64,
+}
+
+pub async fn db(kind: Kind) -> Client {
+    let (client, connection) =
+        tokio_postgres::connect(&pg_url(kind.database()), tokio_postgres::NoTls)
+            .await
+            .expect("consumer database");
+    tokio::spawn(connection);
+    client
+}
+
+pub async fn now(db: &Client) -> time::OffsetDateTime {
+    db.query_one("SELECT now()", &[]).await.expect("now").get(0)
+}
+
+async fn applied_since(db: &Client, name: &str, since: time::OffsetDateTime) -> (u64, f64) {
+    let row = db
+        .query_one(
+            "SELECT count(*), EXTRACT(EPOCH FROM max(processed_at) - min(processed_at))::float8
+               FROM processed_events WHERE consumer_name = $1 AND processed_at >= $2",
+            &[&name, &since],
+        )
+        .await
+        .expect("applied");
+    (
+        u64::try_from(row.get::<_, i64>(0)).unwrap_or_default(),
+        row.get::<_, Option<f64>>(1).unwrap_or_default(),
+    )
+}
+
+/// Wait until `name` has applied `events` events since `since`.
+pub async fn measure(
+    db: &Client,
+    name: &str,
+    since: time::OffsetDateTime,
+    events: u64,
+    started: Instant,
+) -> Apply {
+    let mut last_print = Instant::now();
+    loop {
+        let (applied, span) = applied_since(db, name, since).await;
+        if applied >= events {
+            let wall = started.elapsed();
+            return Apply {
+                events: applied,
+                wall_seconds: wall.as_secs_f64(),
+                span_seconds: span,
+                per_second: if span > 0.0 {
+                    applied as f64 / span
+                } else {
+                    rate(applied, wall)
+                },
+            };
+        }
+        if last_print.elapsed() > Duration::from_secs(5) {
+            println!(
+                "  {name}: {applied}/{events} applied after {:.0?}",
+                started.elapsed()
+            );
+            last_print = Instant::now();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1800),
+            "{name}: {applied}/{events}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The runtime's transaction (crates/consumer-runtime/src/process.rs) for
+/// one in-order event, with the domain's own handler.
+async fn apply_one<D: Domain>(
+    client: &mut Client,
+    domain: &D,
+    name: &str,
+    body: &[u8],
+) -> anyhow::Result<()> {
+    let raw = RawEnvelope::parse_raw(body)?;
+    let event = raw.decode().ok();
+    let tx = client.transaction().await?;
+    let inserted = tx
+        .query_opt(
+            "INSERT INTO processed_events (consumer_name, event_id) VALUES ($1, $2) \
+             ON CONFLICT DO NOTHING RETURNING event_id",
+            &[&name, &raw.event_id],
+        )
+        .await?;
+    anyhow::ensure!(inserted.is_some(), "raw events are new");
+    tx.execute(
+        "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id) VALUES ($1, $2, $3) \
+         ON CONFLICT DO NOTHING",
+        &[&name, &raw.aggregate_id, &raw.tenant_id],
+    )
+    .await?;
+    let progress = tx
+        .query_one(
+            "SELECT last_sequence, parked_at IS NOT NULL, parked_event_id, parked_reason \
+             FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE",
+            &[&name, &raw.aggregate_id],
+        )
+        .await?;
+    let last: i64 = progress.get(0);
+    anyhow::ensure!(raw.aggregate_sequence == last + 1, "in order");
+    if let Some(event) = &event {
+        domain
+            .apply(&tx, event, &raw)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    tx.execute(
+        "UPDATE order_progress SET last_sequence = $3, updated_at = now() \
+         WHERE consumer_name = $1 AND aggregate_id = $2",
+        &[&name, &raw.aggregate_id, &raw.aggregate_sequence],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+async fn raw_with<D: Domain>(
+    kind: Kind,
+    name: &str,
+    bodies: &[(String, Vec<u8>)],
+    workers: usize,
+) -> Apply {
+    let domain = std::sync::Arc::new(D::new(&kit::metrics::prometheus::Registry::new()));
+    // Partition like the hash exchange does: one order, one worker.
+    let mut shares: Vec<Vec<Vec<u8>>> = vec![Vec::new(); workers.max(1)];
+    for (aggregate, body) in bodies {
+        let h = aggregate
+            .bytes()
+            .fold(0_u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+        shares[(h % workers.max(1) as u64) as usize].push(body.clone());
+    }
+    let mut clients = Vec::new();
+    for _ in 0..shares.len() {
+        clients.push(db(kind).await);
+    }
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (mut client, share) in clients.into_iter().zip(shares) {
+        let (domain, name) = (domain.clone(), name.to_owned());
+        tasks.spawn(async move {
+            for body in share {
+                // Retried on a new connection if the database went away (other
+                // engineers' fault tests restart it); an event applied before
+                // the failure counts as done.
+                let mut attempts = 0;
+                while let Err(error) = apply_one(&mut client, domain.as_ref(), &name, &body).await {
+                    if error.to_string().contains("raw events are new") {
+                        break;
+                    }
+                    attempts += 1;
+                    assert!(attempts < 50, "raw apply: {error}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    if client.is_closed() {
+                        if let Ok((c, connection)) =
+                            tokio_postgres::connect(&pg_url(kind.database()), tokio_postgres::NoTls)
+                                .await
+                        {
+                            tokio::spawn(connection);
+                            client = c;
+                        }
+                    }
+                }
+            }
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result.expect("raw worker");
+    }
+    let wall = started.elapsed();
+    Apply {
+        events: bodies.len() as u64,
+        wall_seconds: wall.as_secs_f64(),
+        span_seconds: wall.as_secs_f64(),
+        per_second: rate(bodies.len() as u64, wall),
+    }
+}
+
+/// Apply `bodies` (aggregate id, envelope) raw as consumer `name` of `kind`.
+pub async fn raw(kind: Kind, name: &str, bodies: &[(String, Vec<u8>)], workers: usize) -> Apply {
+    match kind {
+        Kind::Inventory => {
+            raw_with::<inventory_consumer::Inventory>(kind, name, bodies, workers).await
+        }
+        Kind::Ledger => raw_with::<ledger_consumer::Ledger>(kind, name, bodies, workers).await,
+        Kind::Loyalty => raw_with::<loyalty_consumer::Loyalty>(kind, name, bodies, workers).await,
+    }
+}
+
+/// Remove a consumer name's inbox and progress rows.
+pub async fn forget(kind: Kind, name: &str) {
+    let db = db(kind).await;
+    let _ = db
+        .execute(
+            "DELETE FROM processed_events WHERE consumer_name = $1",
+            &[&name],
+        )
+        .await;
+    let _ = db
+        .execute(
+            "DELETE FROM order_progress WHERE consumer_name = $1",
+            &[&name],
+        )
+        .await;
+}

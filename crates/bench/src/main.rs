@@ -1,0 +1,542 @@
+//! `make bench`: the load generator and phase runner. It starts a private
+//! system from the release binaries (order-api, two relays, the three
+//! consumers, under a fresh tenant, a private exchange and private consumer
+//! names, so other tests and engineers sharing PostgreSQL and RabbitMQ do
+//! not interfere), runs every stage next to its raw limit in the same run,
+//! and writes a markdown table, a JSON file and an SVG chart (BENCHMARKS.md).
+//!
+//! `bench` runs the suite; `bench backlog` the long backlog drain
+//! (`make bench-backlog`). Settings are environment variables (see
+//! [`Settings`]).
+
+// The bench computes statistics (rates, ratios, percentiles), never money.
+#![allow(clippy::float_arithmetic)]
+// Counts and durations converted for statistics; precision loss is irrelevant.
+#![allow(clippy::cast_precision_loss)]
+
+mod api;
+mod chart;
+mod consumers;
+mod relay;
+mod report;
+mod stats;
+
+use std::{
+    collections::BTreeMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use system_tests::{
+    consumers::Kind,
+    pg, pg_url,
+    system::{bind_consumer, unbind_consumer, System, SystemOptions},
+    Database,
+};
+
+use crate::stats::{ms, Latency, PeakMemory};
+
+/// Environment settings, with the defaults of `make bench`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Settings {
+    /// `BENCH_CONCURRENCY`: clients of the API phase (and raw connections).
+    pub concurrency: usize,
+    /// `BENCH_API_SECONDS`: length of each side of the API phase.
+    pub api_seconds: u64,
+    /// `BENCH_EVENTS`: the relay backlog.
+    pub events: i64,
+    /// `BENCH_CONSUMER_EVENTS`: events queued for each consumer.
+    pub consumer_events: i64,
+    /// `BENCH_E2E_SECONDS`: length of the paced end-to-end run.
+    pub e2e_seconds: u64,
+    /// `BENCH_BACKLOG_EVENTS`: the backlog of `bench backlog`.
+    pub backlog_events: i64,
+    /// `BENCH_OUT`: output directory.
+    pub out: String,
+}
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        Settings {
+            concurrency: env("BENCH_CONCURRENCY", 16),
+            api_seconds: env("BENCH_API_SECONDS", 20),
+            events: env("BENCH_EVENTS", 100_000),
+            consumer_events: env("BENCH_CONSUMER_EVENTS", 20_000),
+            e2e_seconds: env("BENCH_E2E_SECONDS", 30),
+            backlog_events: env("BENCH_BACKLOG_EVENTS", 1_000_000),
+            out: env("BENCH_OUT", "bench".to_owned()),
+        }
+    }
+}
+
+/// Everything one run measured (the JSON file).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Results {
+    pub date: String,
+    pub machine: report::Machine,
+    pub settings: Option<Settings>,
+    pub api: api::Load,
+    pub api_raw: api::Load,
+    pub relay_one: relay::Drain,
+    pub relay_two: relay::Drain,
+    pub relay_raw: relay::Drain,
+    pub relay_workers: usize,
+    pub consumers: BTreeMap<String, (consumers::Apply, consumers::Apply)>,
+    pub e2e_rate: f64,
+    pub e2e_orders: api::Load,
+    pub e2e: Latency,
+    /// Peak RSS (KiB) per service binary, over every process of the run.
+    pub peak_rss_kib: BTreeMap<String, u64>,
+    /// (second, orders, p50 ms, max ms) of the end-to-end run.
+    #[serde(skip)]
+    pub e2e_timeline: Vec<(f64, f64, f64, f64)>,
+}
+
+fn block<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+fn phase(name: &str) {
+    println!("\n== {name}  [{}]", report::now_utc());
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let settings = Settings::from_env();
+    std::fs::create_dir_all(&settings.out)?;
+    match std::env::args().nth(1).as_deref() {
+        None | Some("suite") => suite(settings).await,
+        Some("backlog") => backlog(settings).await,
+        Some(other) => anyhow::bail!("unknown mode {other:?}: `bench` or `bench backlog`"),
+    }
+}
+
+/// Sample every member's peak RSS until the token is cancelled.
+fn sample_memory(system: Arc<System>, peaks: PeakMemory) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            for member in system.members() {
+                if let Some(pid) = member.pid() {
+                    peaks.record(member.binary, pid);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+}
+
+async fn start_system(relays: usize) -> Arc<System> {
+    let system = System::start(
+        "bench",
+        SystemOptions {
+            relays,
+            start_relays: false,
+            relay_env: vec![
+                // Leases well above a batch's confirm time under load.
+                (
+                    "OUTBOX_RELAY__RELAY__LEASE_MS".to_owned(),
+                    "30000".to_owned(),
+                ),
+                (
+                    "OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS".to_owned(),
+                    "10000".to_owned(),
+                ),
+            ],
+            ..SystemOptions::default()
+        },
+    )
+    .await;
+    Arc::new(system)
+}
+
+async fn start_relays(system: &System, count: usize) -> Instant {
+    let started = Instant::now();
+    for relay in system.relays.iter().take(count) {
+        relay.start("");
+    }
+    for relay in system.relays.iter().take(count) {
+        relay.ready(Duration::from_secs(60)).await;
+    }
+    started
+}
+
+fn stop_relays(system: &System) {
+    for relay in &system.relays {
+        block(|| relay.stop());
+    }
+}
+
+async fn suite(settings: Settings) -> anyhow::Result<()> {
+    let run_started = Instant::now();
+    let mut results = Results {
+        date: report::now_utc(),
+        machine: report::Machine::read(),
+        settings: Some(settings.clone()),
+        ..Results::default()
+    };
+    phase("start: order-api, 2 relays (stopped), 3 consumers (private names)");
+    let system = start_system(2).await;
+    let peaks = PeakMemory::default();
+    let sampler = sample_memory(system.clone(), peaks.clone());
+    system.stock_up().await;
+    let orders = pg(Database::Orders).await;
+    let raw_tenant = format!("{}-raw", system.tenant);
+    orders
+        .execute(
+            "INSERT INTO tenants (tenant_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            &[&raw_tenant],
+        )
+        .await?;
+    receive_raw_stock(&system, &raw_tenant).await;
+    for consumer in &system.consumers {
+        block(|| consumer.stop());
+    }
+
+    // 1. API vs raw transaction.
+    let duration = Duration::from_secs(settings.api_seconds);
+    phase(&format!(
+        "1. API: POST /orders, {} clients, {:?}",
+        settings.concurrency, duration
+    ));
+    results.api = api::http_load(
+        &system.api.base_url(),
+        &system.key,
+        0,
+        settings.concurrency,
+        duration,
+    )
+    .await;
+    report::print_load("order-api", &results.api);
+    phase("1. raw: the same transaction through tokio-postgres");
+    results.api_raw = api::raw_load(
+        &pg_url(Database::Orders),
+        &raw_tenant,
+        settings.concurrency,
+        duration,
+    )
+    .await;
+    report::print_load("raw", &results.api_raw);
+    cleanup_orders(&orders, &raw_tenant).await;
+
+    // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
+    phase(&format!("2. relay: backlog of {} events", settings.events));
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            unbind_consumer(&consumer.name, &system.exchange).await;
+        }
+    }
+    let sink = relay::Sink::bind(&system.exchange).await;
+    let backlog = relay::top_up(&orders, &system.tenant, settings.events).await;
+    println!("  backlog: {backlog} unpublished events");
+    let workers = 2;
+    results.relay_workers = workers;
+    phase("2. raw: lapin confirm-publish of the same messages (2 channels x 500 in flight)");
+    let rows = relay::rows(&orders, &system.tenant, backlog).await;
+    let messages: Arc<Vec<_>> = Arc::new(
+        rows.iter()
+            .map(|row| (system.exchange.clone(), relay::message(row)))
+            .collect(),
+    );
+    drop(rows);
+    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
+    results.relay_raw = relay::raw_publish(&sink.connection, messages.clone(), workers, 500).await;
+    sink.wait_delivered(before + messages.len() as u64).await;
+    report::print_drain("raw confirm-publish", &results.relay_raw);
+    drop(messages);
+    phase("2. one relay draining the backlog");
+    let started = start_relays(&system, 1).await;
+    results.relay_one = relay::measure_drain(&orders, &system.tenant, started, "relay").await;
+    stop_relays(&system);
+    report::print_drain("1 relay", &results.relay_one);
+    phase("2. two relays draining the same backlog again");
+    relay::reset(&orders, &system.tenant).await;
+    let started = start_relays(&system, 2).await;
+    results.relay_two = relay::measure_drain(&orders, &system.tenant, started, "2 relays").await;
+    stop_relays(&system);
+    report::print_drain("2 relays", &results.relay_two);
+    sink.delete().await;
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            bind_consumer(&consumer.name, &system.exchange).await;
+        }
+    }
+
+    // 3. Consumers: fill each one's queues, start it, compare with raw.
+    let n = settings.consumer_events.min(backlog);
+    phase(&format!(
+        "3. consumers: {n} events queued for each (stopped)"
+    ));
+    let rows = relay::rows(&orders, &system.tenant, n).await;
+    let connection = system_tests::consumers::connect().await;
+    let mut queued = Vec::new();
+    for consumer in &system.consumers {
+        for row in &rows {
+            queued.push((format!("{}.events", consumer.name), relay::message(row)));
+        }
+    }
+    let fill = relay::raw_publish(&connection, Arc::new(queued), 1, 500).await;
+    println!(
+        "  queued {} messages in {:.1} s",
+        fill.events, fill.wall_seconds
+    );
+    let _ = connection.close(200, "done".into()).await;
+    let raw_bodies: Vec<(String, Vec<u8>)> = rows
+        .iter()
+        .map(|row| {
+            let mut row = row.clone();
+            row.tenant_id.clone_from(&raw_tenant);
+            let body = outbox_relay::publish::envelope(&row)
+                .to_json_bytes()
+                .expect("encode");
+            (row.aggregate_id, body)
+        })
+        .collect();
+    drop(rows);
+    for consumer in &system.consumers {
+        let kind = consumer.kind.expect("consumer kind");
+        let db = consumers::db(kind).await;
+        let since = consumers::now(&db).await;
+        println!("  {} starting", consumer.label);
+        let started = Instant::now();
+        consumer.start("");
+        consumer.ready(Duration::from_secs(60)).await;
+        let applied =
+            consumers::measure(&db, &consumer.name, since, u64::try_from(n)?, started).await;
+        report::print_apply(kind.binary(), &applied);
+        let raw_name = format!("{}-raw", consumer.name);
+        let raw = consumers::raw(kind, &raw_name, &raw_bodies, 2).await;
+        report::print_apply("  raw", &raw);
+        consumers::forget(kind, &raw_name).await;
+        results
+            .consumers
+            .insert(kind.binary().to_owned(), (applied, raw));
+    }
+
+    // 4. End to end at half the API's sustained maximum.
+    let e2e_rate = (results.api.per_second / 2.0).max(1.0);
+    results.e2e_rate = e2e_rate;
+    phase(&format!(
+        "4. end to end: {e2e_rate:.0} orders/s for {} s, 1 relay, all consumers",
+        settings.e2e_seconds
+    ));
+    start_relays(&system, 1).await;
+    let since = consumers::now(&consumers::db(Kind::Inventory).await).await;
+    results.e2e_orders = api::paced_load(
+        &system.api.base_url(),
+        &system.key,
+        10_000_000,
+        e2e_rate,
+        Duration::from_secs(settings.e2e_seconds),
+    )
+    .await;
+    report::print_load("paced order-api", &results.e2e_orders);
+    let (latency, timeline) = end_to_end(&system, &orders, since).await?;
+    println!(
+        "  order committed -> applied by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
+        latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
+    );
+    results.e2e = latency;
+    results.e2e_timeline = timeline;
+
+    // 5. Memory.
+    sampler.abort();
+    for member in system.members() {
+        if let Some(pid) = member.pid() {
+            peaks.record(member.binary, pid);
+        }
+    }
+    results.peak_rss_kib = peaks.snapshot();
+    phase("5. peak RSS");
+    for (service, kib) in &results.peak_rss_kib {
+        println!("  {service}: {:.1} MiB", *kib as f64 / 1024.0);
+    }
+
+    phase("writing results");
+    report::write(&settings.out, &results)?;
+    for member in system.members() {
+        block(|| member.stop());
+    }
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
+        }
+    }
+    cleanup_orders(&orders, &system.tenant).await;
+    println!("done in {:.0?}", run_started.elapsed());
+    Ok(())
+}
+
+/// Receipts of every SKU for the raw tenant (the same stock as the system's).
+async fn receive_raw_stock(system: &System, tenant: &str) {
+    let inventory = system.consumer(Kind::Inventory);
+    for sku in system_tests::system::skus() {
+        let response = system
+            .http
+            .post(format!("{}/stock/receipts", inventory.base_url()))
+            .bearer_auth(system_tests::consumers::TEST_TOKEN)
+            .header("X-Tenant-Id", tenant)
+            .json(
+                &serde_json::json!({"receipt_id": format!("rcpt-{sku}"), "sku": sku,
+                                      "location": "WH-1", "qty": 100_000_000}),
+            )
+            .send()
+            .await
+            .expect("receipt");
+        assert!(
+            response.status().is_success(),
+            "receipt: {}",
+            response.status()
+        );
+    }
+}
+
+/// Every event of the paced run: from its `occurred_at` (the order's
+/// transaction) to the last of the three consumers' `processed_at`.
+async fn end_to_end(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    since: time::OffsetDateTime,
+) -> anyhow::Result<(Latency, Vec<(f64, f64, f64, f64)>)> {
+    let events: Vec<(uuid::Uuid, time::OffsetDateTime)> = orders
+        .query(
+            "SELECT event_id, occurred_at FROM outbox_events WHERE tenant_id = $1 AND occurred_at >= $2",
+            &[&system.tenant, &since],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let mut applied: BTreeMap<uuid::Uuid, time::OffsetDateTime> = BTreeMap::new();
+    for consumer in system.consumers.iter().filter(|c| c.label.ends_with("-0")) {
+        let kind = consumer.kind.expect("kind");
+        let db = consumers::db(kind).await;
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            let rows = db
+                .query(
+                    "SELECT event_id, processed_at FROM processed_events
+                      WHERE consumer_name = $1 AND processed_at >= $2",
+                    &[&consumer.name, &since],
+                )
+                .await?;
+            let seen: BTreeMap<uuid::Uuid, time::OffsetDateTime> =
+                rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+            if events.iter().all(|(id, _)| seen.contains_key(id)) || Instant::now() > deadline {
+                for (id, at) in seen {
+                    let entry = applied.entry(id).or_insert(at);
+                    *entry = (*entry).max(at);
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let mut samples = Vec::new();
+    let mut per_second: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+    for (id, occurred) in &events {
+        if let Some(done) = applied.get(id) {
+            let latency = ms((*done - *occurred).unsigned_abs());
+            samples.push(latency);
+            per_second
+                .entry((*occurred - since).whole_seconds())
+                .or_default()
+                .push(latency);
+        }
+    }
+    let timeline = per_second
+        .into_iter()
+        .map(|(second, mut v)| {
+            v.sort_by(f64::total_cmp);
+            (
+                second as f64,
+                v.len() as f64,
+                stats::percentile(&v, 0.5),
+                v[v.len() - 1],
+            )
+        })
+        .collect();
+    anyhow::ensure!(
+        samples.len() == events.len(),
+        "{} of {} events applied by all three consumers",
+        samples.len(),
+        events.len()
+    );
+    Ok((Latency::of(samples), timeline))
+}
+
+/// Delete a tenant's orders, idempotency records and outbox rows (the bench
+/// leaves the shared database as small as it found it).
+async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
+    for statement in [
+        "DELETE FROM outbox_events WHERE tenant_id = $1",
+        "DELETE FROM idempotency_requests WHERE tenant_id = $1",
+        "DELETE FROM order_lines WHERE order_id IN (SELECT order_id FROM orders WHERE tenant_id = $1)",
+        "DELETE FROM orders WHERE tenant_id = $1",
+    ] {
+        if let Err(error) = db.execute(statement, &[&tenant]).await {
+            eprintln!("cleanup: {error}");
+        }
+    }
+}
+
+/// `bench backlog`: one relay draining a backlog of `BENCH_BACKLOG_EVENTS`,
+/// sampling the claim query's latency and the outbox's dead tuples.
+async fn backlog(settings: Settings) -> anyhow::Result<()> {
+    phase("backlog: start order-api, 1 relay (stopped)");
+    let system = start_system(1).await;
+    for consumer in &system.consumers {
+        block(|| consumer.stop());
+        if consumer.label.ends_with("-0") {
+            unbind_consumer(&consumer.name, &system.exchange).await;
+        }
+    }
+    let (mut orders, connection) =
+        tokio_postgres::connect(&pg_url(Database::Orders), tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    phase("backlog: 5 s of API orders as templates, then the synthetic backlog");
+    let seed = api::http_load(
+        &system.api.base_url(),
+        &system.key,
+        0,
+        8,
+        Duration::from_secs(5),
+    )
+    .await;
+    println!("  {} template orders", seed.requests);
+    let backlog = relay::top_up(&orders, &system.tenant, settings.backlog_events).await;
+    println!("  backlog: {backlog} events");
+    let sink = relay::Sink::bind(&system.exchange).await;
+    phase("backlog: one relay draining; a sample every 2 s");
+    let started = start_relays(&system, 1).await;
+    let mut samples = Vec::new();
+    loop {
+        let sample = relay::backlog_sample(&mut orders, &system.tenant, started).await;
+        println!(
+            "  {:>6.0} s  left {:>8}  claim {:>7.1} ms  dead tuples {:>8}  live {:>8}",
+            sample.seconds, sample.left, sample.claim_ms, sample.dead_tuples, sample.live_tuples
+        );
+        let left = sample.left;
+        samples.push(sample);
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let drain = relay::measure_drain(&orders, &system.tenant, started, "relay").await;
+    report::print_drain("1 relay", &drain);
+    stop_relays(&system);
+    sink.delete().await;
+    report::write_backlog(&settings.out, &drain, &samples)?;
+    for member in system.members() {
+        block(|| member.stop());
+    }
+    cleanup_orders(&orders, &system.tenant).await;
+    Ok(())
+}

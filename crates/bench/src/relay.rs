@@ -1,0 +1,374 @@
+//! Phase 2: the relay draining a backlog against a raw lapin confirm-publish
+//! loop of the very same messages into the same topology (the system's
+//! private topic exchange bound to one quorum queue, drained as it fills);
+//! and the long backlog run (`make bench-backlog`).
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use futures_util::StreamExt;
+use kit::amqp::{check_confirmation, lapin};
+use lapin::{
+    options::{
+        BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+        QueueDeclareOptions, QueueDeleteOptions,
+    },
+    types::{AMQPValue, FieldTable},
+    Channel, Connection,
+};
+use outbox_relay::{claim::OutboxRow, publish};
+use serde::Serialize;
+use tokio_postgres::Client;
+
+use crate::stats::{ms, rate};
+
+/// A drain (or a raw publish loop) of `events` messages.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Drain {
+    pub events: u64,
+    /// From the relay's start (or the first publish) to the last row marked
+    /// (or the last confirm).
+    pub wall_seconds: f64,
+    /// First to last `published_at` (the relay's steady rate, without its
+    /// start-up); equals the wall time for the raw loop.
+    pub span_seconds: f64,
+    pub per_second: f64,
+}
+
+/// The sink of the relay phase: a quorum queue bound `#` to the system's
+/// exchange, drained without acks as fast as it fills.
+pub struct Sink {
+    pub connection: Connection,
+    pub channel: Channel,
+    pub queue: String,
+    pub delivered: Arc<AtomicU64>,
+}
+
+impl Sink {
+    pub async fn bind(exchange: &str) -> Sink {
+        let connection = system_tests::consumers::connect().await;
+        let channel = connection.create_channel().await.expect("channel");
+        let queue = format!("{exchange}.sink");
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                args,
+            )
+            .await
+            .expect("sink queue");
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind sink");
+        let delivered = Arc::new(AtomicU64::new(0));
+        let mut consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                "bench-sink".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume sink");
+        let counter = delivered.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(_)) = consumer.next().await {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        Sink {
+            connection,
+            channel,
+            queue,
+            delivered,
+        }
+    }
+
+    pub async fn wait_delivered(&self, want: u64) {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while self.delivered.load(Ordering::Relaxed) < want && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn delete(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = self.connection.close(200, "done".into()).await;
+    }
+}
+
+/// Add synthetic `OrderPlaced` rows to the tenant's backlog until it holds
+/// `events` unpublished rows: copies of the API's real rows (same payload
+/// shape and size) under new order ids.
+pub async fn top_up(db: &Client, tenant: &str, events: i64) -> i64 {
+    let have: i64 = db
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+            &[&tenant],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    let extra = events - have;
+    if extra > 0 && have > 0 {
+        db.execute(
+            "WITH src AS (
+                 SELECT row_number() OVER (ORDER BY occurred_at) - 1 AS n, payload, traceparent
+                   FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL),
+             g AS (SELECT g, gen_random_uuid() AS id FROM generate_series(0, $2::bigint - 1) g)
+             INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+                 aggregate_sequence, event_type, schema_version, payload, traceparent,
+                 occurred_at, available_at)
+             SELECT gen_random_uuid(), $1, 'order', g.id::text, 1, 'OrderPlaced', 1,
+                    jsonb_set(jsonb_set(src.payload, '{order_id}', to_jsonb(g.id::text)),
+                              '{checkout_id}', to_jsonb('synthetic-' || g.id::text)),
+                    src.traceparent, now(), now()
+               FROM g JOIN src ON src.n = g.g % $3::bigint",
+            &[&tenant, &extra, &have],
+        )
+        .await
+        .expect("top up the backlog");
+    }
+    db.batch_execute("VACUUM ANALYZE outbox_events")
+        .await
+        .expect("vacuum");
+    events.max(have)
+}
+
+/// Make every row of the tenant unpublished again (for the next drain).
+pub async fn reset(db: &Client, tenant: &str) {
+    db.execute(
+        "UPDATE outbox_events SET published_at = NULL, claimed_by = NULL, claim_until = NULL,
+                attempt_count = 0, last_error = NULL
+          WHERE tenant_id = $1",
+        &[&tenant],
+    )
+    .await
+    .expect("reset");
+    db.batch_execute("VACUUM ANALYZE outbox_events")
+        .await
+        .expect("vacuum");
+}
+
+pub async fn unpublished(db: &Client, tenant: &str) -> i64 {
+    db.query_one(
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+        &[&tenant],
+    )
+    .await
+    .expect("unpublished")
+    .get(0)
+}
+
+/// Wait until the tenant has no unpublished row (started = relays started).
+pub async fn measure_drain(db: &Client, tenant: &str, started: Instant, label: &str) -> Drain {
+    let total = unpublished(db, tenant).await.max(0) as u64;
+    let mut last_print = Instant::now();
+    loop {
+        let left = unpublished(db, tenant).await;
+        if left == 0 {
+            break;
+        }
+        if last_print.elapsed() > Duration::from_secs(5) {
+            println!("  {label}: {left} left after {:.0?}", started.elapsed());
+            last_print = Instant::now();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1800),
+            "{label}: {left} left"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let wall = started.elapsed();
+    let row = db
+        .query_one(
+            "SELECT count(*), EXTRACT(EPOCH FROM max(published_at) - min(published_at))::float8
+               FROM outbox_events WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("span");
+    let events = u64::try_from(row.get::<_, i64>(0))
+        .unwrap_or_default()
+        .max(total);
+    let span: f64 = row.get::<_, Option<f64>>(1).unwrap_or_default();
+    Drain {
+        events,
+        wall_seconds: wall.as_secs_f64(),
+        span_seconds: span,
+        per_second: if span > 0.0 {
+            events as f64 / span
+        } else {
+            rate(events, wall)
+        },
+    }
+}
+
+/// The tenant's rows as the relay claims them.
+pub async fn rows(db: &Client, tenant: &str, limit: i64) -> Vec<OutboxRow> {
+    db.query(
+        "SELECT event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
+                event_type, schema_version, payload, traceparent, tracestate, occurred_at,
+                attempt_count
+           FROM outbox_events WHERE tenant_id = $1 ORDER BY occurred_at, event_id LIMIT $2",
+        &[&tenant, &limit],
+    )
+    .await
+    .expect("rows")
+    .iter()
+    .map(|row| OutboxRow {
+        event_id: row.get(0),
+        tenant_id: row.get(1),
+        aggregate_type: row.get(2),
+        aggregate_id: row.get(3),
+        aggregate_sequence: row.get(4),
+        event_type: row.get(5),
+        schema_version: row.get(6),
+        payload: row.get(7),
+        traceparent: row.get(8),
+        tracestate: row.get(9),
+        occurred_at: row.get(10),
+        attempt_count: row.get(11),
+    })
+    .collect()
+}
+
+/// The relay's message of `row` (body, routing key, properties, headers).
+pub fn message(row: &OutboxRow) -> publish::Message {
+    let mut trace = HashMap::new();
+    if let Some(traceparent) = &row.traceparent {
+        trace.insert(events::headers::TRACEPARENT.to_owned(), traceparent.clone());
+    }
+    publish::message(row, &trace, false).expect("encode")
+}
+
+/// Confirm-publish `messages` to `exchange` (or, with `per_exchange`, to each
+/// message's own exchange) on `channels` confirm channels, `window` in
+/// flight on each: the raw limit of what the relay does.
+pub async fn raw_publish(
+    connection: &Connection,
+    messages: Arc<Vec<(String, publish::Message)>>,
+    channels: usize,
+    window: usize,
+) -> Drain {
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    let share = messages.len().div_ceil(channels.max(1));
+    for c in 0..channels.max(1) {
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirms");
+        let messages = messages.clone();
+        tasks.spawn(async move {
+            let mine = messages
+                .iter()
+                .skip(c * share)
+                .take(share)
+                .collect::<Vec<_>>();
+            for chunk in mine.chunks(window.max(1)) {
+                let mut confirms = Vec::with_capacity(chunk.len());
+                for (exchange, message) in chunk {
+                    confirms.push(
+                        channel
+                            .basic_publish(
+                                exchange.as_str().into(),
+                                message.routing_key.as_str().into(),
+                                BasicPublishOptions {
+                                    mandatory: true,
+                                    ..BasicPublishOptions::default()
+                                },
+                                &message.body,
+                                message.properties.clone(),
+                            )
+                            .await
+                            .expect("publish"),
+                    );
+                }
+                for confirm in confirms {
+                    check_confirmation(confirm.await.expect("confirm")).expect("routed and acked");
+                }
+            }
+            let _ = channel.close(200, "done".into()).await;
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result.expect("publisher task");
+    }
+    let wall = started.elapsed();
+    Drain {
+        events: messages.len() as u64,
+        wall_seconds: wall.as_secs_f64(),
+        span_seconds: wall.as_secs_f64(),
+        per_second: rate(messages.len() as u64, wall),
+    }
+}
+
+/// One sample of the long backlog run.
+#[derive(Clone, Debug, Serialize)]
+pub struct BacklogSample {
+    pub seconds: f64,
+    pub left: i64,
+    pub claim_ms: f64,
+    pub dead_tuples: i64,
+    pub live_tuples: i64,
+}
+
+/// The claim statement (500 rows, the tenant only) timed in a transaction
+/// that is rolled back, so it claims nothing; plus the outbox table's
+/// dead and live tuples.
+pub async fn backlog_sample(db: &mut Client, tenant: &str, started: Instant) -> BacklogSample {
+    let left = unpublished(db, tenant).await;
+    let tx = db.transaction().await.expect("tx");
+    let t = Instant::now();
+    tx.query(
+        outbox_relay::claim::CLAIM_SQL,
+        &[&"bench-probe", &30_000_i64, &500_i64, &tenant],
+    )
+    .await
+    .expect("claim probe");
+    let claim_ms = ms(t.elapsed());
+    tx.rollback().await.expect("rollback");
+    let row = db
+        .query_one(
+            "SELECT n_dead_tup, n_live_tup FROM pg_stat_user_tables WHERE relname = 'outbox_events'",
+            &[],
+        )
+        .await
+        .expect("tuples");
+    BacklogSample {
+        seconds: started.elapsed().as_secs_f64(),
+        left,
+        claim_ms,
+        dead_tuples: row.get(0),
+        live_tuples: row.get(1),
+    }
+}

@@ -1,0 +1,294 @@
+//! Printing progress, and writing the results: JSON, the markdown table
+//! (also spliced into BENCHMARKS.md between its result markers) and the
+//! SVG chart.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::{
+    api::Load,
+    chart::{self, Panel, Series},
+    consumers::Apply,
+    relay::{BacklogSample, Drain},
+    stats::ratio,
+    Results,
+};
+
+/// The machine the numbers come from.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Machine {
+    pub cores: usize,
+    pub memory_mib: u64,
+    pub cpu: String,
+}
+
+impl Machine {
+    pub fn read() -> Machine {
+        let memory_kib = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix("MemTotal:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .unwrap_or_default();
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|c| {
+                c.lines()
+                    .find_map(|l| l.strip_prefix("model name"))
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+            })
+            .unwrap_or_default();
+        Machine {
+            cores: std::thread::available_parallelism().map_or(1, usize::from),
+            memory_mib: memory_kib / 1024,
+            cpu,
+        }
+    }
+}
+
+pub fn now_utc() -> String {
+    let now = time::OffsetDateTime::now_utc();
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
+        now.year(),
+        u8::from(now.month()),
+        now.day(),
+        now.hour(),
+        now.minute(),
+        now.second()
+    )
+}
+
+pub fn print_load(label: &str, load: &Load) {
+    println!(
+        "  {label}: {} in {:.1} s = {:.0}/s, p50 {:.1} ms, p99 {:.1} ms, {} errors",
+        load.requests,
+        load.seconds,
+        load.per_second,
+        load.latency.p50_ms,
+        load.latency.p99_ms,
+        load.errors
+    );
+}
+
+pub fn print_drain(label: &str, drain: &Drain) {
+    println!(
+        "  {label}: {} events, {:.0}/s (first to last {:.1} s, wall {:.1} s)",
+        drain.events, drain.per_second, drain.span_seconds, drain.wall_seconds
+    );
+}
+
+pub fn print_apply(label: &str, apply: &Apply) {
+    println!(
+        "  {label}: {} events, {:.0}/s (first to last {:.1} s, wall {:.1} s)",
+        apply.events, apply.per_second, apply.span_seconds, apply.wall_seconds
+    );
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "yes"
+    } else {
+        "**no**"
+    }
+}
+
+/// The markdown table of a run.
+pub fn table(r: &Results) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "Run {} on {} cores, {} MiB ({}).\n",
+        r.date, r.machine.cores, r.machine.memory_mib, r.machine.cpu
+    );
+    let _ = writeln!(
+        md,
+        "| Stage | Measured | Raw limit (same run) | Ratio | Target | Met |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|");
+    let api_ratio = ratio(r.api.per_second, r.api_raw.per_second);
+    let _ = writeln!(
+        md,
+        "| API `POST /orders` ({} clients) | {:.0} orders/s, p50 {:.1} ms, p99 {:.1} ms | {:.0} tx/s, p50 {:.1} ms, p99 {:.1} ms | {:.0} % | ≥ 85 % | {} |",
+        r.settings.as_ref().map_or(0, |s| s.concurrency),
+        r.api.per_second, r.api.latency.p50_ms, r.api.latency.p99_ms,
+        r.api_raw.per_second, r.api_raw.latency.p50_ms, r.api_raw.latency.p99_ms,
+        api_ratio, verdict(api_ratio >= 85.0)
+    );
+    for (label, drain) in [("1 relay", &r.relay_one), ("2 relays", &r.relay_two)] {
+        let q = ratio(drain.per_second, r.relay_raw.per_second);
+        let _ = writeln!(
+            md,
+            "| Relay drain, {label} ({} events) | {:.0} events/s (wall {:.1} s) | {:.0} msg/s confirm-publish ({} channels × 500 in flight) | {:.0} % | ≥ 80 % | {} |",
+            drain.events, drain.per_second, drain.wall_seconds, r.relay_raw.per_second,
+            r.relay_workers, q, verdict(q >= 80.0)
+        );
+    }
+    for (name, (applied, raw)) in &r.consumers {
+        let q = ratio(applied.per_second, raw.per_second);
+        let _ = writeln!(
+            md,
+            "| {name} apply ({} events, 2 partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect | {:.0} % | ≥ 80 % | {} |",
+            applied.events, applied.per_second, raw.per_second, q, verdict(q >= 80.0)
+        );
+    }
+    let _ = writeln!(
+        md,
+        "| End to end at {:.0} orders/s ({} orders) | p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms | | | p50 < 20 ms, p99 < 100 ms | {} |",
+        r.e2e_rate, r.e2e.count, r.e2e.p50_ms, r.e2e.p99_ms, r.e2e.max_ms,
+        verdict(r.e2e.count > 0 && r.e2e.p50_ms < 20.0 && r.e2e.p99_ms < 100.0)
+    );
+    for (service, kib) in &r.peak_rss_kib {
+        let limit = if service == "order-api" { 128 } else { 64 };
+        let mib = *kib as f64 / 1024.0;
+        let _ = writeln!(
+            md,
+            "| Peak RSS {service} | {mib:.1} MiB | | | < {limit} MiB | {} |",
+            verdict(mib < f64::from(limit))
+        );
+    }
+    md
+}
+
+fn chart_of(r: &Results) -> String {
+    let per_second = |load: &Load| -> Vec<(f64, f64)> {
+        load.timeline
+            .iter()
+            .enumerate()
+            .filter(|(s, _)| (*s as f64) < load.seconds.floor())
+            .map(|(s, n)| (s as f64, *n as f64))
+            .collect()
+    };
+    let panels = vec![
+        Panel {
+            title: "Phase 1: POST /orders vs the raw transaction (per second)".into(),
+            unit: "/s".into(),
+            series: vec![
+                Series {
+                    name: "order-api orders/s".into(),
+                    color: "#1f77b4",
+                    points: per_second(&r.api),
+                },
+                Series {
+                    name: "raw tokio-postgres tx/s".into(),
+                    color: "#ff7f0e",
+                    points: per_second(&r.api_raw),
+                },
+            ],
+        },
+        Panel {
+            title: format!(
+                "Phase 4: end-to-end run at {:.0} orders/s: orders committed per second",
+                r.e2e_rate
+            ),
+            unit: "/s".into(),
+            series: vec![Series {
+                name: "orders/s (by occurred_at)".into(),
+                color: "#2ca02c",
+                points: r.e2e_timeline.iter().map(|t| (t.0, t.1)).collect(),
+            }],
+        },
+        Panel {
+            title: "Phase 4: order committed -> applied by all three consumers".into(),
+            unit: "ms".into(),
+            series: vec![
+                Series {
+                    name: "p50 of the second".into(),
+                    color: "#1f77b4",
+                    points: r.e2e_timeline.iter().map(|t| (t.0, t.2)).collect(),
+                },
+                Series {
+                    name: "max of the second".into(),
+                    color: "#d62728",
+                    points: r.e2e_timeline.iter().map(|t| (t.0, t.3)).collect(),
+                },
+            ],
+        },
+    ];
+    chart::render(&format!("make bench, {}", r.date), &panels)
+}
+
+const BEGIN: &str = "<!-- bench:results:begin -->";
+const END: &str = "<!-- bench:results:end -->";
+
+/// Write `latest.json`, `latest.md`, `latest.svg` under `out` (and a copy
+/// under `out/runs/<date>/`), and splice the table into BENCHMARKS.md.
+pub fn write(out: &str, r: &Results) -> anyhow::Result<()> {
+    let json = serde_json::to_string_pretty(r)?;
+    let md = table(r);
+    let svg = chart_of(r);
+    let stamp = r.date.replace([' ', ':'], "-");
+    let run_dir = format!("{out}/runs/{stamp}");
+    std::fs::create_dir_all(&run_dir)?;
+    for dir in [out, run_dir.as_str()] {
+        std::fs::write(format!("{dir}/latest.json"), &json)?;
+        std::fs::write(format!("{dir}/latest.md"), &md)?;
+        std::fs::write(format!("{dir}/latest.svg"), &svg)?;
+    }
+    println!("\n{md}");
+    println!("wrote {out}/latest.json, {out}/latest.md, {out}/latest.svg");
+    if let Ok(doc) = std::fs::read_to_string("BENCHMARKS.md") {
+        if let (Some(b), Some(e)) = (doc.find(BEGIN), doc.find(END)) {
+            let spliced = format!(
+                "{}{BEGIN}\n{md}\n![throughput and latency over the run]({out}/latest.svg)\n{}",
+                &doc[..b],
+                &doc[e..]
+            );
+            std::fs::write("BENCHMARKS.md", spliced)?;
+            println!("updated BENCHMARKS.md");
+        }
+    }
+    Ok(())
+}
+
+pub fn write_backlog(out: &str, drain: &Drain, samples: &[BacklogSample]) -> anyhow::Result<()> {
+    let json = serde_json::to_string_pretty(&serde_json::json!({
+        "date": now_utc(),
+        "machine": Machine::read(),
+        "drain": drain,
+        "samples": samples,
+    }))?;
+    std::fs::write(format!("{out}/backlog.json"), json)?;
+    let panels = vec![
+        Panel {
+            title: "Claim query (500 rows) latency during the drain".into(),
+            unit: "ms".into(),
+            series: vec![Series {
+                name: "claim ms".into(),
+                color: "#1f77b4",
+                points: samples.iter().map(|s| (s.seconds, s.claim_ms)).collect(),
+            }],
+        },
+        Panel {
+            title: "outbox_events tuples".into(),
+            unit: "".into(),
+            series: vec![
+                Series {
+                    name: "dead tuples".into(),
+                    color: "#d62728",
+                    points: samples
+                        .iter()
+                        .map(|s| (s.seconds, s.dead_tuples as f64))
+                        .collect(),
+                },
+                Series {
+                    name: "unpublished left".into(),
+                    color: "#2ca02c",
+                    points: samples.iter().map(|s| (s.seconds, s.left as f64)).collect(),
+                },
+            ],
+        },
+    ];
+    std::fs::write(
+        format!("{out}/backlog.svg"),
+        chart::render(
+            &format!("make bench-backlog: {} events, {}", drain.events, now_utc()),
+            &panels,
+        ),
+    )?;
+    println!("wrote {out}/backlog.json, {out}/backlog.svg");
+    Ok(())
+}
