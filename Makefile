@@ -21,7 +21,7 @@ help:
 	@echo "make up       install where missing and start PostgreSQL + RabbitMQ, create the databases"
 	@echo "make down     stop what 'make up' started"
 	@echo "make migrate  apply every database's migrations"
-	@echo "make lint     rustfmt check + clippy -D warnings"
+	@echo "make lint     rustfmt check + clippy -D warnings + hadolint (deploy/Dockerfile)"
 	@echo "make bench    benchmarks: every stage against its raw limit (BENCHMARKS.md)"
 	@echo "make bench-backlog  long: a 1,000,000-event backlog drain (claim latency, dead tuples)"
 
@@ -49,12 +49,14 @@ drift: build
 	$(ENV) target/debug/drift-check
 
 test: up
+	scripts/check-deploy.sh
 	$(CARGO) build --workspace --all-targets $(FAILPOINTS_FEATURES)
 	$(ENV) $(CARGO) test --workspace --no-fail-fast $(FAILPOINTS_FEATURES)
 
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	scripts/check-deploy.sh lint
 
 # Release binaries in their own target directory (never the debug binaries
 # the tests run); the bench starts them from there (SERVICE_BIN_DIR).

