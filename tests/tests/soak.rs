@@ -4,8 +4,8 @@
 //! - `soak_with_kill_9_broker_and_database_restarts`: orders with payments
 //!   and deliveries under load, 2 relays and 2 instances of each consumer,
 //!   while a chaos driver SIGKILLs a random service every few seconds and
-//!   restarts it, plus one RabbitMQ restart and one PostgreSQL
-//!   immediate-mode restart (crash recovery). Then drain and check: 0 lost,
+//!   restarts it, plus one PostgreSQL immediate-mode restart (crash
+//!   recovery) and one RabbitMQ restart. Then drain and check: 0 lost,
 //!   0 double effects, order kept, 0 drift. Short by default (`make test`);
 //!   `make soak` runs it long (`SOAK_LONG=1`, see [`Soak::from_env`]).
 //! - `backlog_drains_in_order_and_the_oldest_pending_age_falls_back`.
@@ -144,8 +144,9 @@ async fn chaos(
     kills
 }
 
-/// One RabbitMQ restart at a third of the traffic and one PostgreSQL
-/// immediate-mode restart (crash recovery) at two thirds.
+/// One PostgreSQL immediate-mode restart (crash recovery) at a third of the
+/// traffic and one RabbitMQ restart at half of it (the slower one: the
+/// traffic goes on while the broker is down).
 async fn infrastructure(
     soak: Soak,
     progress: Arc<std::sync::atomic::AtomicU64>,
@@ -156,8 +157,8 @@ async fn infrastructure(
     if !soak.infra_restarts {
         return events;
     }
-    for (fraction, args) in [(1, ["rabbitmq", "app"]), (2, ["pg", "immediate"])] {
-        while progress.load(Ordering::Relaxed) * 3 < soak.orders * fraction
+    for (sixths, args) in [(2, ["pg", "immediate"]), (3, ["rabbitmq", "app"])] {
+        while progress.load(Ordering::Relaxed) * 6 < soak.orders * sixths
             && !traffic_done.load(Ordering::Relaxed)
         {
             tokio::time::sleep(Duration::from_millis(200)).await;
