@@ -67,13 +67,7 @@ async fn one_trace_per_operation_across_the_broker() {
     let receiver = Receiver::start().await;
     // Inherited by every process the system starts (the test process starts no
     // other thread that reads the environment at this point).
-    for (name, value) in [
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint()),
-        ("OTEL_BSP_SCHEDULE_DELAY", "100".to_owned()),
-        ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000".to_owned()),
-    ] {
-        std::env::set_var(name, value);
-    }
+    let _env = OtelEnv::set(&receiver);
     let system = System::start("trace", SystemOptions::default()).await;
     system.receive("SKU-00", 100).await;
 
@@ -220,13 +214,85 @@ async fn one_trace_per_operation_across_the_broker() {
         "only trace exports: {:?}",
         receiver.requests()
     );
-    for name in [
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-        "OTEL_BSP_SCHEDULE_DELAY",
-        "OTEL_EXPORTER_OTLP_TIMEOUT",
-    ] {
-        std::env::remove_var(name);
+}
+
+/// The OTLP environment of the processes this test process starts; removed
+/// again on drop (also when the test fails).
+struct OtelEnv;
+
+const OTEL_VARS: [&str; 3] = [
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_BSP_SCHEDULE_DELAY",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+];
+
+impl OtelEnv {
+    fn set(receiver: &Receiver) -> OtelEnv {
+        for (name, value) in OTEL_VARS.iter().zip([
+            receiver.endpoint(),
+            // Export every 100 ms instead of every 5 s.
+            "100".to_owned(),
+            "2000".to_owned(),
+        ]) {
+            std::env::set_var(name, value);
+        }
+        OtelEnv
     }
+}
+
+impl Drop for OtelEnv {
+    fn drop(&mut self) {
+        for name in OTEL_VARS {
+            std::env::remove_var(name);
+        }
+    }
+}
+
+/// Spans still waiting in the batch exporter are flushed when a service
+/// stops on SIGTERM (the export interval here is a minute: only the
+/// shutdown flush can deliver them in time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_spans_are_flushed_on_sigterm() {
+    let _serial = SERIAL.lock().await;
+    let receiver = Receiver::start().await;
+    let tenant = system_tests::unique_tenant("flush");
+    let key = system_tests::api_key(&tenant);
+    let mut api = system_tests::OrderApi::start(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "60000".to_owned()),
+    ])
+    .await;
+    let response = reqwest::Client::new()
+        .post(api.url("/orders"))
+        .bearer_auth(&key)
+        .header("Idempotency-Key", "flush-1")
+        .json(
+            &json!({"customer_id": "c-flush", "checkout_id": "chk-flush",
+               "lines": [{"sku": "SKU-00", "qty": 1, "unit_price": "1.00", "unit_cost": "0.50"}],
+               "shipping": "0.00", "tax": "0.00", "currency": "USD", "location": "WH-1"}),
+        )
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 201);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        receiver.spans().is_empty(),
+        "nothing exported before the interval"
+    );
+    api.service.signal("TERM");
+    let status = api
+        .service
+        .wait_exit(Duration::from_secs(30))
+        .expect("order-api stops on SIGTERM");
+    assert!(status.success(), "order-api exit: {status:?}");
+    let spans = receiver.spans();
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.service == "order-api" && s.name == "order_operation"),
+        "the order's span was flushed at shutdown: {spans:?}"
+    );
 }
 
 /// `promtool` (Debian's `prometheus` package; `scripts/check-deploy.sh`,
