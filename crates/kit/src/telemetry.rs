@@ -118,6 +118,8 @@ pub fn init(service: &'static str) -> TelemetryGuard {
 pub fn trace_headers(span: &tracing::Span) -> HashMap<String, String> {
     let mut carrier = HashMap::new();
     TraceContextPropagator::new().inject_context(&span.context(), &mut carrier);
+    // The propagator writes an empty `tracestate` when there is none.
+    carrier.retain(|_, value| !value.is_empty());
     carrier
 }
 
