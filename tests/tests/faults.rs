@@ -374,3 +374,133 @@ async fn consumer_crash_after_commit_before_ack() {
         "the redelivered message was suppressed ({suppressed})"
     );
 }
+
+/// The checker itself: a clean system, then one tampering per invariant,
+/// each of which it must report (a checker that cannot fail proves nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_checker_reports_each_broken_invariant() {
+    let _serial = SERIAL.lock().await;
+    let system = System::start("fault-checker", SystemOptions::default()).await;
+    system.stock_up().await;
+    system.drive(0..4, 4).await;
+    assert_invariants(&system, 4).await;
+    let t = system.tenant.clone();
+    let orders = pg(Database::Orders).await;
+    let ids: Vec<String> = orders
+        .query(
+            "SELECT order_id::text FROM orders WHERE tenant_id = $1 ORDER BY order_id",
+            &[&t],
+        )
+        .await
+        .expect("orders")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let event = |order: &str, sequence: i64| {
+        let orders = &orders;
+        let order = order.to_owned();
+        async move {
+            orders
+                .query_one(
+                    "SELECT event_id FROM outbox_events WHERE aggregate_id = $1 AND aggregate_sequence = $2",
+                    &[&order, &sequence],
+                )
+                .await
+                .expect("event")
+                .get::<_, Uuid>(0)
+        }
+    };
+    // (1) a committed delivery whose outbox row is gone.
+    orders
+        .execute(
+            "DELETE FROM outbox_events WHERE aggregate_id = $1 AND aggregate_sequence = 3",
+            &[&ids[0]],
+        )
+        .await
+        .expect("delete");
+    // (2) an outbox row (published) without any order.
+    orders
+        .execute(
+            "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+               aggregate_sequence, event_type, schema_version, payload, published_at) \
+             VALUES ($1, $2, 'order', $3, 1, 'OrderPlaced', 1, '{}', now())",
+            &[&Uuid::now_v7(), &t, &Uuid::now_v7().to_string()],
+        )
+        .await
+        .expect("orphan");
+    // (4) a second loyalty entry for order 1's delivery, under another event.
+    let loyalty = pg(Database::Loyalty).await;
+    loyalty
+        .execute(
+            "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
+               event_type, reason, occurred_at) \
+             SELECT tenant_id, customer_id, order_id, points, $2, event_type, reason, occurred_at \
+               FROM loyalty_entries WHERE tenant_id = $1 AND order_id = $3::text::uuid",
+            &[&t, &Uuid::now_v7(), &ids[1]],
+        )
+        .await
+        .expect("double");
+    // (5) order 2's delivery recorded as processed before its payment.
+    let inventory = pg(Database::Inventory).await;
+    let delivered = event(&ids[2], 3).await;
+    inventory
+        .execute(
+            "UPDATE processed_events SET processed_at = processed_at - interval '1 hour' \
+             WHERE consumer_name = $1 AND event_id = $2",
+            &[
+                &system
+                    .consumer(system_tests::consumers::Kind::Inventory)
+                    .name,
+                &delivered,
+            ],
+        )
+        .await
+        .expect("reorder");
+    // (3) order 3's delivery never applied by the loyalty consumer: its inbox
+    // row and effect removed together.
+    let lost = event(&ids[3], 3).await;
+    loyalty
+        .execute(
+            "DELETE FROM loyalty_entries WHERE tenant_id = $1 AND event_id = $2",
+            &[&t, &lost],
+        )
+        .await
+        .expect("lose effect");
+    loyalty
+        .execute(
+            "DELETE FROM processed_events WHERE consumer_name = $1 AND event_id = $2",
+            &[
+                &system.consumer(system_tests::consumers::Kind::Loyalty).name,
+                &lost,
+            ],
+        )
+        .await
+        .expect("lose inbox");
+
+    let report = system.check(Duration::ZERO).await;
+    println!("{}", report.render());
+    for n in 1..=5 {
+        assert!(
+            report.count(n) > 0,
+            "invariant {n} not reported:\n{}",
+            report.render()
+        );
+    }
+    assert!(report.drift_findings() > 0, "drift not reported");
+    assert!(report.lost() > 0 && report.double_effects() > 0 && report.ordering_violations() > 0);
+    assert!(!report.is_clean());
+    // The command says so too, with exit status 1.
+    let scope = system.scope();
+    let mut args = vec!["--tenant".to_owned(), t.clone()];
+    for c in &scope.consumers {
+        args.push("--consumer".to_owned());
+        args.push(format!("{}={}", c.kind.default_name(), c.name));
+    }
+    let output = std::process::Command::new(system_tests::bin("check-invariants"))
+        .args(&args)
+        .output()
+        .expect("check-invariants");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("INVARIANTS VIOLATED"), "{stdout}");
+}
