@@ -100,6 +100,8 @@ pub fn init(service: &'static str) -> TelemetryGuard {
         .with(
             tracing_opentelemetry::layer()
                 .with_tracer(tracer)
+                // No busy/idle timing on every poll of an instrumented future.
+                .with_tracked_inactivity(false)
                 .with_filter(trace_filter),
         )
         .try_init();
