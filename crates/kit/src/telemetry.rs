@@ -22,7 +22,12 @@ use std::collections::HashMap;
 use opentelemetry::{propagation::TextMapPropagator, trace::TracerProvider as _};
 use opentelemetry_sdk::{propagation::TraceContextPropagator, trace::SdkTracerProvider, Resource};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::{layer::SubscriberExt, util::SubscriberInitExt, EnvFilter, Layer};
+use tracing_subscriber::{
+    filter::{filter_fn, FilterExt},
+    layer::SubscriberExt,
+    util::SubscriberInitExt,
+    EnvFilter, Layer,
+};
 
 /// Keeps the tracer provider alive; flushes pending spans when dropped.
 pub struct TelemetryGuard {
@@ -78,8 +83,12 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
     });
+    // Without an exporter the spans only carry the trace context (stored and
+    // propagated): log events are not recorded into them.
+    let exporting = otlp_configured() && export_error.is_none();
     let trace_filter = EnvFilter::try_from_env("OTEL_TRACES_FILTER")
-        .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER));
+        .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER))
+        .and(filter_fn(move |metadata| exporting || metadata.is_span()));
     let text = std::env::var("LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("text"));
     let fmt_layer = if text {
         tracing_subscriber::fmt::layer()
@@ -111,7 +120,7 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     if let Some(error) = export_error {
         tracing::error!(%error, "OTLP exporter not started; spans are not exported");
     }
-    tracing::info!(service, otlp_export = otlp_configured(), "telemetry ready");
+    tracing::info!(service, otlp_export = exporting, "telemetry ready");
     TelemetryGuard { provider }
 }
 
