@@ -4,9 +4,10 @@
 //! retried with its key and every consumer gets a full relay replay: effects
 //! exactly once, zero drift.
 //!
-//! The tests of this file run one at a time (their consumers listen on the
-//! shared `order-events` exchange); each has its own tenant, relay (scoped to
-//! that tenant) and privately named consumers.
+//! Each test has its own system (`system_tests::system`): its own tenant,
+//! relay (scoped to that tenant, publishing to a private exchange) and
+//! privately named consumers bound to that exchange; the replay is scoped
+//! to the tenant too (`--tenant`). The tests run one at a time (two cores).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -271,8 +272,8 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
         .and_then(|v| v.parse().ok())
         .unwrap_or(1000);
     let system = Arc::new(start("load").await);
-    // The replay window starts once this system is up: the replay is not
-    // tenant-scoped, and the previous test's events must stay out of it.
+    // This tenant's events since this system is up (`--tenant`: other
+    // tests' events must not reach these consumers).
     let started = time::OffsetDateTime::now_utc() - time::Duration::seconds(1);
     let skus: Vec<String> = (0..20).map(|i| format!("SKU-{i:02}")).collect();
     for sku in &skus {
@@ -347,6 +348,8 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
                 "replay",
                 "--consumer",
                 &consumer.name,
+                "--tenant",
+                &system.tenant,
                 "--since",
                 &started
                     .format(&time::format_description::well_known::Rfc3339)

@@ -59,6 +59,9 @@ struct ReplayArgs {
     /// Only the events of this order (aggregate id).
     #[arg(long)]
     order: Option<String>,
+    /// Only this tenant's events (default: `relay.only_tenant`, empty = every tenant).
+    #[arg(long)]
+    tenant: Option<String>,
     /// Events per database page and per pipelined publish.
     #[arg(long, default_value_t = 500)]
     page_size: i64,
@@ -155,6 +158,9 @@ pub async fn main() -> anyhow::Result<()> {
                     since: args.since,
                     until: args.until,
                     order: args.order,
+                    only_tenant: args
+                        .tenant
+                        .unwrap_or_else(|| settings.relay.only_tenant.clone()),
                     page_size: args.page_size,
                     confirm_timeout: settings.relay.confirm_timeout(),
                 };

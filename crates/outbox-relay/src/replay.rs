@@ -34,6 +34,10 @@ pub struct ReplayRequest {
     pub since: Option<OffsetDateTime>,
     pub until: Option<OffsetDateTime>,
     pub order: Option<String>,
+    /// Only this tenant's events (empty: every tenant). A consumer serving
+    /// some tenants only (a dedicated deployment, a test) must not get the
+    /// others' events.
+    pub only_tenant: String,
     pub page_size: i64,
     pub confirm_timeout: std::time::Duration,
 }
@@ -147,6 +151,7 @@ pub async fn replay(
                    AND ($4::timestamptz IS NULL OR occurred_at >= $4)
                    AND ($5::timestamptz IS NULL OR occurred_at < $5)
                    AND ($6::text IS NULL OR aggregate_id = $6)
+                   AND ($8 = '' OR tenant_id = $8)
                  ORDER BY aggregate_type, aggregate_id, aggregate_sequence
                  LIMIT $7",
                 &[
@@ -157,6 +162,7 @@ pub async fn replay(
                     &request.until,
                     &request.order,
                     &request.page_size,
+                    &request.only_tenant,
                 ],
             )
             .await?;
