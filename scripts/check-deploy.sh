@@ -17,16 +17,15 @@ need_promtool() {
     command -v promtool >/dev/null && command -v amtool >/dev/null && return
     echo "check-deploy: installing promtool and amtool (Debian packages prometheus, prometheus-alertmanager)"
     # Install only: the package's service must not start here.
-    local policy_created=
     if [ ! -e /usr/sbin/policy-rc.d ]; then
         printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
         chmod 0755 /usr/sbin/policy-rc.d
-        policy_created=1
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     fi
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         prometheus prometheus-alertmanager >/dev/null
-    if [ -n "$policy_created" ]; then rm -f /usr/sbin/policy-rc.d; fi
+    if trap -p EXIT | grep -q policy-rc.d; then rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
     command -v promtool >/dev/null && command -v amtool >/dev/null
 }
 
