@@ -5,11 +5,12 @@
 
 use std::time::{Duration, Instant};
 
+use consumer_runtime::process::{ADVANCE_PROGRESS, INSERT_INBOX, INSERT_PROGRESS, LOCK_PROGRESS};
 use consumer_runtime::Domain;
 use events::RawEnvelope;
 use serde::Serialize;
 use system_tests::{consumers::Kind, pg_url};
-use tokio_postgres::Client;
+use tokio_postgres::{types::ToSql, Client, Statement};
 
 use crate::stats::rate;
 
@@ -90,9 +91,12 @@ pub async fn measure(
 }
 
 /// The runtime's transaction (crates/consumer-runtime/src/process.rs) for
-/// one in-order event, with the domain's own handler.
+/// one in-order event, with the domain's own handler. `prepared`: the
+/// runtime's four statements prepared on this connection (as the runtime's
+/// statement cache holds them), or `None` to send them as text.
 async fn apply_one<D: Domain>(
     client: &mut Client,
+    prepared: Option<&[Statement; 4]>,
     domain: &D,
     name: &str,
     body: &[u8],
@@ -100,27 +104,22 @@ async fn apply_one<D: Domain>(
     let raw = RawEnvelope::parse_raw(body)?;
     let event = raw.decode().ok();
     let tx = client.transaction().await?;
-    let inserted = tx
-        .query_opt(
-            "INSERT INTO processed_events (consumer_name, event_id) VALUES ($1, $2) \
-             ON CONFLICT DO NOTHING RETURNING event_id",
-            &[&name, &raw.event_id],
-        )
-        .await?;
+    let inbox_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.event_id];
+    let inserted = match prepared {
+        Some(s) => tx.query_opt(&s[0], &inbox_args).await?,
+        None => tx.query_opt(INSERT_INBOX, &inbox_args).await?,
+    };
     anyhow::ensure!(inserted.is_some(), "raw events are new");
-    tx.execute(
-        "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id) VALUES ($1, $2, $3) \
-         ON CONFLICT DO NOTHING",
-        &[&name, &raw.aggregate_id, &raw.tenant_id],
-    )
-    .await?;
-    let progress = tx
-        .query_one(
-            "SELECT last_sequence, parked_at IS NOT NULL, parked_event_id, parked_reason \
-             FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE",
-            &[&name, &raw.aggregate_id],
-        )
-        .await?;
+    let progress_args: [&(dyn ToSql + Sync); 3] = [&name, &raw.aggregate_id, &raw.tenant_id];
+    match prepared {
+        Some(s) => tx.execute(&s[1], &progress_args).await?,
+        None => tx.execute(INSERT_PROGRESS, &progress_args).await?,
+    };
+    let lock_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.aggregate_id];
+    let progress = match prepared {
+        Some(s) => tx.query_one(&s[2], &lock_args).await?,
+        None => tx.query_one(LOCK_PROGRESS, &lock_args).await?,
+    };
     let last: i64 = progress.get(0);
     anyhow::ensure!(raw.aggregate_sequence == last + 1, "in order");
     if let Some(event) = &event {
@@ -129,14 +128,27 @@ async fn apply_one<D: Domain>(
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    tx.execute(
-        "UPDATE order_progress SET last_sequence = $3, updated_at = now() \
-         WHERE consumer_name = $1 AND aggregate_id = $2",
-        &[&name, &raw.aggregate_id, &raw.aggregate_sequence],
-    )
-    .await?;
+    let advance_args: [&(dyn ToSql + Sync); 3] =
+        [&name, &raw.aggregate_id, &raw.aggregate_sequence];
+    match prepared {
+        Some(s) => tx.execute(&s[3], &advance_args).await?,
+        None => tx.execute(ADVANCE_PROGRESS, &advance_args).await?,
+    };
     tx.commit().await?;
     Ok(())
+}
+
+async fn prepare(client: &Client) -> [Statement; 4] {
+    let mut statements = Vec::new();
+    for sql in [
+        INSERT_INBOX,
+        INSERT_PROGRESS,
+        LOCK_PROGRESS,
+        ADVANCE_PROGRESS,
+    ] {
+        statements.push(client.prepare(sql).await.expect("prepare"));
+    }
+    statements.try_into().expect("four statements")
 }
 
 async fn raw_with<D: Domain>(
@@ -144,6 +156,7 @@ async fn raw_with<D: Domain>(
     name: &str,
     bodies: &[(String, Vec<u8>)],
     workers: usize,
+    prepared: bool,
 ) -> Apply {
     let domain = std::sync::Arc::new(D::new(&kit::metrics::prometheus::Registry::new()));
     // Partition like the hash exchange does: one order, one worker.
@@ -163,12 +176,25 @@ async fn raw_with<D: Domain>(
     for (mut client, share) in clients.into_iter().zip(shares) {
         let (domain, name) = (domain.clone(), name.to_owned());
         tasks.spawn(async move {
+            let mut statements = if prepared {
+                Some(prepare(&client).await)
+            } else {
+                None
+            };
             for body in share {
                 // Retried on a new connection if the database went away (other
                 // engineers' fault tests restart it); an event applied before
                 // the failure counts as done.
                 let mut attempts = 0;
-                while let Err(error) = apply_one(&mut client, domain.as_ref(), &name, &body).await {
+                while let Err(error) = apply_one(
+                    &mut client,
+                    statements.as_ref(),
+                    domain.as_ref(),
+                    &name,
+                    &body,
+                )
+                .await
+                {
                     if error.to_string().contains("raw events are new") {
                         break;
                     }
@@ -182,6 +208,9 @@ async fn raw_with<D: Domain>(
                         {
                             tokio::spawn(connection);
                             client = c;
+                            if prepared {
+                                statements = Some(prepare(&client).await);
+                            }
                         }
                     }
                 }
@@ -201,13 +230,23 @@ async fn raw_with<D: Domain>(
 }
 
 /// Apply `bodies` (aggregate id, envelope) raw as consumer `name` of `kind`.
-pub async fn raw(kind: Kind, name: &str, bodies: &[(String, Vec<u8>)], workers: usize) -> Apply {
+pub async fn raw(
+    kind: Kind,
+    name: &str,
+    bodies: &[(String, Vec<u8>)],
+    workers: usize,
+    prepared: bool,
+) -> Apply {
     match kind {
         Kind::Inventory => {
-            raw_with::<inventory_consumer::Inventory>(kind, name, bodies, workers).await
+            raw_with::<inventory_consumer::Inventory>(kind, name, bodies, workers, prepared).await
         }
-        Kind::Ledger => raw_with::<ledger_consumer::Ledger>(kind, name, bodies, workers).await,
-        Kind::Loyalty => raw_with::<loyalty_consumer::Loyalty>(kind, name, bodies, workers).await,
+        Kind::Ledger => {
+            raw_with::<ledger_consumer::Ledger>(kind, name, bodies, workers, prepared).await
+        }
+        Kind::Loyalty => {
+            raw_with::<loyalty_consumer::Loyalty>(kind, name, bodies, workers, prepared).await
+        }
     }
 }
 
