@@ -66,10 +66,10 @@ impl Settings {
     fn from_env() -> Settings {
         Settings {
             concurrency: env("BENCH_CONCURRENCY", 16),
-            api_seconds: env("BENCH_API_SECONDS", 20),
-            events: env("BENCH_EVENTS", 100_000),
-            consumer_events: env("BENCH_CONSUMER_EVENTS", 20_000),
-            e2e_seconds: env("BENCH_E2E_SECONDS", 30),
+            api_seconds: env("BENCH_API_SECONDS", 15),
+            events: env("BENCH_EVENTS", 50_000),
+            consumer_events: env("BENCH_CONSUMER_EVENTS", 3_000),
+            e2e_seconds: env("BENCH_E2E_SECONDS", 20),
             backlog_events: env("BENCH_BACKLOG_EVENTS", 1_000_000),
             out: env("BENCH_OUT", "bench".to_owned()),
         }
@@ -196,6 +196,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
         )
         .await?;
     receive_raw_stock(&system, &raw_tenant).await;
+    receive_raw_stock(&system, &format!("{raw_tenant}2")).await;
     for consumer in &system.consumers {
         block(|| consumer.stop());
     }
@@ -288,17 +289,22 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
         fill.events, fill.wall_seconds
     );
     let _ = connection.close(200, "done".into()).await;
-    let raw_bodies: Vec<(String, Vec<u8>)> = rows
-        .iter()
-        .map(|row| {
-            let mut row = row.clone();
-            row.tenant_id.clone_from(&raw_tenant);
-            let body = outbox_relay::publish::envelope(&row)
-                .to_json_bytes()
-                .expect("encode");
-            (row.aggregate_id, body)
-        })
-        .collect();
+    // The effects are keyed by tenant: each raw variant applies the events
+    // under a tenant of its own (same stock), so its effects are new too.
+    let bodies_for = |tenant: &str| -> Vec<(String, Vec<u8>)> {
+        rows.iter()
+            .map(|row| {
+                let mut row = row.clone();
+                row.tenant_id = tenant.to_owned();
+                let body = outbox_relay::publish::envelope(&row)
+                    .to_json_bytes()
+                    .expect("encode");
+                (row.aggregate_id, body)
+            })
+            .collect()
+    };
+    let raw_bodies = bodies_for(&raw_tenant);
+    let unprepared_bodies = bodies_for(&format!("{raw_tenant}2"));
     drop(rows);
     for consumer in &system.consumers {
         let kind = consumer.kind.expect("consumer kind");
@@ -317,7 +323,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
         consumers::forget(kind, &raw_name).await;
         // The transaction as the runtime sent it before the benchmark
         // (statements as text): the gain of preparing them, same run.
-        let unprepared = consumers::raw(kind, &raw_name, &raw_bodies, 2, false).await;
+        let unprepared = consumers::raw(kind, &raw_name, &unprepared_bodies, 2, false).await;
         report::print_apply("raw (statements as text, before)", &unprepared);
         consumers::forget(kind, &raw_name).await;
         results
@@ -375,6 +381,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
         }
     }
     cleanup_orders(&orders, &system.tenant).await;
+    cleanup_orders(&orders, &format!("{raw_tenant}2")).await;
     println!("done in {:.0?}", run_started.elapsed());
     Ok(())
 }
