@@ -342,7 +342,10 @@ pub async fn paced_load(
     per_second: f64,
     duration: Duration,
 ) -> Load {
-    let client = reqwest::Client::new();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("http client");
     let interval = Duration::from_secs_f64(1.0 / per_second.max(1.0));
     let started = Instant::now();
     let mut ticker = tokio::time::interval(interval);
