@@ -212,30 +212,20 @@ impl Consumer {
 
     /// The sum of every series of metric `name` whose labels contain `labels`.
     pub async fn metric(&self, name: &str, labels: &str) -> f64 {
-        let body = reqwest::get(format!("{}/metrics", self.base_url()))
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("metrics body");
-        parse_metric(&body, name, labels)
+        scrape_metric(&self.base_url(), name, labels).await
     }
 
     /// Wait until metric `name{labels}` reaches at least `value`.
     pub async fn wait_metric(&self, name: &str, labels: &str, value: f64) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let current = self.metric(name, labels).await;
-            if current >= value {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{}: {name}{{{labels}}} = {current}, expected >= {value}",
-                self.name
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_for_metric(
+            &self.base_url(),
+            &self.name,
+            name,
+            labels,
+            value,
+            Duration::from_secs(60),
+        )
+        .await;
     }
 
     /// Wait until metric `name{labels}` is exactly `value`.
@@ -265,6 +255,41 @@ impl Consumer {
             .expect("GET");
         let status = response.status().as_u16();
         (status, response.json().await.unwrap_or(Value::Null))
+    }
+}
+
+/// Scrape `<base_url>/metrics`: the sum of every series of metric `name`
+/// whose labels contain `labels`.
+pub async fn scrape_metric(base_url: &str, name: &str, labels: &str) -> f64 {
+    let body = reqwest::get(format!("{base_url}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    parse_metric(&body, name, labels)
+}
+
+/// Poll `<base_url>/metrics` until `name{labels}` reaches at least `value`.
+pub async fn wait_for_metric(
+    base_url: &str,
+    who: &str,
+    name: &str,
+    labels: &str,
+    value: f64,
+    timeout: Duration,
+) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let current = scrape_metric(base_url, name, labels).await;
+        if current >= value {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{who}: {name}{{{labels}}} = {current}, expected >= {value}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -26,8 +26,8 @@ use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 
 use crate::consumers::{
-    connect, consumer_env, parse_metric, unique, wait_for_topology, Kind, Options, TopologyGuard,
-    TEST_TOKEN,
+    connect, consumer_env, scrape_metric, unique, wait_for_metric, wait_for_topology, Kind,
+    Options, TopologyGuard, TEST_TOKEN,
 };
 use crate::{api_key, free_port, unique_tenant, wait_for_ok, Service};
 use kit::amqp::lapin::{
@@ -221,30 +221,20 @@ impl Member {
 
     /// The sum of every series of metric `name` whose labels contain `labels`.
     pub async fn metric(&self, name: &str, labels: &str) -> f64 {
-        let body = reqwest::get(format!("{}/metrics", self.base_url()))
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("metrics body");
-        parse_metric(&body, name, labels)
+        scrape_metric(&self.base_url(), name, labels).await
     }
 
     /// Wait until metric `name{labels}` reaches at least `value`.
     pub async fn wait_metric(&self, name: &str, labels: &str, value: f64) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let current = self.metric(name, labels).await;
-            if current >= value {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{}: {name}{{{labels}}} = {current}, expected >= {value}",
-                self.label
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_for_metric(
+            &self.base_url(),
+            &self.label,
+            name,
+            labels,
+            value,
+            Duration::from_secs(120),
+        )
+        .await;
     }
 
     /// Scrape the counters `names` of the running process and remember them
