@@ -712,51 +712,24 @@ impl System {
     /// Order `i`: placed, paid and delivered (3 events), every request
     /// retried until definitive. Returns (lines, loyalty points).
     pub async fn order_flow(&self, i: u64) -> (u64, u64) {
-        let skus = skus();
-        let r = mix(i + 1);
-        let line_count = 1 + (r % 3) as usize;
-        let mut lines = Vec::new();
-        let mut merchandise = 0;
-        for l in 0..line_count {
-            let x = mix(r + l as u64);
-            let qty = 1 + x % 3;
-            let price = 100 + x % 9_900;
-            let cost = price / 2;
-            merchandise += qty * price;
-            lines.push(
-                json!({"sku": skus[(r as usize + l * 7) % skus.len()], "qty": qty,
-                              "unit_price": cents(price), "unit_cost": cents(cost)}),
-            );
-        }
-        let (shipping, tax) = (r % 1_000, merchandise / 10);
-        let total = merchandise + shipping + tax;
+        let plan = OrderPlan::new(i);
         let order = self
-            .post_created(
-                "/orders",
-                &format!("order-{i}"),
-                &json!({"customer_id": format!("c-{}", r % 50), "checkout_id": format!("chk-{i}"),
-                        "lines": lines, "shipping": cents(shipping), "tax": cents(tax),
-                        "currency": "USD", "location": "WH-1"}),
-            )
+            .post_created("/orders", &plan.keys[0], &plan.order)
             .await;
         let id = order["order_id"].as_str().expect("order id").to_owned();
         self.post_created(
             &format!("/orders/{id}/payments"),
-            &format!("pay-{i}"),
-            &json!({"payment_id": format!("p-{i}"), "amount": cents(total), "method": "card"}),
+            &plan.keys[1],
+            &plan.payment,
         )
         .await;
-        let delivered: Vec<Value> = lines
-            .iter()
-            .map(|l| json!({"sku": l["sku"], "qty": l["qty"]}))
-            .collect();
         self.post_created(
             &format!("/orders/{id}/deliveries"),
-            &format!("deliver-{i}"),
-            &json!({"delivery_id": format!("d-{i}"), "lines": delivered}),
+            &plan.keys[2],
+            &plan.delivery,
         )
         .await;
-        (line_count as u64, merchandise / 100)
+        (plan.line_count, plan.points)
     }
 
     /// Orders `range`, `concurrency` at a time.
@@ -782,6 +755,59 @@ impl System {
             self.retries.load(Ordering::Relaxed),
             self.replays.load(Ordering::Relaxed),
         )
+    }
+}
+
+/// The deterministic requests of order `i`: 1-3 lines over [`skus`], a
+/// customer out of 50, the payment of the exact total and the delivery of
+/// every line, with their idempotency keys.
+pub struct OrderPlan {
+    /// Idempotency keys of the order, payment and delivery requests.
+    pub keys: [String; 3],
+    pub order: Value,
+    pub payment: Value,
+    pub delivery: Value,
+    pub line_count: u64,
+    /// Loyalty points the delivery earns (whole units of merchandise).
+    pub points: u64,
+}
+
+impl OrderPlan {
+    pub fn new(i: u64) -> Self {
+        let skus = skus();
+        let r = mix(i + 1);
+        let line_count = 1 + r % 3;
+        let mut lines = Vec::new();
+        let mut merchandise = 0;
+        for l in 0..line_count {
+            let x = mix(r + l);
+            let qty = 1 + x % 3;
+            let price = 100 + x % 9_900;
+            let cost = price / 2;
+            merchandise += qty * price;
+            let sku = &skus[(r + l * 7) as usize % skus.len()];
+            lines.push(json!({"sku": sku, "qty": qty, "unit_price": cents(price), "unit_cost": cents(cost)}));
+        }
+        let (shipping, tax) = (r % 1_000, merchandise / 10);
+        let total = merchandise + shipping + tax;
+        let delivered: Vec<Value> = lines
+            .iter()
+            .map(|l| json!({"sku": l["sku"], "qty": l["qty"]}))
+            .collect();
+        Self {
+            keys: [
+                format!("order-{i}"),
+                format!("pay-{i}"),
+                format!("deliver-{i}"),
+            ],
+            order: json!({"customer_id": format!("c-{}", r % 50), "checkout_id": format!("chk-{i}"),
+                          "lines": lines, "shipping": cents(shipping), "tax": cents(tax),
+                          "currency": "USD", "location": "WH-1"}),
+            payment: json!({"payment_id": format!("p-{i}"), "amount": cents(total), "method": "card"}),
+            delivery: json!({"delivery_id": format!("d-{i}"), "lines": delivered}),
+            line_count,
+            points: merchandise / 100,
+        }
     }
 }
 

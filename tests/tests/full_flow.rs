@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use system_tests::{
     consumers::eventually,
     pg,
-    system::{cents, mix, System, SystemOptions},
+    system::{skus, OrderPlan, System, SystemOptions},
     Database,
 };
 use tokio::sync::Mutex;
@@ -275,60 +275,32 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
     // This tenant's events since this system is up (`--tenant`: other
     // tests' events must not reach these consumers).
     let started = time::OffsetDateTime::now_utc() - time::Duration::seconds(1);
-    let skus: Vec<String> = (0..20).map(|i| format!("SKU-{i:02}")).collect();
-    for sku in &skus {
+    for sku in &skus() {
         system.receive(sku, 1_000_000).await;
     }
 
     let results: Vec<(u64, u64)> = stream::iter(0..orders)
         .map(|i| {
             let system = system.clone();
-            let skus = skus.clone();
             async move {
-                let r = mix(i + 1);
-                let line_count = 1 + (r % 3) as usize;
-                let mut lines = Vec::new();
-                let mut merchandise = 0;
-                for l in 0..line_count {
-                    let x = mix(r + l as u64);
-                    let qty = 1 + x % 3;
-                    let price = 100 + x % 9_900;
-                    let cost = price / 2;
-                    merchandise += qty * price;
-                    lines.push(json!({"sku": skus[(r as usize + l * 7) % skus.len()], "qty": qty,
-                                      "unit_price": cents(price), "unit_cost": cents(cost)}));
-                }
-                let (shipping, tax) = (r % 1_000, merchandise / 10);
-                let total = merchandise + shipping + tax;
-                let order = post_twice(
-                    &system,
-                        "/orders",
-                        &format!("order-{i}"),
-                        &json!({"customer_id": format!("c-{}", r % 50), "checkout_id": format!("chk-{i}"),
-                                "lines": lines, "shipping": cents(shipping), "tax": cents(tax),
-                                "currency": "USD", "location": "WH-1"}),
-                    )
-                    .await;
+                let plan = OrderPlan::new(i);
+                let order = post_twice(&system, "/orders", &plan.keys[0], &plan.order).await;
                 let id = order["order_id"].as_str().expect("id").to_owned();
                 post_twice(
                     &system,
-                        &format!("/orders/{id}/payments"),
-                        &format!("pay-{i}"),
-                        &json!({"payment_id": format!("p-{i}"), "amount": cents(total), "method": "card"}),
-                    )
-                    .await;
-                let delivered: Vec<Value> = lines
-                    .iter()
-                    .map(|l| json!({"sku": l["sku"], "qty": l["qty"]}))
-                    .collect();
+                    &format!("/orders/{id}/payments"),
+                    &plan.keys[1],
+                    &plan.payment,
+                )
+                .await;
                 post_twice(
                     &system,
-                        &format!("/orders/{id}/deliveries"),
-                        &format!("deliver-{i}"),
-                        &json!({"delivery_id": format!("d-{i}"), "lines": delivered}),
-                    )
-                    .await;
-                (line_count as u64, merchandise / 100)
+                    &format!("/orders/{id}/deliveries"),
+                    &plan.keys[2],
+                    &plan.delivery,
+                )
+                .await;
+                (plan.line_count, plan.points)
             }
         })
         .buffer_unordered(16)
