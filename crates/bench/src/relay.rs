@@ -243,20 +243,7 @@ pub async fn rows(db: &Client, tenant: &str, limit: i64) -> Vec<OutboxRow> {
     .await
     .expect("rows")
     .iter()
-    .map(|row| OutboxRow {
-        event_id: row.get(0),
-        tenant_id: row.get(1),
-        aggregate_type: row.get(2),
-        aggregate_id: row.get(3),
-        aggregate_sequence: row.get(4),
-        event_type: row.get(5),
-        schema_version: row.get(6),
-        payload: row.get(7),
-        traceparent: row.get(8),
-        tracestate: row.get(9),
-        occurred_at: row.get(10),
-        attempt_count: row.get(11),
-    })
+    .map(OutboxRow::from_row)
     .collect()
 }
 

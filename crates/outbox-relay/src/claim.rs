@@ -32,6 +32,30 @@ pub struct OutboxRow {
     pub attempt_count: i32,
 }
 
+impl OutboxRow {
+    /// A row whose first twelve columns are, in this order: event_id,
+    /// tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
+    /// event_type, schema_version, payload, traceparent, tracestate,
+    /// occurred_at, attempt_count (the claim's RETURNING list; replay and the
+    /// bench select the same).
+    pub fn from_row(row: &tokio_postgres::Row) -> Self {
+        OutboxRow {
+            event_id: row.get(0),
+            tenant_id: row.get(1),
+            aggregate_type: row.get(2),
+            aggregate_id: row.get(3),
+            aggregate_sequence: row.get(4),
+            event_type: row.get(5),
+            schema_version: row.get(6),
+            payload: row.get(7),
+            traceparent: row.get(8),
+            tracestate: row.get(9),
+            occurred_at: row.get(10),
+            attempt_count: row.get(11),
+        }
+    }
+}
+
 /// The result of one claim.
 #[derive(Debug, Default)]
 pub struct Claimed {
@@ -86,20 +110,7 @@ pub async fn claim(
                 "took over an expired claim"
             );
         }
-        claimed.rows.push(OutboxRow {
-            event_id: row.get(0),
-            tenant_id: row.get(1),
-            aggregate_type: row.get(2),
-            aggregate_id: row.get(3),
-            aggregate_sequence: row.get(4),
-            event_type: row.get(5),
-            schema_version: row.get(6),
-            payload: row.get(7),
-            traceparent: row.get(8),
-            tracestate: row.get(9),
-            occurred_at: row.get(10),
-            attempt_count: row.get(11),
-        });
+        claimed.rows.push(OutboxRow::from_row(&row));
     }
     Ok(claimed)
 }

@@ -169,23 +169,7 @@ pub async fn replay(
         if rows.is_empty() {
             break;
         }
-        let page: Vec<OutboxRow> = rows
-            .iter()
-            .map(|row| OutboxRow {
-                event_id: row.get(0),
-                tenant_id: row.get(1),
-                aggregate_type: row.get(2),
-                aggregate_id: row.get(3),
-                aggregate_sequence: row.get(4),
-                event_type: row.get(5),
-                schema_version: row.get(6),
-                payload: row.get(7),
-                traceparent: row.get(8),
-                tracestate: row.get(9),
-                occurred_at: row.get(10),
-                attempt_count: row.get(11),
-            })
-            .collect();
+        let page: Vec<OutboxRow> = rows.iter().map(OutboxRow::from_row).collect();
         if let Some(last) = page.last() {
             after = (
                 last.aggregate_type.clone(),
