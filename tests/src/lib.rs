@@ -23,13 +23,32 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| kit::settings::AmqpSettings::default().url)
 }
 
-/// A plain tokio-postgres client to `db`.
+/// A plain tokio-postgres client to `db`, whose schema is migrated first (once
+/// per test process): a test never depends on another test, or a service it
+/// happens to start, having created the tables — CI runs on a fresh cluster.
 pub async fn pg(db: Database) -> tokio_postgres::Client {
+    ensure_migrated(db).await;
     let (client, connection) = tokio_postgres::connect(&pg_url(db), tokio_postgres::NoTls)
         .await
         .unwrap_or_else(|e| panic!("connect to {}: {e} (is `make up` running?)", db.name()));
     tokio::spawn(connection);
     client
+}
+
+/// Applies `db`'s migrations unless this process already did. Concurrent
+/// callers are serialised by the migration advisory lock.
+pub async fn ensure_migrated(db: Database) {
+    static MIGRATED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let done = |name| MIGRATED.lock().map(|m| m.contains(&name)).unwrap_or(false);
+    if done(db.name()) {
+        return;
+    }
+    kit::migrations::run(&pool(db), db)
+        .await
+        .unwrap_or_else(|e| panic!("migrate {}: {e} (is `make up` running?)", db.name()));
+    if let Ok(mut m) = MIGRATED.lock() {
+        m.push(db.name());
+    }
 }
 
 /// A deadpool pool to `db` (what the services use).
