@@ -115,7 +115,10 @@ async fn main() -> anyhow::Result<()> {
     match std::env::args().nth(1).as_deref() {
         None | Some("suite") => suite(settings).await,
         Some("backlog") => backlog(settings).await,
-        Some(other) => anyhow::bail!("unknown mode {other:?}: `bench` or `bench backlog`"),
+        Some("e2e") => e2e_only(settings).await,
+        Some(other) => {
+            anyhow::bail!("unknown mode {other:?}: `bench`, `bench backlog` or `bench e2e`")
+        }
     }
 }
 
@@ -425,15 +428,37 @@ async fn end_to_end(
     orders: &tokio_postgres::Client,
     since: time::OffsetDateTime,
 ) -> anyhow::Result<(Latency, Vec<(f64, f64, f64, f64)>)> {
-    let events: Vec<(uuid::Uuid, time::OffsetDateTime)> = orders
+    let rows = orders
         .query(
-            "SELECT event_id, occurred_at FROM outbox_events WHERE tenant_id = $1 AND occurred_at >= $2",
+            "SELECT event_id, occurred_at, published_at FROM outbox_events
+              WHERE tenant_id = $1 AND occurred_at >= $2",
             &[&system.tenant, &since],
         )
-        .await?
+        .await?;
+    let events: Vec<(uuid::Uuid, time::OffsetDateTime)> =
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    // Where the time goes: order transaction -> relay's publish (marked
+    // after the confirm), then -> each consumer's commit.
+    let published: BTreeMap<uuid::Uuid, time::OffsetDateTime> = rows
         .iter()
-        .map(|r| (r.get(0), r.get(1)))
+        .filter_map(|r| {
+            r.get::<_, Option<time::OffsetDateTime>>(2)
+                .map(|at| (r.get(0), at))
+        })
         .collect();
+    let relay_part: Vec<f64> = events
+        .iter()
+        .filter_map(|(id, occurred)| {
+            published
+                .get(id)
+                .map(|at| ms((*at - *occurred).unsigned_abs()))
+        })
+        .collect();
+    let relay_part = Latency::of(relay_part);
+    println!(
+        "  order -> marked published by the relay: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        relay_part.p50_ms, relay_part.p99_ms, relay_part.max_ms
+    );
     let mut applied: BTreeMap<uuid::Uuid, time::OffsetDateTime> = BTreeMap::new();
     for consumer in system.consumers.iter().filter(|c| c.label.ends_with("-0")) {
         let kind = consumer.kind.expect("kind");
@@ -450,6 +475,21 @@ async fn end_to_end(
             let seen: BTreeMap<uuid::Uuid, time::OffsetDateTime> =
                 rows.iter().map(|r| (r.get(0), r.get(1))).collect();
             if events.iter().all(|(id, _)| seen.contains_key(id)) || Instant::now() > deadline {
+                let part = Latency::of(
+                    events
+                        .iter()
+                        .filter_map(|(id, occurred)| {
+                            seen.get(id).map(|at| ms((*at - *occurred).unsigned_abs()))
+                        })
+                        .collect(),
+                );
+                println!(
+                    "  order -> applied by {}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+                    kind.binary(),
+                    part.p50_ms,
+                    part.p99_ms,
+                    part.max_ms
+                );
                 for (id, at) in seen {
                     let entry = applied.entry(id).or_insert(at);
                     *entry = (*entry).max(at);
@@ -490,6 +530,50 @@ async fn end_to_end(
         events.len()
     );
     Ok((Latency::of(samples), timeline))
+}
+
+/// `bench e2e`: the end-to-end phase alone, at `BENCH_E2E_RATE` orders/s
+/// (default 50) for `BENCH_E2E_SECONDS`, with the per-stage breakdown: a
+/// quick loop for profiling the latency without the whole suite.
+async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
+    let rate: f64 = std::env::var("BENCH_E2E_RATE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50.0);
+    phase("e2e: start order-api, 1 relay, 3 consumers (private names)");
+    let system = start_system(1).await;
+    system.stock_up().await;
+    let orders = pg(Database::Orders).await;
+    start_relays(&system, 1).await;
+    phase(&format!(
+        "e2e: {rate:.0} orders/s for {} s",
+        settings.e2e_seconds
+    ));
+    let since = consumers::now(&consumers::db(Kind::Inventory).await).await;
+    let load = api::paced_load(
+        &system.api.base_url(),
+        &system.key,
+        10_000_000,
+        rate,
+        Duration::from_secs(settings.e2e_seconds),
+    )
+    .await;
+    report::print_load("paced order-api", &load);
+    let (latency, _) = end_to_end(&system, &orders, since).await?;
+    println!(
+        "  order committed -> applied by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
+        latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
+    );
+    for member in system.members() {
+        block(|| member.stop());
+    }
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
+        }
+    }
+    cleanup_orders(&orders, &system.tenant).await;
+    Ok(())
 }
 
 /// Delete a tenant's orders, idempotency records and outbox rows (the bench
