@@ -95,7 +95,7 @@ pub async fn measure(
 /// runtime's four statements prepared on this connection (as the runtime's
 /// statement cache holds them), or `None` to send them as text.
 async fn apply_one<D: Domain>(
-    client: &mut Client,
+    client: &mut kit::db::Client,
     prepared: Option<&[Statement; 4]>,
     domain: &D,
     name: &str,
@@ -167,14 +167,17 @@ async fn raw_with<D: Domain>(
             .fold(0_u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
         shares[(h % workers.max(1) as u64) as usize].push(body.clone());
     }
+    // Pooled connections like the service's (the domain prepares its
+    // statements through the pool's statement cache), one per worker.
+    let pool = system_tests::pool(kind.database());
     let mut clients = Vec::new();
     for _ in 0..shares.len() {
-        clients.push(db(kind).await);
+        clients.push(pool.get().await.expect("raw connection"));
     }
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for (mut client, share) in clients.into_iter().zip(shares) {
-        let (domain, name) = (domain.clone(), name.to_owned());
+        let (domain, name, pool) = (domain.clone(), name.to_owned(), pool.clone());
         tasks.spawn(async move {
             let mut statements = if prepared {
                 Some(prepare(&client).await)
@@ -202,11 +205,7 @@ async fn raw_with<D: Domain>(
                     assert!(attempts < 50, "raw apply: {error}");
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     if client.is_closed() {
-                        if let Ok((c, connection)) =
-                            tokio_postgres::connect(&pg_url(kind.database()), tokio_postgres::NoTls)
-                                .await
-                        {
-                            tokio::spawn(connection);
+                        if let Ok(c) = pool.get().await {
                             client = c;
                             if prepared {
                                 statements = Some(prepare(&client).await);

@@ -76,8 +76,10 @@ pub use tokio_postgres;
 pub use topology::Topology;
 
 /// The database transaction a handler runs in (the runtime's inbox row and
-/// progress update commit with the handler's rows, or none of them do).
-pub type Transaction<'a> = tokio_postgres::Transaction<'a>;
+/// progress update commit with the handler's rows, or none of them do). A
+/// pooled connection's transaction: handlers prepare their hot statements
+/// with `prepare_cached` (once per connection, then one round trip each).
+pub type Transaction<'a> = kit::db::Transaction<'a>;
 
 /// A domain handler failure: the transaction is rolled back and the event is
 /// retried through the tiers, then dead-lettered. A *transient* failure (the

@@ -61,21 +61,36 @@ impl consumer_runtime::Domain for Inventory {
     ) -> Result<(), HandlerError> {
         match event {
             Event::OrderPlaced(order) => {
-                tx.execute(
-                    "INSERT INTO inventory_orders (tenant_id, order_id, location, event_id) \
-                     VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-                    &[
-                        &envelope.tenant_id,
-                        &order.order_id,
-                        &order.location,
-                        &envelope.event_id,
-                    ],
-                )
-                .await?;
                 let lines = by_sku(order.lines.iter().map(|l| (l.sku.as_str(), l.qty)));
-                for (sku, qty) in lines {
-                    let shortage =
-                        reserve(tx, envelope, order.order_id, &order.location, sku, qty).await?;
+                let skus: Vec<&str> = lines.keys().copied().collect();
+                let qtys: Vec<i64> = lines.values().copied().collect();
+                let reserve = tx.prepare_cached(RESERVE_ORDER).await?;
+                let reserved = tx
+                    .query(
+                        &reserve,
+                        &[
+                            &envelope.tenant_id,
+                            &order.order_id,
+                            &order.location,
+                            &skus,
+                            &qtys,
+                            &envelope.event_id,
+                        ],
+                    )
+                    .await?;
+                if reserved.len() != lines.len() {
+                    // Cannot happen (one movement per distinct sku); never
+                    // commit a partial reservation if it does.
+                    return Err(HandlerError::new(format!(
+                        "reserved {} of {} skus of order {}",
+                        reserved.len(),
+                        lines.len(),
+                        order.order_id
+                    )));
+                }
+                for row in reserved {
+                    let (sku, qty, shortage): (String, i64, i64) =
+                        (row.get(0), row.get(1), row.get(2));
                     if shortage > 0 {
                         self.shortages.inc();
                         tracing::warn!(%sku, location = %order.location, qty, shortage, order = %order.order_id, "stock shortage");
@@ -85,8 +100,7 @@ impl consumer_runtime::Domain for Inventory {
             }
             Event::ParcelDelivered(delivery) => {
                 let location: String = tx
-                    .query_opt(
-                        "SELECT location FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2",
+                    .query_opt(&tx.prepare_cached("SELECT location FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2").await?,
                         &[&envelope.tenant_id, &delivery.order_id],
                     )
                     .await?
@@ -114,6 +128,35 @@ impl consumer_runtime::Domain for Inventory {
     }
 }
 
+/// An order's reservation in one statement (one round trip, however many
+/// lines): the order's location row, each distinct sku's level upserted and
+/// locked in sku order (the same lock order for every order: no deadlock
+/// between partitions), `reserved += qty`, and one `reserve` movement per sku
+/// with its shortage: how much of `qty` exceeded what was available before
+/// (`on_hand - reserved`, never below zero). `$1` tenant, `$2` order, `$3`
+/// location, `$4` skus (distinct), `$5` their quantities, `$6` event id.
+/// Returns (sku, qty, shortage) per sku.
+pub const RESERVE_ORDER: &str = "\
+WITH lines AS (
+    SELECT sku, qty FROM unnest($4::text[], $5::bigint[]) AS l(sku, qty)
+), placed AS (
+    INSERT INTO inventory_orders (tenant_id, order_id, location, event_id)
+    VALUES ($1, $2, $3, $6) ON CONFLICT DO NOTHING
+), levels AS (
+    INSERT INTO stock_levels AS s (tenant_id, sku, location, reserved)
+    SELECT $1, sku, $3, qty FROM lines ORDER BY sku
+    ON CONFLICT (tenant_id, sku, location)
+    DO UPDATE SET reserved = s.reserved + EXCLUDED.reserved, updated_at = now()
+    RETURNING s.sku, s.on_hand, s.reserved
+)
+INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta,
+                             reserved_delta, shortage, order_id, event_id)
+SELECT $1, l.sku, $3, 'reserve', l.qty, 0, l.qty,
+       LEAST(l.qty, GREATEST(0, l.qty - GREATEST(0, v.on_hand - (v.reserved - l.qty)))),
+       $2, $6
+FROM lines l JOIN levels v ON v.sku = l.sku
+RETURNING sku, qty, shortage";
+
 /// Quantities per sku (an order may list a sku twice).
 fn by_sku<'a>(lines: impl Iterator<Item = (&'a str, u32)>) -> BTreeMap<&'a str, i64> {
     let mut map = BTreeMap::new();
@@ -130,19 +173,20 @@ async fn lock_level(
     sku: &str,
     location: &str,
 ) -> Result<(i64, i64), tokio_postgres::Error> {
-    tx.execute(
-        "INSERT INTO stock_levels (tenant_id, sku, location) VALUES ($1, $2, $3) \
-         ON CONFLICT DO NOTHING",
-        &[&tenant, &sku, &location],
-    )
-    .await?;
-    let row = tx
-        .query_one(
-            "SELECT on_hand, reserved FROM stock_levels \
-             WHERE tenant_id = $1 AND sku = $2 AND location = $3 FOR UPDATE",
-            &[&tenant, &sku, &location],
+    let ensure = tx
+        .prepare_cached(
+            "INSERT INTO stock_levels (tenant_id, sku, location) VALUES ($1, $2, $3) \
+             ON CONFLICT DO NOTHING",
         )
         .await?;
+    tx.execute(&ensure, &[&tenant, &sku, &location]).await?;
+    let lock = tx
+        .prepare_cached(
+            "SELECT on_hand, reserved FROM stock_levels \
+             WHERE tenant_id = $1 AND sku = $2 AND location = $3 FOR UPDATE",
+        )
+        .await?;
+    let row = tx.query_one(&lock, &[&tenant, &sku, &location]).await?;
     Ok((row.get(0), row.get(1)))
 }
 
@@ -162,10 +206,15 @@ struct Movement<'a> {
 }
 
 async fn record(tx: &Transaction<'_>, m: &Movement<'_>) -> Result<(), tokio_postgres::Error> {
+    let insert = tx
+        .prepare_cached(
+            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, \
+               on_hand_delta, reserved_delta, shortage, order_id, receipt_id, event_id) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        )
+        .await?;
     tx.execute(
-        "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, \
-           on_hand_delta, reserved_delta, shortage, order_id, receipt_id, event_id) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        &insert,
         &[
             &m.tenant,
             &m.sku,
@@ -181,9 +230,14 @@ async fn record(tx: &Transaction<'_>, m: &Movement<'_>) -> Result<(), tokio_post
         ],
     )
     .await?;
+    let update = tx
+        .prepare_cached(
+            "UPDATE stock_levels SET on_hand = on_hand + $4, reserved = reserved + $5, \
+             updated_at = now() WHERE tenant_id = $1 AND sku = $2 AND location = $3",
+        )
+        .await?;
     tx.execute(
-        "UPDATE stock_levels SET on_hand = on_hand + $4, reserved = reserved + $5, updated_at = now() \
-         WHERE tenant_id = $1 AND sku = $2 AND location = $3",
+        &update,
         &[
             &m.tenant,
             &m.sku,
@@ -194,38 +248,6 @@ async fn record(tx: &Transaction<'_>, m: &Movement<'_>) -> Result<(), tokio_post
     )
     .await?;
     Ok(())
-}
-
-/// Reserve `qty`; returns the shortage (how much of it was not available).
-async fn reserve(
-    tx: &Transaction<'_>,
-    envelope: &RawEnvelope,
-    order_id: Uuid,
-    location: &str,
-    sku: &str,
-    qty: i64,
-) -> Result<i64, HandlerError> {
-    let (on_hand, reserved) = lock_level(tx, &envelope.tenant_id, sku, location).await?;
-    let available = on_hand - reserved;
-    let shortage = (qty - available.max(0)).clamp(0, qty);
-    record(
-        tx,
-        &Movement {
-            tenant: &envelope.tenant_id,
-            sku,
-            location,
-            kind: "reserve",
-            qty,
-            on_hand_delta: 0,
-            reserved_delta: qty,
-            shortage,
-            order_id: Some(order_id),
-            receipt_id: None,
-            event_id: Some(envelope.event_id),
-        },
-    )
-    .await?;
-    Ok(shortage)
 }
 
 /// Sell `qty` out of the reservation.
@@ -242,8 +264,11 @@ async fn sell(
     // of the same sku are theirs).
     let outstanding: i64 = tx
         .query_one(
-            "SELECT coalesce(sum(reserved_delta), 0)::bigint FROM stock_movements \
+            &tx.prepare_cached(
+                "SELECT coalesce(sum(reserved_delta), 0)::bigint FROM stock_movements \
              WHERE tenant_id = $1 AND order_id = $2 AND sku = $3 AND location = $4",
+            )
+            .await?,
             &[&envelope.tenant_id, &order_id, &sku, &location],
         )
         .await?

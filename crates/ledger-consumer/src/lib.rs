@@ -59,9 +59,8 @@ async fn ensure_accounts(
     extra: Option<(&str, &str, &str)>,
 ) -> Result<(), tokio_postgres::Error> {
     for (code, name, kind) in ACCOUNTS.iter().copied().chain(extra) {
-        tx.execute(
-            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT DO NOTHING",
+        tx.execute(&tx.prepare_cached("INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT DO NOTHING").await?,
             &[&tenant, &code, &name, &kind],
         )
         .await?;
@@ -79,9 +78,12 @@ async fn post(
 ) -> Result<(), HandlerError> {
     let entry_id = Uuid::now_v7();
     tx.execute(
-        "INSERT INTO journal_entries \
+        &tx.prepare_cached(
+            "INSERT INTO journal_entries \
            (entry_id, tenant_id, order_id, event_id, event_type, description, currency) \
          VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .await?,
         &[
             &entry_id,
             &envelope.tenant_id,
@@ -99,9 +101,8 @@ async fn post(
             continue; // e.g. no shipping charged
         }
         line_no += 1;
-        tx.execute(
-            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
+        tx.execute(&tx.prepare_cached("INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, $2, $3, $4, $5, $6)").await?,
             &[
                 &entry_id,
                 &line_no,
@@ -145,9 +146,12 @@ impl consumer_runtime::Domain for Ledger {
                     .cost_of_goods()
                     .ok_or_else(|| overflow("cost of goods"))?;
                 tx.execute(
-                    "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, \
+                    &tx.prepare_cached(
+                        "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, \
                        merchandise, shipping, tax, total, cost_of_goods, placed_event_id) \
                      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING",
+                    )
+                    .await?,
                     &[
                         &tenant,
                         &order.order_id,
@@ -185,9 +189,8 @@ impl consumer_runtime::Domain for Ledger {
                 // One delivery per order (order-api enforces it); a second one
                 // would book the revenue twice: stop for a human instead.
                 let delivered = tx
-                    .query_opt(
-                        "SELECT event_id FROM journal_entries WHERE tenant_id = $1 AND order_id = $2 \
-                         AND event_type = $3",
+                    .query_opt(&tx.prepare_cached("SELECT event_id FROM journal_entries WHERE tenant_id = $1 AND order_id = $2 \
+                         AND event_type = $3").await?,
                         &[&tenant, &delivery.order_id, &envelope.event_type],
                     )
                     .await?;
@@ -200,8 +203,11 @@ impl consumer_runtime::Domain for Ledger {
                 }
                 let row = tx
                     .query_opt(
-                        "SELECT currency, merchandise, shipping, tax, total, cost_of_goods \
+                        &tx.prepare_cached(
+                            "SELECT currency, merchandise, shipping, tax, total, cost_of_goods \
                          FROM ledger_orders WHERE tenant_id = $1 AND order_id = $2",
+                        )
+                        .await?,
                         &[&tenant, &delivery.order_id],
                     )
                     .await?

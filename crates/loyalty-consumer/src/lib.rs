@@ -49,9 +49,12 @@ impl consumer_runtime::Domain for Loyalty {
                     .merchandise()
                     .ok_or_else(|| HandlerError::new("merchandise overflows"))?;
                 tx.execute(
-                    "INSERT INTO loyalty_orders \
+                    &tx.prepare_cached(
+                        "INSERT INTO loyalty_orders \
                        (tenant_id, order_id, customer_id, currency, merchandise, placed_event_id) \
                      VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                    )
+                    .await?,
                     &[
                         &envelope.tenant_id,
                         &order.order_id,
@@ -67,8 +70,11 @@ impl consumer_runtime::Domain for Loyalty {
             Event::ParcelDelivered(delivery) => {
                 let row = tx
                     .query_opt(
-                        "SELECT customer_id, merchandise, currency FROM loyalty_orders \
+                        &tx.prepare_cached(
+                            "SELECT customer_id, merchandise, currency FROM loyalty_orders \
                          WHERE tenant_id = $1 AND order_id = $2",
+                        )
+                        .await?,
                         &[&envelope.tenant_id, &delivery.order_id],
                     )
                     .await?
@@ -87,9 +93,8 @@ impl consumer_runtime::Domain for Loyalty {
                 }
                 // One delivery per order (order-api enforces it): never award twice.
                 let awarded = tx
-                    .query_opt(
-                        "SELECT event_id FROM loyalty_entries WHERE tenant_id = $1 AND order_id = $2 \
-                         AND event_type = $3",
+                    .query_opt(&tx.prepare_cached("SELECT event_id FROM loyalty_entries WHERE tenant_id = $1 AND order_id = $2 \
+                         AND event_type = $3").await?,
                         &[&envelope.tenant_id, &delivery.order_id, &envelope.event_type],
                     )
                     .await?;
@@ -100,10 +105,9 @@ impl consumer_runtime::Domain for Loyalty {
                         delivery.order_id
                     )));
                 }
-                tx.execute(
-                    "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, \
+                tx.execute(&tx.prepare_cached("INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, \
                        event_id, event_type, reason, occurred_at) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)").await?,
                     &[
                         &envelope.tenant_id,
                         &customer,
