@@ -11,7 +11,7 @@ ENV := source scripts/infra-env.sh &&
 # Release images (deploy/Dockerfile) are built without them.
 FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,inventory-consumer/failpoints,ledger-consumer/failpoints,loyalty-consumer/failpoints
 
-.PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-e2e soak
+.PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-relay bench-e2e soak
 
 help:
 	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops them)"
@@ -76,6 +76,12 @@ bench-backlog: up
 	$(BENCH_BUILD)
 	$(ENV) $(BENCH_BIN)/order-api migrate
 	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench backlog
+
+# The relay phase alone (BENCH_EVENTS backlog): the quick loop for the relay.
+bench-relay: up
+	$(BENCH_BUILD)
+	$(ENV) $(BENCH_BIN)/order-api migrate
+	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench relay
 
 # The end-to-end phase alone (BENCH_E2E_RATE orders/s, default 50), with the
 # per-stage latency breakdown: the quick loop for profiling latency.

@@ -116,8 +116,11 @@ async fn main() -> anyhow::Result<()> {
         None | Some("suite") => suite(settings).await,
         Some("backlog") => backlog(settings).await,
         Some("e2e") => e2e_only(settings).await,
+        Some("relay") => relay_only(settings).await,
         Some(other) => {
-            anyhow::bail!("unknown mode {other:?}: `bench`, `bench backlog` or `bench e2e`")
+            anyhow::bail!(
+                "unknown mode {other:?}: `bench`, `bench backlog`, `bench relay` or `bench e2e`"
+            )
         }
     }
 }
@@ -231,47 +234,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     cleanup_orders(&orders, &raw_tenant).await;
 
     // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
-    phase(&format!("2. relay: backlog of {} events", settings.events));
-    for consumer in &system.consumers {
-        if consumer.label.ends_with("-0") {
-            unbind_consumer(&consumer.name, &system.exchange).await;
-        }
-    }
-    let sink = relay::Sink::bind(&system.exchange).await;
-    let backlog = relay::top_up(&orders, &system.tenant, settings.events).await;
-    println!("  backlog: {backlog} unpublished events");
-    let workers = 2;
-    results.relay_workers = workers;
-    phase("2. raw: lapin confirm-publish of the same messages (2 channels x 500 in flight)");
-    let rows = relay::rows(&orders, &system.tenant, backlog).await;
-    let messages: Arc<Vec<_>> = Arc::new(
-        rows.iter()
-            .map(|row| (system.exchange.clone(), relay::message(row)))
-            .collect(),
-    );
-    drop(rows);
-    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
-    results.relay_raw = relay::raw_publish(&sink.connection, messages.clone(), workers, 500).await;
-    sink.wait_delivered(before + messages.len() as u64).await;
-    report::print_drain("raw confirm-publish", &results.relay_raw);
-    drop(messages);
-    phase("2. one relay draining the backlog");
-    let started = start_relays(&system, 1).await;
-    results.relay_one = relay::measure_drain(&orders, &system.tenant, started, "relay").await;
-    stop_relays(&system);
-    report::print_drain("1 relay", &results.relay_one);
-    phase("2. two relays draining the same backlog again");
-    relay::reset(&orders, &system.tenant).await;
-    let started = start_relays(&system, 2).await;
-    results.relay_two = relay::measure_drain(&orders, &system.tenant, started, "2 relays").await;
-    stop_relays(&system);
-    report::print_drain("2 relays", &results.relay_two);
-    sink.delete().await;
-    for consumer in &system.consumers {
-        if consumer.label.ends_with("-0") {
-            bind_consumer(&consumer.name, &system.exchange).await;
-        }
-    }
+    let backlog = relay_phase(&system, &orders, &settings, &mut results).await;
 
     // 3. Consumers: fill each one's queues, start it, compare with raw.
     let n = settings.consumer_events.min(backlog);
@@ -530,6 +493,103 @@ async fn end_to_end(
         events.len()
     );
     Ok((Latency::of(samples), timeline))
+}
+
+/// Phase 2: the relay draining a backlog (one relay, then two) against lapin
+/// confirm-publishing the same messages. Returns the backlog size.
+async fn relay_phase(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    settings: &Settings,
+    results: &mut Results,
+) -> i64 {
+    // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
+    phase(&format!("2. relay: backlog of {} events", settings.events));
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            unbind_consumer(&consumer.name, &system.exchange).await;
+        }
+    }
+    let sink = relay::Sink::bind(&system.exchange).await;
+    let backlog = relay::top_up(&orders, &system.tenant, settings.events).await;
+    println!("  backlog: {backlog} unpublished events");
+    let workers = 2;
+    results.relay_workers = workers;
+    phase("2. raw: lapin confirm-publish of the same messages (2 channels x 500 in flight)");
+    let rows = relay::rows(&orders, &system.tenant, backlog).await;
+    let messages: Arc<Vec<_>> = Arc::new(
+        rows.iter()
+            .map(|row| (system.exchange.clone(), relay::message(row)))
+            .collect(),
+    );
+    drop(rows);
+    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
+    results.relay_raw = relay::raw_publish(&sink.connection, messages.clone(), workers, 500).await;
+    sink.wait_delivered(before + messages.len() as u64).await;
+    report::print_drain("raw confirm-publish", &results.relay_raw);
+    drop(messages);
+    phase("2. one relay draining the backlog");
+    let started = start_relays(&system, 1).await;
+    results.relay_one = relay::measure_drain(&orders, &system.tenant, started, "relay").await;
+    stop_relays(&system);
+    report::print_drain("1 relay", &results.relay_one);
+    phase("2. two relays draining the same backlog again");
+    relay::reset(&orders, &system.tenant).await;
+    let started = start_relays(&system, 2).await;
+    results.relay_two = relay::measure_drain(&orders, &system.tenant, started, "2 relays").await;
+    stop_relays(&system);
+    report::print_drain("2 relays", &results.relay_two);
+    sink.delete().await;
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            bind_consumer(&consumer.name, &system.exchange).await;
+        }
+    }
+
+    backlog
+}
+
+/// `bench relay`: phase 2 alone (`BENCH_EVENTS` backlog), after 5 s of API
+/// orders as its templates: a quick loop for profiling the relay.
+async fn relay_only(settings: Settings) -> anyhow::Result<()> {
+    let run_started = Instant::now();
+    let mut results = Results::default();
+    phase("relay: start order-api, 2 relays (stopped), 3 consumers (private names)");
+    let system = start_system(2).await;
+    system.stock_up().await;
+    for consumer in &system.consumers {
+        block(|| consumer.stop());
+    }
+    let orders = pg(Database::Orders).await;
+    let seed = api::http_load(
+        &system.api.base_url(),
+        &system.key,
+        0,
+        8,
+        Duration::from_secs(5),
+    )
+    .await;
+    println!("  {} template orders", seed.requests);
+    relay_phase(&system, &orders, &settings, &mut results).await;
+    println!(
+        "  1 relay {:.0}/s, 2 relays {:.0}/s, raw {:.0}/s: {:.0} % and {:.0} %",
+        results.relay_one.per_second,
+        results.relay_two.per_second,
+        results.relay_raw.per_second,
+        100.0 * results.relay_one.per_second / results.relay_raw.per_second.max(1.0),
+        100.0 * results.relay_two.per_second / results.relay_raw.per_second.max(1.0),
+    );
+    for member in system.members() {
+        block(|| member.stop());
+    }
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
+        }
+    }
+    cleanup_orders(&orders, &system.tenant).await;
+    println!("done in {:.0?}", run_started.elapsed());
+    Ok(())
 }
 
 /// `bench e2e`: the end-to-end phase alone, at `BENCH_E2E_RATE` orders/s

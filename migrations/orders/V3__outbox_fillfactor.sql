@@ -1,0 +1,11 @@
+-- outbox-relay: room on every outbox page for the lease write.
+--
+-- The relay writes each event twice: the lease (claimed_by, claim_until),
+-- then published_at. Neither lease column is indexed, so the lease update
+-- can be a HOT update (no new entry in any of the five indexes) -- but only
+-- when the new row version fits on the same page. Rows are inserted
+-- append-only, so at the default fillfactor (100) the pages are full and
+-- every lease write also inserted into four indexes. Half of each new page
+-- is left free for it; pruning reclaims the space once the versions are dead.
+-- (Applies to pages written from now on; the outbox is a transit table.)
+ALTER TABLE outbox_events SET (fillfactor = 50);
