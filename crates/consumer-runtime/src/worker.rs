@@ -3,11 +3,21 @@
 //! are processed one at a time, in delivery order. On shutdown a worker stops
 //! taking messages, finishes (and acknowledges) the one in flight, and the
 //! connection is closed (anything prefetched goes back to the queue).
+//!
+//! Acknowledgements are cumulative (`multiple`): a settled message (committed,
+//! or republished with a confirm) is acknowledged together with the ones
+//! before it when the partition has nothing more waiting, when half the
+//! prefetch window is settled, or before the worker stops. Every message is
+//! still acknowledged only after it is settled; one that was settled but not
+//! yet acknowledged when the process dies is redelivered and is a duplicate
+//! for the inbox: at most half a prefetch window of them per partition. On a
+//! quorum queue each acknowledgement is a Raft command, so one per batch
+//! instead of one per message takes most of the broker's work off the path.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use lapin::{
     options::{
         BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
@@ -90,7 +100,9 @@ async fn consume<D: Domain>(
         workers.spawn(async move {
             // Keep the channels alive as long as the worker.
             let _consume_channel = consume_channel;
-            let result = partition_worker(processor, &queue, consumer, &publisher, &stop).await;
+            let ack_batch = usize::from(prefetch / 2).max(1);
+            let result =
+                partition_worker(processor, &queue, consumer, &publisher, &stop, ack_batch).await;
             if result.is_err() {
                 stop.cancel();
             }
@@ -149,19 +161,30 @@ async fn partition_worker<D: Domain>(
     mut consumer: lapin::Consumer,
     publisher: &lapin::Channel,
     stop: &CancellationToken,
+    ack_batch: usize,
 ) -> Result<(), lapin::Error> {
+    let mut acks = PendingAcks::default();
     loop {
-        let delivery = tokio::select! {
-            biased;
-            _ = stop.cancelled() => return Ok(()),
-            next = consumer.next() => match next {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(error)) => return Err(error),
-                None => {
-                    tracing::warn!(queue, "consumer stream ended");
-                    return Err(lost("consumer stream ended"));
+        // Take what is already here without waiting; before waiting for the
+        // broker, acknowledge everything settled so far.
+        let next = match consumer.next().now_or_never() {
+            Some(next) if !stop.is_cancelled() => next,
+            _ => {
+                acks.flush().await?;
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => return Ok(()),
+                    next = consumer.next() => next,
                 }
-            },
+            }
+        };
+        let delivery = match next {
+            Some(Ok(delivery)) => delivery,
+            Some(Err(error)) => return Err(error),
+            None => {
+                tracing::warn!(queue, "consumer stream ended");
+                return Err(lost("consumer stream ended"));
+            }
         };
         let span = tracing::info_span!("consume", queue, message_id = tracing::field::Empty,);
         if let Some(id) = delivery.properties.message_id() {
@@ -178,8 +201,46 @@ async fn partition_worker<D: Domain>(
             .instrument(span)
             .await?;
         if !settled {
+            // Not settled: never acknowledged (the broker redelivers it); the
+            // ones settled before it are.
+            acks.flush().await?;
             return Ok(());
         }
+        acks.push(delivery.acker);
+        if acks.len() >= ack_batch {
+            acks.flush().await?;
+        }
+    }
+}
+
+/// Settled, not yet acknowledged deliveries of one channel (in delivery
+/// order): one cumulative ack of the latest covers them all.
+#[derive(Default)]
+struct PendingAcks {
+    latest: Option<lapin::Acker>,
+    count: usize,
+}
+
+impl PendingAcks {
+    fn push(&mut self, acker: lapin::Acker) {
+        self.latest = Some(acker);
+        self.count += 1;
+    }
+
+    fn len(&self) -> usize {
+        self.count
+    }
+
+    async fn flush(&mut self) -> Result<(), lapin::Error> {
+        self.count = 0;
+        if let Some(acker) = self.latest.take() {
+            acker
+                .ack(BasicAckOptions {
+                    multiple: true,
+                })
+                .await?;
+        }
+        Ok(())
     }
 }
 
@@ -216,8 +277,8 @@ fn lost(what: &str) -> lapin::Error {
     lapin::Error::from(std::io::Error::other(what.to_owned()))
 }
 
-/// Process and acknowledge one delivery. `Ok(false)`: stopped before it could
-/// be settled (not acknowledged: the broker redelivers it).
+/// Settle one delivery (the caller acknowledges it). `Ok(false)`: stopped
+/// before it could be settled (never acknowledged: the broker redelivers it).
 async fn settle<D: Domain>(
     processor: &Processor<D>,
     publisher: &lapin::Channel,
@@ -229,7 +290,6 @@ async fn settle<D: Domain>(
         match processor.process(publisher, delivery).await {
             Ok(outcome) => {
                 tracing::debug!(?outcome, "settled");
-                delivery.acker.ack(BasicAckOptions::default()).await?;
                 return Ok(true);
             }
             Err(Infra::Database(error)) => {
