@@ -11,7 +11,7 @@ ENV := source scripts/infra-env.sh &&
 # Release images (deploy/Dockerfile) are built without them.
 FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,inventory-consumer/failpoints,ledger-consumer/failpoints,loyalty-consumer/failpoints
 
-.PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-relay bench-e2e soak
+.PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-relay bench-consumers bench-e2e soak
 
 help:
 	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops them)"
@@ -82,6 +82,14 @@ bench-relay: up
 	$(BENCH_BUILD)
 	$(ENV) $(BENCH_BIN)/order-api migrate
 	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench relay
+
+# The consumer phase alone: the quick loop for the consumers.
+bench-consumers: up
+	$(BENCH_BUILD)
+	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
+		$(BENCH_BIN)/$$svc migrate || exit 1; \
+	done
+	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench consumers
 
 # The end-to-end phase alone (BENCH_E2E_RATE orders/s, default 50), with the
 # per-stage latency breakdown: the quick loop for profiling latency.

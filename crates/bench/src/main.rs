@@ -124,9 +124,10 @@ async fn main() -> anyhow::Result<()> {
         Some("backlog") => backlog(settings).await,
         Some("e2e") => e2e_only(settings).await,
         Some("relay") => relay_only(settings).await,
+        Some("consumers") => consumers_only(settings).await,
         Some(other) => {
             anyhow::bail!(
-                "unknown mode {other:?}: `bench`, `bench backlog`, `bench relay` or `bench e2e`"
+                "unknown mode {other:?}: `bench`, `bench backlog`, `bench relay`, `bench consumers` or `bench e2e`"
             )
         }
     }
@@ -244,65 +245,15 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     let backlog = relay_phase(&system, &orders, &settings, &mut results).await;
 
     // 3. Consumers: fill each one's queues, start it, compare with raw.
-    let n = settings.consumer_events.min(backlog);
-    phase(&format!(
-        "3. consumers: {n} events queued for each (stopped)"
-    ));
-    let rows = relay::rows(&orders, &system.tenant, n).await;
-    let connection = system_tests::consumers::connect().await;
-    let mut queued = Vec::new();
-    for consumer in &system.consumers {
-        for row in &rows {
-            queued.push((format!("{}.events", consumer.name), relay::message(row)));
-        }
-    }
-    let fill = relay::raw_publish(&connection, Arc::new(queued), 1, 500).await;
-    println!(
-        "  queued {} messages in {:.1} s",
-        fill.events, fill.wall_seconds
-    );
-    let _ = connection.close(200, "done".into()).await;
-    // The effects are keyed by tenant: each raw variant applies the events
-    // under a tenant of its own (same stock), so its effects are new too.
-    let bodies_for = |tenant: &str| -> Vec<(String, Vec<u8>)> {
-        rows.iter()
-            .map(|row| {
-                let mut row = row.clone();
-                row.tenant_id = tenant.to_owned();
-                let body = outbox_relay::publish::envelope(&row)
-                    .to_json_bytes()
-                    .expect("encode");
-                (row.aggregate_id, body)
-            })
-            .collect()
-    };
-    let raw_bodies = bodies_for(&raw_tenant);
-    let unprepared_bodies = bodies_for(&format!("{raw_tenant}2"));
-    drop(rows);
-    for consumer in &system.consumers {
-        let kind = consumer.kind.expect("consumer kind");
-        let db = consumers::db(kind).await;
-        let since = consumers::now(&db).await;
-        println!("  {} starting", consumer.label);
-        let started = Instant::now();
-        consumer.start("");
-        consumer.ready(Duration::from_secs(60)).await;
-        let applied =
-            consumers::measure(&db, &consumer.name, since, u64::try_from(n)?, started).await;
-        report::print_apply(kind.binary(), &applied);
-        let raw_name = format!("{}-raw", consumer.name);
-        let raw = consumers::raw(kind, &raw_name, &raw_bodies, 2, true).await;
-        report::print_apply("raw (runtime statements prepared)", &raw);
-        consumers::forget(kind, &raw_name).await;
-        // The transaction as the runtime sent it before the benchmark
-        // (statements as text): the gain of preparing them, same run.
-        let unprepared = consumers::raw(kind, &raw_name, &unprepared_bodies, 2, false).await;
-        report::print_apply("raw (statements as text, before)", &unprepared);
-        consumers::forget(kind, &raw_name).await;
-        results
-            .consumers
-            .insert(kind.binary().to_owned(), (applied, raw, unprepared));
-    }
+    consumer_phase(
+        &system,
+        &orders,
+        &settings,
+        &raw_tenant,
+        backlog,
+        &mut results,
+    )
+    .await;
 
     // 4. End to end at half the sustained maximum order rate of the whole
     // pipeline, measured here with everything running at once (API, one
@@ -649,6 +600,138 @@ async fn relay_only(settings: Settings) -> anyhow::Result<()> {
     }
     cleanup_orders(&orders, &system.tenant).await;
     println!("done in {:.0?}", run_started.elapsed());
+    Ok(())
+}
+
+/// Phase 3: each consumer applying `n` queued events, against the same
+/// transaction run raw (under `raw_tenant` and `raw_tenant`2).
+async fn consumer_phase(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    settings: &Settings,
+    raw_tenant: &str,
+    backlog: i64,
+    results: &mut Results,
+) {
+    // 3. Consumers: fill each one's queues, start it, compare with raw.
+    let n = settings.consumer_events.min(backlog);
+    phase(&format!(
+        "3. consumers: {n} events queued for each (stopped)"
+    ));
+    let rows = relay::rows(&orders, &system.tenant, n).await;
+    let connection = system_tests::consumers::connect().await;
+    let mut queued = Vec::new();
+    for consumer in &system.consumers {
+        for row in &rows {
+            queued.push((format!("{}.events", consumer.name), relay::message(row)));
+        }
+    }
+    let fill = relay::raw_publish(&connection, Arc::new(queued), 1, 500).await;
+    println!(
+        "  queued {} messages in {:.1} s",
+        fill.events, fill.wall_seconds
+    );
+    let _ = connection.close(200, "done".into()).await;
+    // The effects are keyed by tenant: each raw variant applies the events
+    // under a tenant of its own (same stock), so its effects are new too.
+    let bodies_for = |tenant: &str| -> Vec<(String, Vec<u8>)> {
+        rows.iter()
+            .map(|row| {
+                let mut row = row.clone();
+                row.tenant_id = tenant.to_owned();
+                let body = outbox_relay::publish::envelope(&row)
+                    .to_json_bytes()
+                    .expect("encode");
+                (row.aggregate_id, body)
+            })
+            .collect()
+    };
+    let raw_bodies = bodies_for(raw_tenant);
+    let unprepared_bodies = bodies_for(&format!("{raw_tenant}2"));
+    drop(rows);
+    for consumer in &system.consumers {
+        let kind = consumer.kind.expect("consumer kind");
+        let db = consumers::db(kind).await;
+        let since = consumers::now(&db).await;
+        println!("  {} starting", consumer.label);
+        let started = Instant::now();
+        consumer.start("");
+        consumer.ready(Duration::from_secs(60)).await;
+        let applied = consumers::measure(
+            &db,
+            &consumer.name,
+            since,
+            u64::try_from(n).unwrap_or_default(),
+            started,
+        )
+        .await;
+        report::print_apply(kind.binary(), &applied);
+        let raw_name = format!("{}-raw", consumer.name);
+        let raw = consumers::raw(kind, &raw_name, &raw_bodies, 2, true).await;
+        report::print_apply("raw (runtime statements prepared)", &raw);
+        consumers::forget(kind, &raw_name).await;
+        // The transaction as the runtime sent it before the benchmark
+        // (statements as text): the gain of preparing them, same run.
+        let unprepared = consumers::raw(kind, &raw_name, &unprepared_bodies, 2, false).await;
+        report::print_apply("raw (statements as text, before)", &unprepared);
+        consumers::forget(kind, &raw_name).await;
+        results
+            .consumers
+            .insert(kind.binary().to_owned(), (applied, raw, unprepared));
+    }
+}
+
+/// `bench consumers`: phase 3 alone, after 5 s of API orders as its
+/// events (the relays stay stopped): a quick loop for the consumers.
+async fn consumers_only(settings: Settings) -> anyhow::Result<()> {
+    let mut results = Results::default();
+    phase("consumers: start order-api, 1 relay (stopped), 3 consumers (private names)");
+    let system = start_system(1).await;
+    system.stock_up().await;
+    let orders = pg(Database::Orders).await;
+    let raw_tenant = format!("{}-raw", system.tenant);
+    receive_raw_stock(&system, &raw_tenant).await;
+    receive_raw_stock(&system, &format!("{raw_tenant}2")).await;
+    for consumer in &system.consumers {
+        block(|| consumer.stop());
+    }
+    let seed = api::http_load(
+        &system.api.base_url(),
+        &system.key,
+        0,
+        8,
+        Duration::from_secs(5),
+    )
+    .await;
+    println!("  {} orders", seed.requests);
+    let backlog = i64::try_from(seed.requests).unwrap_or(i64::MAX);
+    consumer_phase(
+        &system,
+        &orders,
+        &settings,
+        &raw_tenant,
+        backlog,
+        &mut results,
+    )
+    .await;
+    for (name, (applied, raw, _)) in &results.consumers {
+        println!(
+            "  {name}: {:.0}/s against {:.0}/s raw: {:.0} %",
+            applied.per_second,
+            raw.per_second,
+            100.0 * applied.per_second / raw.per_second.max(1.0)
+        );
+    }
+    for member in system.members() {
+        block(|| member.stop());
+    }
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
+        }
+    }
+    cleanup_orders(&orders, &system.tenant).await;
+    cleanup_orders(&orders, &format!("{raw_tenant}2")).await;
     Ok(())
 }
 
