@@ -17,6 +17,7 @@
 mod api;
 mod chart;
 mod consumers;
+mod cpu;
 mod relay;
 mod report;
 mod stats;
@@ -100,6 +101,8 @@ pub struct Results {
     pub e2e_rate: f64,
     pub e2e_orders: api::Load,
     pub e2e: Latency,
+    /// CPU seconds per process group, per measured interval.
+    pub cpu: BTreeMap<String, (u64, cpu::Usage)>,
     /// Peak RSS (KiB) per service binary, over every process of the run.
     pub peak_rss_kib: BTreeMap<String, u64>,
     /// (second, orders, p50 ms, max ms) of the end-to-end run.
@@ -221,6 +224,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
         "1. API: POST /orders, {} clients, {:?}",
         settings.concurrency, duration
     ));
+    let meter = cpu::Meter::start();
     results.api = api::http_load(
         &system.api.base_url(),
         &system.key,
@@ -230,7 +234,10 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     )
     .await;
     report::print_load("order-api", &results.api);
+    let events = results.api.requests;
+    record_cpu(&mut results, "1. API", events, meter.stop());
     phase("1. raw: the same transaction through tokio-postgres");
+    let meter = cpu::Meter::start();
     results.api_raw = api::raw_load(
         &pg_url(Database::Orders),
         &raw_tenant,
@@ -239,6 +246,8 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     )
     .await;
     report::print_load("raw", &results.api_raw);
+    let events = results.api_raw.requests;
+    record_cpu(&mut results, "1. API raw", events, meter.stop());
     cleanup_orders(&orders, &raw_tenant).await;
 
     // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
@@ -332,6 +341,12 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     cleanup_orders(&orders, &format!("{raw_tenant}2")).await;
     println!("done in {:.0?}", run_started.elapsed());
     Ok(())
+}
+
+/// Print and keep the CPU an interval of `events` events took, per process.
+fn record_cpu(results: &mut Results, label: &str, events: u64, usage: cpu::Usage) {
+    println!("  CPU per event: {}", usage.per_event(events));
+    results.cpu.insert(label.to_owned(), (events, usage));
 }
 
 /// Receipts of every SKU for the raw tenant (the same stock as the system's).
@@ -535,20 +550,29 @@ async fn relay_phase(
     );
     drop(rows);
     let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
+    let meter = cpu::Meter::start();
     results.relay_raw = relay::raw_publish(&sink.connection, messages.clone(), workers, 500).await;
     sink.wait_delivered(before + messages.len() as u64).await;
     report::print_drain("raw confirm-publish", &results.relay_raw);
+    let events = results.relay_raw.events;
+    record_cpu(results, "2. relay raw", events, meter.stop());
     drop(messages);
     phase("2. one relay draining the backlog");
-    let started = start_relays(&system, 1).await;
-    results.relay_one = relay::measure_drain(&orders, &system.tenant, started, "relay").await;
-    stop_relays(&system);
+    let meter = cpu::Meter::start();
+    let started = start_relays(system, 1).await;
+    results.relay_one = relay::measure_drain(orders, &system.tenant, started, "relay").await;
+    let events = results.relay_one.events;
+    record_cpu(results, "2. 1 relay", events, meter.stop());
+    stop_relays(system);
     report::print_drain("1 relay", &results.relay_one);
     phase("2. two relays draining the same backlog again");
     relay::reset(&orders, &system.tenant).await;
-    let started = start_relays(&system, 2).await;
-    results.relay_two = relay::measure_drain(&orders, &system.tenant, started, "2 relays").await;
-    stop_relays(&system);
+    let meter = cpu::Meter::start();
+    let started = start_relays(system, 2).await;
+    results.relay_two = relay::measure_drain(orders, &system.tenant, started, "2 relays").await;
+    let events = results.relay_two.events;
+    record_cpu(results, "2. 2 relays", events, meter.stop());
+    stop_relays(system);
     report::print_drain("2 relays", &results.relay_two);
     sink.delete().await;
     for consumer in &system.consumers {
@@ -655,6 +679,7 @@ async fn consumer_phase(
         let since = consumers::now(&db).await;
         println!("  {} starting", consumer.label);
         let started = Instant::now();
+        let meter = cpu::Meter::start();
         consumer.start("");
         consumer.ready(Duration::from_secs(60)).await;
         let applied = consumers::measure(
@@ -666,9 +691,22 @@ async fn consumer_phase(
         )
         .await;
         report::print_apply(kind.binary(), &applied);
+        record_cpu(
+            results,
+            &format!("3. {}", kind.binary()),
+            applied.events,
+            meter.stop(),
+        );
         let raw_name = format!("{}-raw", consumer.name);
+        let meter = cpu::Meter::start();
         let raw = consumers::raw(kind, &raw_name, &raw_bodies, 2, true).await;
         report::print_apply("raw (runtime statements prepared)", &raw);
+        record_cpu(
+            results,
+            &format!("3. {} raw", kind.binary()),
+            raw.events,
+            meter.stop(),
+        );
         consumers::forget(kind, &raw_name).await;
         // The transaction as the runtime sent it before the benchmark
         // (statements as text): the gain of preparing them, same run.

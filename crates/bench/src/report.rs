@@ -157,6 +157,37 @@ pub fn table(r: &Results) -> String {
             verdict(mib < f64::from(limit))
         );
     }
+    if !r.cpu.is_empty() {
+        let groups: std::collections::BTreeSet<&String> =
+            r.cpu.values().flat_map(|(_, u)| u.seconds.keys()).collect();
+        let _ = writeln!(
+            md,
+            "\nCPU per event in µs (user + system, every process on the machine, same intervals as above):\n"
+        );
+        let header: Vec<&str> = groups.iter().map(|g| g.as_str()).collect();
+        let _ = writeln!(md, "| Interval | events | {} | total |", header.join(" | "));
+        let _ = writeln!(md, "|---|---|{}---|", "---|".repeat(groups.len()));
+        for (label, (events, usage)) in &r.cpu {
+            let per = |seconds: f64| seconds * 1e6 / (*events).max(1) as f64;
+            let cells: Vec<String> = groups
+                .iter()
+                .map(|g| {
+                    usage
+                        .seconds
+                        .get(*g)
+                        .map(|s| format!("{:.0}", per(*s)))
+                        .unwrap_or_default()
+                })
+                .collect();
+            let total: f64 = usage.seconds.values().sum();
+            let _ = writeln!(
+                md,
+                "| {label} | {events} | {} | {:.0} |",
+                cells.join(" | "),
+                per(total)
+            );
+        }
+    }
     md
 }
 

@@ -1,0 +1,122 @@
+//! Where the CPU goes: user + system time of every process on the machine,
+//! grouped by command name (PostgreSQL's backends, RabbitMQ's `beam.smp`,
+//! each service binary, the bench itself), read from `/proc/<pid>/stat`
+//! before and after a measured interval. On a 2-core machine every stage
+//! competes with the database and the broker for the same cores, so the CPU
+//! each one spends per event is what explains a ratio.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// Clock ticks per second of `/proc/<pid>/stat` (`sysconf(_SC_CLK_TCK)`,
+/// 100 on every Linux this runs on).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// CPU ticks per live process: pid -> (group, ticks).
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot(BTreeMap<u32, (String, u64)>);
+
+/// Read every process's CPU time now.
+pub fn snapshot() -> Snapshot {
+    let mut processes = BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Snapshot(processes);
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ... utime stime ...": comm may hold spaces.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = group(&stat[open + 1..close]);
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // After the comm: state is field 3 (index 0 here); utime 14, stime 15.
+        let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
+        if let (Some(user), Some(system)) = (ticks(11), ticks(12)) {
+            processes.insert(pid, (comm, user + system));
+        }
+    }
+    Snapshot(processes)
+}
+
+/// The group a command name belongs to (the kernel truncates names to 15
+/// bytes: `inventory-consu` is the inventory consumer).
+fn group(comm: &str) -> String {
+    match comm {
+        c if c.starts_with("postgres") => "postgresql",
+        c if c.starts_with("beam") || c.starts_with("erl") || c == "epmd" => "rabbitmq",
+        c if c.starts_with("inventory") => "inventory-consumer",
+        c if c.starts_with("ledger") => "ledger-consumer",
+        c if c.starts_with("loyalty") => "loyalty-consumer",
+        c if c.starts_with("outbox") => "outbox-relay",
+        c if c.starts_with("order-api") => "order-api",
+        c if c.starts_with("bench") || c.starts_with("tokio-runtime") => "bench (load, raw loops)",
+        _ => "other",
+    }
+    .to_owned()
+}
+
+/// CPU seconds per group between two snapshots (processes that started in
+/// between count from zero; ones that ended in between are not counted, so
+/// take `after` before stopping what was measured).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Usage {
+    pub seconds: BTreeMap<String, f64>,
+}
+
+impl Usage {
+    pub fn between(before: &Snapshot, after: &Snapshot) -> Usage {
+        let mut seconds: BTreeMap<String, f64> = BTreeMap::new();
+        for (pid, (group, ticks)) in &after.0 {
+            let earlier = before
+                .0
+                .get(pid)
+                .filter(|(g, _)| g == group)
+                .map(|(_, t)| *t)
+                .unwrap_or(0);
+            let delta = ticks.saturating_sub(earlier);
+            if delta > 0 {
+                *seconds.entry(group.clone()).or_default() += delta as f64 / TICKS_PER_SECOND;
+            }
+        }
+        seconds.remove("other");
+        Usage { seconds }
+    }
+
+    /// "postgresql 41 µs, rabbitmq 35 µs, ..." per event, largest first.
+    pub fn per_event(&self, events: u64) -> String {
+        let mut groups: Vec<(&String, &f64)> = self.seconds.iter().collect();
+        groups.sort_by(|a, b| b.1.total_cmp(a.1));
+        groups
+            .iter()
+            .map(|(group, seconds)| {
+                format!("{group} {:.0} µs", **seconds * 1e6 / events.max(1) as f64)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// Measure the CPU of an interval: `let meter = Meter::start(); ...;
+/// meter.stop()`.
+pub struct Meter(Snapshot);
+
+impl Meter {
+    pub fn start() -> Meter {
+        Meter(snapshot())
+    }
+
+    pub fn stop(self) -> Usage {
+        Usage::between(&self.0, &snapshot())
+    }
+}
