@@ -67,8 +67,8 @@ fn group(comm: &str) -> String {
 }
 
 /// CPU seconds per group between two snapshots (processes that started in
-/// between count from zero; ones that ended in between are not counted, so
-/// take `after` before stopping what was measured).
+/// between count from zero; `after` holds the last reading of every process
+/// seen, see [`Meter`]).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Usage {
     pub seconds: BTreeMap<String, f64>,
@@ -108,15 +108,47 @@ impl Usage {
 }
 
 /// Measure the CPU of an interval: `let meter = Meter::start(); ...;
-/// meter.stop()`.
-pub struct Meter(Snapshot);
+/// meter.stop()`. Samples every 100 ms in the background and keeps each
+/// process's last reading, so processes that exit during the interval (the
+/// raw loops' connections close when they finish) still count, up to their
+/// last 100 ms.
+pub struct Meter {
+    before: Snapshot,
+    seen: std::sync::Arc<std::sync::Mutex<Snapshot>>,
+    sampler: tokio::task::JoinHandle<()>,
+}
 
 impl Meter {
     pub fn start() -> Meter {
-        Meter(snapshot())
+        let before = snapshot();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(before.clone()));
+        let sampler = {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    let now = snapshot();
+                    if let Ok(mut seen) = seen.lock() {
+                        seen.0.extend(now.0);
+                    }
+                }
+            })
+        };
+        Meter {
+            before,
+            seen,
+            sampler,
+        }
     }
 
     pub fn stop(self) -> Usage {
-        Usage::between(&self.0, &snapshot())
+        self.sampler.abort();
+        let mut last = self
+            .seen
+            .lock()
+            .map(|seen| seen.clone())
+            .unwrap_or_default();
+        last.0.extend(snapshot().0);
+        Usage::between(&self.before, &last)
     }
 }
