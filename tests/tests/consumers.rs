@@ -1643,3 +1643,86 @@ async fn a_tenant_filtered_consumer_acknowledges_other_tenants_events_without_ef
         .get(0);
     assert_eq!(inbox, 3, "only this tenant's events are in the inbox");
 }
+
+/// Acknowledgements are cumulative (one `multiple` ack per batch), but a
+/// consumer with nothing more to do has acknowledged everything it applied:
+/// after the applied events, the broker counts no unacknowledged message on
+/// any partition, and a kill -9 then puts nothing back on the queues (an
+/// unacknowledged message would be requeued and show up as ready).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_consumer_has_acknowledged_everything_it_applied() {
+    let tenant = unique("t5-acks");
+    let name = unique("t5-acks-loy");
+    let options = Options::default();
+    let consumer = Consumer::start(Kind::Loyalty, &name, options.clone()).await;
+    let publisher = Publisher::connect().await;
+    // 37 events: more than one batch (half the prefetch window) and not a
+    // multiple of it, spread over the partitions.
+    let orders: Vec<Uuid> = (0..37).map(|_| Uuid::now_v7()).collect();
+    for order in &orders {
+        publisher
+            .to_consumer(&name, &order_placed(&tenant, *order, 1, "77", 1))
+            .await;
+    }
+    consumer
+        .wait_metric("consumer_events_applied_total", "", 37.0)
+        .await;
+    for p in 0..options.partitions {
+        let queue = format!("{name}.p{p}");
+        eventually(&format!("{queue} fully acknowledged"), WAIT, || async {
+            let q = management(&format!("/api/queues/%2f/{queue}")).await;
+            let unacked = q["messages_unacknowledged"].as_u64();
+            let ready = q["messages_ready"].as_u64();
+            (unacked == Some(0) && ready == Some(0)).then_some(())
+        })
+        .await;
+    }
+    consumer.service.signal("KILL");
+    for p in 0..options.partitions {
+        let queue = format!("{name}.p{p}");
+        // Once the broker has dropped the dead consumer, whatever it held
+        // unacknowledged is back on the queue (live counts, not statistics).
+        let ready = eventually(&format!("{queue} without consumers"), WAIT, || async {
+            let (ready, consumers) = live_counts(&queue).await;
+            (consumers == 0).then_some(ready)
+        })
+        .await;
+        assert_eq!(ready, 0, "nothing requeued on partition {p} after kill -9");
+    }
+    assert_eq!(
+        consumer_inbox(&name).await,
+        37,
+        "every event applied exactly once"
+    );
+}
+
+async fn consumer_inbox(name: &str) -> i64 {
+    pg(Database::Loyalty)
+        .await
+        .query_one(
+            "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("inbox")
+        .get(0)
+}
+
+/// (ready messages, consumers) of `queue`, straight from the broker.
+async fn live_counts(queue: &str) -> (u32, u32) {
+    let connection = system_tests::consumers::connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..lapin::options::QueueDeclareOptions::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("passive declare");
+    let _ = connection.close(200, "ok".into()).await;
+    (declared.message_count(), declared.consumer_count())
+}

@@ -234,11 +234,7 @@ impl PendingAcks {
     async fn flush(&mut self) -> Result<(), lapin::Error> {
         self.count = 0;
         if let Some(acker) = self.latest.take() {
-            acker
-                .ack(BasicAckOptions {
-                    multiple: true,
-                })
-                .await?;
+            acker.ack(BasicAckOptions { multiple: true }).await?;
         }
         Ok(())
     }
