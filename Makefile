@@ -24,6 +24,7 @@ help:
 	@echo "make lint     rustfmt check + clippy -D warnings + hadolint (deploy/Dockerfile)"
 	@echo "make bench    benchmarks: every stage against its raw limit (BENCHMARKS.md)"
 	@echo "make bench-backlog  long: a 1,000,000-event backlog drain (claim latency, dead tuples)"
+	@echo "make bench-relay / bench-consumers / bench-e2e  one phase of make bench alone (quick loops)"
 	@echo "make soak     long kill -9 soak with broker and database restarts (SOAK_* env), then the invariant checker"
 
 up:
