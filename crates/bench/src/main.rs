@@ -537,12 +537,12 @@ async fn relay_phase(
         }
     }
     let sink = relay::Sink::bind(&system.exchange).await;
-    let backlog = relay::top_up(&orders, &system.tenant, settings.events).await;
+    let backlog = relay::top_up(orders, &system.tenant, settings.events).await;
     println!("  backlog: {backlog} unpublished events");
     let workers = 2;
     results.relay_workers = workers;
     phase("2. raw: lapin confirm-publish of the same messages (2 channels x 500 in flight)");
-    let rows = relay::rows(&orders, &system.tenant, backlog).await;
+    let rows = relay::rows(orders, &system.tenant, backlog).await;
     let messages: Arc<Vec<_>> = Arc::new(
         rows.iter()
             .map(|row| (system.exchange.clone(), relay::message(row)))
@@ -566,7 +566,7 @@ async fn relay_phase(
     stop_relays(system);
     report::print_drain("1 relay", &results.relay_one);
     phase("2. two relays draining the same backlog again");
-    relay::reset(&orders, &system.tenant).await;
+    relay::reset(orders, &system.tenant).await;
     let meter = cpu::Meter::start();
     let started = start_relays(system, 2).await;
     results.relay_two = relay::measure_drain(orders, &system.tenant, started, "2 relays").await;
@@ -642,7 +642,7 @@ async fn consumer_phase(
     phase(&format!(
         "3. consumers: {n} events queued for each (stopped)"
     ));
-    let rows = relay::rows(&orders, &system.tenant, n).await;
+    let rows = relay::rows(orders, &system.tenant, n).await;
     let connection = system_tests::consumers::connect().await;
     let mut queued = Vec::new();
     for consumer in &system.consumers {
