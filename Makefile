@@ -11,7 +11,7 @@ ENV := source scripts/infra-env.sh &&
 # Release images (deploy/Dockerfile) are built without them.
 FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,inventory-consumer/failpoints,ledger-consumer/failpoints,loyalty-consumer/failpoints
 
-.PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-relay bench-consumers bench-e2e soak
+.PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-api bench-relay bench-consumers bench-e2e soak
 
 help:
 	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops them)"
@@ -24,7 +24,7 @@ help:
 	@echo "make lint     rustfmt check + clippy -D warnings + hadolint (deploy/Dockerfile)"
 	@echo "make bench    benchmarks: every stage against its raw limit (BENCHMARKS.md)"
 	@echo "make bench-backlog  long: a 1,000,000-event backlog drain (claim latency, dead tuples)"
-	@echo "make bench-relay / bench-consumers / bench-e2e  one phase of make bench alone (quick loops)"
+	@echo "make bench-api / bench-relay / bench-consumers / bench-e2e  one phase of make bench alone (quick loops)"
 	@echo "make soak     long kill -9 soak with broker and database restarts (SOAK_* env), then the invariant checker"
 
 up:
@@ -77,6 +77,12 @@ bench-backlog: up
 	$(BENCH_BUILD)
 	$(ENV) $(BENCH_BIN)/order-api migrate
 	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench backlog
+
+# The API phase alone: the quick loop for order-api.
+bench-api: up
+	$(BENCH_BUILD)
+	$(ENV) $(BENCH_BIN)/order-api migrate
+	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench api
 
 # The relay phase alone (BENCH_EVENTS backlog): the quick loop for the relay.
 bench-relay: up

@@ -127,10 +127,11 @@ async fn main() -> anyhow::Result<()> {
         Some("backlog") => backlog(settings).await,
         Some("e2e") => e2e_only(settings).await,
         Some("relay") => relay_only(settings).await,
+        Some("api") => api_only(settings).await,
         Some("consumers") => consumers_only(settings).await,
         Some(other) => {
             anyhow::bail!(
-                "unknown mode {other:?}: `bench`, `bench backlog`, `bench relay`, `bench consumers` or `bench e2e`"
+                "unknown mode {other:?}: `bench`, `bench backlog`, `bench api`, `bench relay`, `bench consumers` or `bench e2e`"
             )
         }
     }
@@ -219,36 +220,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     }
 
     // 1. API vs raw transaction.
-    let duration = Duration::from_secs(settings.api_seconds);
-    phase(&format!(
-        "1. API: POST /orders, {} clients, {:?}",
-        settings.concurrency, duration
-    ));
-    let meter = cpu::Meter::start();
-    results.api = api::http_load(
-        &system.api.base_url(),
-        &system.key,
-        0,
-        settings.concurrency,
-        duration,
-    )
-    .await;
-    report::print_load("order-api", &results.api);
-    let events = results.api.requests;
-    record_cpu(&mut results, "1. API", events, meter.stop());
-    phase("1. raw: the same transaction through tokio-postgres");
-    let meter = cpu::Meter::start();
-    results.api_raw = api::raw_load(
-        &pg_url(Database::Orders),
-        &raw_tenant,
-        settings.concurrency,
-        duration,
-    )
-    .await;
-    report::print_load("raw", &results.api_raw);
-    let events = results.api_raw.requests;
-    record_cpu(&mut results, "1. API raw", events, meter.stop());
-    cleanup_orders(&orders, &raw_tenant).await;
+    api_phase(&system, &orders, &settings, &raw_tenant, &mut results).await;
 
     // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
     let backlog = relay_phase(&system, &orders, &settings, &mut results).await;
@@ -770,6 +742,77 @@ async fn consumers_only(settings: Settings) -> anyhow::Result<()> {
     }
     cleanup_orders(&orders, &system.tenant).await;
     cleanup_orders(&orders, &format!("{raw_tenant}2")).await;
+    Ok(())
+}
+
+/// Phase 1: `POST /orders` against the same transaction run raw.
+async fn api_phase(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    settings: &Settings,
+    raw_tenant: &str,
+    results: &mut Results,
+) {
+    // 1. API vs raw transaction.
+    let duration = Duration::from_secs(settings.api_seconds);
+    phase(&format!(
+        "1. API: POST /orders, {} clients, {:?}",
+        settings.concurrency, duration
+    ));
+    let meter = cpu::Meter::start();
+    results.api = api::http_load(
+        &system.api.base_url(),
+        &system.key,
+        0,
+        settings.concurrency,
+        duration,
+    )
+    .await;
+    report::print_load("order-api", &results.api);
+    let events = results.api.requests;
+    record_cpu(results, "1. API", events, meter.stop());
+    phase("1. raw: the same transaction through tokio-postgres");
+    let meter = cpu::Meter::start();
+    results.api_raw = api::raw_load(
+        &pg_url(Database::Orders),
+        raw_tenant,
+        settings.concurrency,
+        duration,
+    )
+    .await;
+    report::print_load("raw", &results.api_raw);
+    let events = results.api_raw.requests;
+    record_cpu(results, "1. API raw", events, meter.stop());
+    cleanup_orders(orders, raw_tenant).await;
+}
+
+/// `bench api`: phase 1 alone (the API against the raw transaction).
+async fn api_only(settings: Settings) -> anyhow::Result<()> {
+    let mut results = Results::default();
+    phase("api: start order-api, 1 relay (stopped), 3 consumers (private names)");
+    let system = start_system(1).await;
+    for consumer in &system.consumers {
+        block(|| consumer.stop());
+    }
+    let orders = pg(Database::Orders).await;
+    let raw_tenant = format!("{}-raw", system.tenant);
+    orders
+        .execute(
+            "INSERT INTO tenants (tenant_id) VALUES ($1) ON CONFLICT DO NOTHING",
+            &[&raw_tenant],
+        )
+        .await?;
+    api_phase(&system, &orders, &settings, &raw_tenant, &mut results).await;
+    println!(
+        "  API {:.0}/s against {:.0}/s raw: {:.0} %",
+        results.api.per_second,
+        results.api_raw.per_second,
+        100.0 * results.api.per_second / results.api_raw.per_second.max(1.0)
+    );
+    for member in system.members() {
+        block(|| member.stop());
+    }
+    cleanup_orders(&orders, &system.tenant).await;
     Ok(())
 }
 

@@ -74,6 +74,11 @@ impl Default for AmqpSettings {
 pub struct HttpSettings {
     pub host: String,
     pub port: u16,
+    /// HTTP worker threads of a service that serves an API (order-api); 0 =
+    /// actix's default, one per physical core. Health/metrics-only servers
+    /// always use one.
+    #[serde(default)]
+    pub workers: usize,
 }
 
 impl HttpSettings {
@@ -81,6 +86,7 @@ impl HttpSettings {
         Self {
             host: "127.0.0.1".to_owned(),
             port,
+            workers: 0,
         }
     }
 

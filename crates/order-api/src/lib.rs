@@ -65,6 +65,7 @@ impl Application {
         };
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
         let port = listener.local_addr()?.port();
+        let workers = settings.http.workers;
         let state = web::Data::new(AppState {
             pool,
             settings,
@@ -72,17 +73,21 @@ impl Application {
             in_flight: idempotency::InFlight::default(),
         });
         let app_state = state.clone();
-        let server = HttpServer::new(move || {
+        let mut server = HttpServer::new(move || {
             App::new()
                 .app_data(app_state.clone())
                 .configure(kit::http::health_routes(health.clone()))
                 .configure(routes::configure)
                 .default_service(web::to(routes::not_found))
-        })
-        .disable_signals()
-        .shutdown_timeout(10)
-        .listen(listener)?
-        .run();
+        });
+        if workers > 0 {
+            server = server.workers(workers);
+        }
+        let server = server
+            .disable_signals()
+            .shutdown_timeout(10)
+            .listen(listener)?
+            .run();
         tracing::info!(port, "listening");
         Ok(Self {
             server,
