@@ -819,3 +819,51 @@ async fn the_wait_for_an_in_flight_owner_is_bounded() {
     assert!(!is_replay(&retry));
     assert_eq!(counts(&caller.tenant).await.orders, 1);
 }
+
+/// A verified API key is remembered for `ORDER_API__AUTH__KEY_CACHE_MS`: a key
+/// revoked in the database stops working within that window (and at once
+/// with the cache off); an unknown key is never remembered.
+#[tokio::test]
+async fn a_revoked_key_stops_working_within_the_key_cache_window() {
+    for cache_ms in [0_u64, 500] {
+        let api = OrderApi::start(&[("ORDER_API__AUTH__KEY_CACHE_MS", cache_ms.to_string())]).await;
+        let caller = Caller::new("revoke");
+        let missing = api.url(&format!("/orders/{}", uuid::Uuid::now_v7()));
+        // Authenticated (404 for an unknown order), and now remembered.
+        assert_eq!(caller.get(&missing).await.status(), StatusCode::NOT_FOUND);
+        let revoked = pg(Database::Orders)
+            .await
+            .execute(
+                "UPDATE api_keys SET revoked_at = now() WHERE tenant_id = $1",
+                &[&caller.tenant],
+            )
+            .await
+            .expect("revoke");
+        assert_eq!(revoked, 1);
+        if cache_ms == 0 {
+            // No cache: the very next request is refused.
+            assert_eq!(
+                caller.get(&missing).await.status(),
+                StatusCode::UNAUTHORIZED
+            );
+        } else {
+            // Within the window (bounded wait, generous for a slow machine).
+            let revoked_at = std::time::Instant::now();
+            let status = loop {
+                let status = caller.get(&missing).await.status();
+                if status == StatusCode::UNAUTHORIZED
+                    || revoked_at.elapsed() > Duration::from_secs(30)
+                {
+                    break status;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "cache {cache_ms} ms");
+        }
+        // Refused from then on (a refusal is never remembered as valid).
+        assert_eq!(
+            caller.get(&missing).await.status(),
+            StatusCode::UNAUTHORIZED
+        );
+    }
+}

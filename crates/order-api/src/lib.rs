@@ -29,6 +29,7 @@ pub struct AppState {
     pub settings: Settings,
     pub metrics: metrics::Metrics,
     pub in_flight: idempotency::InFlight,
+    pub keys: auth::KeyCache,
 }
 
 /// The pool with the bounded lock wait on every session: a loser waits for
@@ -71,6 +72,7 @@ impl Application {
             settings,
             metrics,
             in_flight: idempotency::InFlight::default(),
+            keys: auth::KeyCache::default(),
         });
         let app_state = state.clone();
         let mut server = HttpServer::new(move || {

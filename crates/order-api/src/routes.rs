@@ -107,7 +107,13 @@ async fn create_order(
     request: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(&state.pool, &request).await?;
+    let tenant = auth::tenant(
+        &state.pool,
+        &state.keys,
+        std::time::Duration::from_millis(state.settings.auth.key_cache_ms),
+        &request,
+    )
+    .await?;
     let key = idempotency::key(&request)?;
     let body = body(&state, &request, payload).await?;
     let order = request::parse::<CreateOrderRequest>(&body)?.validate()?;
@@ -169,7 +175,13 @@ async fn order_command<C: OrderCommand>(
     path: web::Path<String>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(&state.pool, &request).await?;
+    let tenant = auth::tenant(
+        &state.pool,
+        &state.keys,
+        std::time::Duration::from_millis(state.settings.auth.key_cache_ms),
+        &request,
+    )
+    .await?;
     let key = idempotency::key(&request)?;
     let order_id = order_id(&path)?;
     let body = body(&state, &request, payload).await?;
@@ -194,7 +206,13 @@ async fn get_order(
     request: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(&state.pool, &request).await?;
+    let tenant = auth::tenant(
+        &state.pool,
+        &state.keys,
+        std::time::Duration::from_millis(state.settings.auth.key_cache_ms),
+        &request,
+    )
+    .await?;
     let order_id = order_id(&path)?;
     let client = state.pool.get().await?;
     match operations::get_order(&client, &tenant, order_id).await? {

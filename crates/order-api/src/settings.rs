@@ -11,6 +11,25 @@ pub struct Settings {
     pub http: HttpSettings,
     pub database: DatabaseSettings,
     pub idempotency: IdempotencySettings,
+    #[serde(default)]
+    pub auth: AuthSettings,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AuthSettings {
+    /// How long a verified API key is remembered in process (milliseconds; 0
+    /// = look it up on every request). A key revoked in the database
+    /// (`api_keys.revoked_at`) stops working within this window; unknown or
+    /// revoked keys are never remembered, so a new key works at once.
+    pub key_cache_ms: u64,
+}
+
+impl Default for AuthSettings {
+    fn default() -> Self {
+        Self {
+            key_cache_ms: 1_000,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -39,6 +58,7 @@ impl Default for Settings {
                 cleanup_batch: 1_000,
                 max_body_bytes: 256 * 1024,
             },
+            auth: AuthSettings::default(),
         }
     }
 }
