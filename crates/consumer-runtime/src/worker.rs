@@ -197,9 +197,19 @@ async fn partition_worker<D: Domain>(
             crate::topology::str_header(headers, events::headers::TRACESTATE).as_deref(),
         );
         // The in-flight message is always finished: no cancellation inside.
-        let settled = settle(&processor, publisher, &delivery, stop)
+        let settled = match settle(&processor, publisher, &delivery, stop)
             .instrument(span)
-            .await?;
+            .await
+        {
+            Ok(settled) => settled,
+            Err(error) => {
+                // The publishing channel failed; the consuming one may still
+                // take the acks of what was settled before (fewer duplicates
+                // after the reconnect). This message is not acknowledged.
+                let _ = acks.flush().await;
+                return Err(error);
+            }
+        };
         if !settled {
             // Not settled: never acknowledged (the broker redelivers it); the
             // ones settled before it are.
