@@ -31,11 +31,8 @@ use crate::consumers::{
 };
 use crate::{api_key, free_port, unique_tenant, wait_for_ok, Service};
 use kit::amqp::lapin::{
-    options::{
-        ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, ExchangeUnbindOptions,
-    },
+    options::{ExchangeBindOptions, ExchangeDeleteOptions, ExchangeUnbindOptions},
     types::FieldTable,
-    ExchangeKind,
 };
 
 /// How to build a [`System`].
@@ -340,16 +337,7 @@ impl Drop for ExchangeGuard {
 async fn declare_exchange(exchange: &str) {
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
-    channel
-        .exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    kit::amqp::declare_topic_exchange(&channel, exchange)
         .await
         .expect("declare the private exchange");
     let _ = connection.close(200, "ok".into()).await;

@@ -64,16 +64,7 @@ async fn amqp(exchange: &str) -> (Connection, Channel) {
         .await
         .expect("connect to RabbitMQ");
     let channel = connection.create_channel().await.expect("channel");
-    channel
-        .exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    kit::amqp::declare_topic_exchange(&channel, exchange)
         .await
         .expect("test exchange");
     (connection, channel)

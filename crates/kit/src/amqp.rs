@@ -76,9 +76,16 @@ pub async fn connect(
 /// Declare the topic exchange every order event is published to (idempotent;
 /// the relay and every consumer declare it with the same arguments).
 pub async fn declare_order_events_exchange(channel: &Channel) -> Result<(), lapin::Error> {
+    declare_topic_exchange(channel, events::EXCHANGE).await
+}
+
+/// Declare a durable topic exchange named `name` the way `order-events` is
+/// declared (idempotent): a relay configured to publish elsewhere
+/// (`OUTBOX_RELAY__RELAY__EXCHANGE`, the tests' private exchanges) uses it.
+pub async fn declare_topic_exchange(channel: &Channel, name: &str) -> Result<(), lapin::Error> {
     channel
         .exchange_declare(
-            events::EXCHANGE.into(),
+            name.into(),
             ExchangeKind::Topic,
             ExchangeDeclareOptions {
                 durable: true,

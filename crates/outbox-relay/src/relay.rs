@@ -68,7 +68,7 @@ impl Relay {
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await?;
-            declare_exchange(&channel, &self.settings.exchange).await?;
+            kit::amqp::declare_topic_exchange(&channel, &self.settings.exchange).await?;
             tracing::info!(worker, instance = %self.instance, "relay worker ready");
             match self
                 .work_channel(&channel, connection, shutdown, &mut broker_pause)
@@ -306,24 +306,6 @@ impl Relay {
         }
         reopen
     }
-}
-
-/// Declare the topic exchange the relay publishes to (idempotent).
-async fn declare_exchange(channel: &Channel, exchange: &str) -> Result<(), lapin::Error> {
-    if exchange == events::EXCHANGE {
-        return kit::amqp::declare_order_events_exchange(channel).await;
-    }
-    channel
-        .exchange_declare(
-            exchange.into(),
-            lapin::ExchangeKind::Topic,
-            lapin::options::ExchangeDeclareOptions {
-                durable: true,
-                ..lapin::options::ExchangeDeclareOptions::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await
 }
 
 /// Retry a database write with capped backoff until it succeeds or
