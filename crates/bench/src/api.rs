@@ -13,6 +13,9 @@ use system_tests::system::{cents, mix, skus};
 use tokio_postgres::types::Json;
 use uuid::Uuid;
 
+use order_api::idempotency::{CLAIM, STORE};
+use order_api::operations::{INSERT_LINES, INSERT_ORDER, INSERT_OUTBOX};
+
 use crate::stats::{ms, rate, Latency};
 
 /// One side of the comparison.
@@ -129,41 +132,11 @@ pub async fn http_load(
     summarize(samples, errors, started.elapsed())
 }
 
-// order-api's statements (crates/order-api/src/{idempotency,operations}.rs).
-const CLAIM: &str = "\
-INSERT INTO idempotency_requests AS r
-    (tenant_id, endpoint, idempotency_key, request_fingerprint, expires_at)
-VALUES ($1, $2, $3, $4, now() + ($5::bigint || ' seconds')::interval)
-ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE
-    SET request_fingerprint = EXCLUDED.request_fingerprint,
-        response_status = NULL, response_body = NULL, resource_id = NULL,
-        created_at = now(), expires_at = EXCLUDED.expires_at
-    WHERE r.expires_at <= now()
-RETURNING 1";
-const INSERT_ORDER: &str = "\
-INSERT INTO orders (order_id, tenant_id, customer_id, checkout_id, currency, location,
-                    merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1)
-ON CONFLICT (tenant_id, checkout_id) WHERE checkout_id IS NOT NULL DO NOTHING
-RETURNING created_at";
-const INSERT_LINES: &str = "\
-INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor)
-SELECT $1, line_no, sku, qty, price, cost
-  FROM unnest($2::int[], $3::text[], $4::int[], $5::bigint[], $6::bigint[])
-       AS l(line_no, sku, qty, price, cost)";
-const INSERT_OUTBOX: &str = "\
-INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
-                           event_type, schema_version, payload, traceparent, tracestate, occurred_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
-const STORE: &str = "\
-UPDATE idempotency_requests
-   SET response_status = $4, response_body = $5, resource_id = $6
- WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
-
+/// Minor units of a decimal money string of the generated body.
 fn minor(text: &Value) -> i64 {
-    let s = text.as_str().unwrap_or("0");
-    let (whole, frac) = s.split_once('.').unwrap_or((s, "0"));
-    whole.parse::<i64>().unwrap_or(0) * 100 + frac.parse::<i64>().unwrap_or(0)
+    events::Money::parse(text.as_str().unwrap_or("0"))
+        .map(|m| m.minor())
+        .unwrap_or(0)
 }
 
 /// One create-order transaction, raw: BEGIN, claim the key, order, lines,

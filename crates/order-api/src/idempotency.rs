@@ -127,7 +127,7 @@ impl Drop for InFlightGuard {
 
 /// Claim the key (or take over an expired record). Waiting on an in-flight
 /// owner is bounded by the session's `lock_timeout`.
-const CLAIM: &str = "\
+pub const CLAIM: &str = "\
 INSERT INTO idempotency_requests AS r
     (tenant_id, endpoint, idempotency_key, request_fingerprint, expires_at)
 VALUES ($1, $2, $3, $4, now() + ($5::bigint || ' seconds')::interval)
@@ -138,7 +138,8 @@ ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE
     WHERE r.expires_at <= now()
 RETURNING 1";
 
-const STORE: &str = "\
+/// Store the outcome with the key (same transaction as the operation).
+pub const STORE: &str = "\
 UPDATE idempotency_requests
    SET response_status = $4, response_body = $5, resource_id = $6
  WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";

@@ -52,7 +52,8 @@ fn created<T: Serialize>(body: &T, resource_id: Uuid) -> Result<Stored, ApiError
     })
 }
 
-const INSERT_OUTBOX: &str = "\
+/// The event's outbox row (its durable intent).
+pub const INSERT_OUTBOX: &str = "\
 INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
                            event_type, schema_version, payload, traceparent, tracestate, occurred_at)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
@@ -111,14 +112,16 @@ pub struct OrderView {
     pub created_at: OffsetDateTime,
 }
 
-const INSERT_ORDER: &str = "\
+/// The order row; the checkout id backstops a retry under a new key.
+pub const INSERT_ORDER: &str = "\
 INSERT INTO orders (order_id, tenant_id, customer_id, checkout_id, currency, location,
                     merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1)
 ON CONFLICT (tenant_id, checkout_id) WHERE checkout_id IS NOT NULL DO NOTHING
 RETURNING created_at";
 
-const INSERT_LINES: &str = "\
+/// All the order's lines in one statement.
+pub const INSERT_LINES: &str = "\
 INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor)
 SELECT $1, line_no, sku, qty, price, cost
   FROM unnest($2::int[], $3::text[], $4::int[], $5::bigint[], $6::bigint[])
