@@ -7,7 +7,7 @@ use actix_web::HttpRequest;
 use deadpool_postgres::Pool;
 use rand::RngCore;
 
-use crate::error::ApiError;
+use crate::{error::ApiError, AppState};
 
 /// Prefix of every key, so a leaked key is recognisable (e.g. by secret scanners).
 pub const KEY_PREFIX: &str = "oek_";
@@ -45,14 +45,13 @@ impl KeyCache {
     }
 }
 
-/// The caller's tenant, or 401. A key verified less than `ttl` ago is not
-/// looked up again (see [`KeyCache`]).
-pub async fn tenant(
-    pool: &Pool,
-    cache: &KeyCache,
-    ttl: Duration,
-    request: &HttpRequest,
-) -> Result<String, ApiError> {
+/// The caller's tenant, or 401. A key verified less than
+/// `auth.key_cache_ms` ago is not looked up again (see [`KeyCache`]).
+pub async fn tenant(state: &AppState, request: &HttpRequest) -> Result<String, ApiError> {
+    let (cache, ttl) = (
+        &state.keys,
+        Duration::from_millis(state.settings.auth.key_cache_ms),
+    );
     let key = request
         .headers()
         .get(actix_web::http::header::AUTHORIZATION)
@@ -65,7 +64,7 @@ pub async fn tenant(
     if let Some(tenant) = cache.get(&hash, ttl) {
         return Ok(tenant);
     }
-    let client = pool.get().await?;
+    let client = state.pool.get().await?;
     let statement = client
         .prepare_cached("SELECT tenant_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL")
         .await?;

@@ -107,13 +107,7 @@ async fn create_order(
     request: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(
-        &state.pool,
-        &state.keys,
-        std::time::Duration::from_millis(state.settings.auth.key_cache_ms),
-        &request,
-    )
-    .await?;
+    let tenant = auth::tenant(&state, &request).await?;
     let key = idempotency::key(&request)?;
     let body = body(&state, &request, payload).await?;
     let order = request::parse::<CreateOrderRequest>(&body)?.validate()?;
@@ -175,13 +169,7 @@ async fn order_command<C: OrderCommand>(
     path: web::Path<String>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(
-        &state.pool,
-        &state.keys,
-        std::time::Duration::from_millis(state.settings.auth.key_cache_ms),
-        &request,
-    )
-    .await?;
+    let tenant = auth::tenant(&state, &request).await?;
     let key = idempotency::key(&request)?;
     let order_id = order_id(&path)?;
     let body = body(&state, &request, payload).await?;
@@ -206,13 +194,7 @@ async fn get_order(
     request: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(
-        &state.pool,
-        &state.keys,
-        std::time::Duration::from_millis(state.settings.auth.key_cache_ms),
-        &request,
-    )
-    .await?;
+    let tenant = auth::tenant(&state, &request).await?;
     let order_id = order_id(&path)?;
     let client = state.pool.get().await?;
     match operations::get_order(&client, &tenant, order_id).await? {
