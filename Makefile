@@ -66,46 +66,16 @@ BENCH_TARGET := target/bench
 BENCH_BIN := $(BENCH_TARGET)/bench-release
 BENCH_BUILD := CARGO_TARGET_DIR=$(BENCH_TARGET) $(CARGO) build --profile bench-release --workspace --bins
 
-bench: up
+# make bench: every phase (`bench suite`); bench-backlog: the 1,000,000-event
+# drain; bench-api / bench-relay / bench-consumers / bench-e2e: one phase alone,
+# the quick loops (bench-e2e paces at BENCH_E2E_RATE orders/s, default 50).
+BENCH_TARGETS := bench bench-backlog bench-api bench-relay bench-consumers bench-e2e
+$(BENCH_TARGETS): up
 	$(BENCH_BUILD)
 	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
 		$(BENCH_BIN)/$$svc migrate || exit 1; \
 	done
-	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench
-
-bench-backlog: up
-	$(BENCH_BUILD)
-	$(ENV) $(BENCH_BIN)/order-api migrate
-	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench backlog
-
-# The API phase alone: the quick loop for order-api.
-bench-api: up
-	$(BENCH_BUILD)
-	$(ENV) $(BENCH_BIN)/order-api migrate
-	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench api
-
-# The relay phase alone (BENCH_EVENTS backlog): the quick loop for the relay.
-bench-relay: up
-	$(BENCH_BUILD)
-	$(ENV) $(BENCH_BIN)/order-api migrate
-	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench relay
-
-# The consumer phase alone: the quick loop for the consumers.
-bench-consumers: up
-	$(BENCH_BUILD)
-	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
-		$(BENCH_BIN)/$$svc migrate || exit 1; \
-	done
-	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench consumers
-
-# The end-to-end phase alone (BENCH_E2E_RATE orders/s, default 50), with the
-# per-stage latency breakdown: the quick loop for profiling latency.
-bench-e2e: up
-	$(BENCH_BUILD)
-	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
-		$(BENCH_BIN)/$$svc migrate || exit 1; \
-	done
-	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench e2e
+	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench $(if $(filter bench,$@),suite,$(patsubst bench-%,%,$@))
 
 # The long soak (issue 7): kill -9 chaos + one RabbitMQ and one PostgreSQL
 # restart under load, then the invariant checker. Knobs (environment):

@@ -192,6 +192,79 @@ fn stop_relays(system: &System) {
     }
 }
 
+/// A started private system with the orders database and the raw loops'
+/// tenants (`<tenant>-raw` for the API and consumers' raw loops, `…-raw2`
+/// for the consumers' unprepared variant), stocked like the system's tenant.
+struct Bench {
+    system: Arc<System>,
+    orders: tokio_postgres::Client,
+    raw_tenant: String,
+}
+
+impl Bench {
+    /// Start the system (`relays` relays, stopped) and prepare the tenants;
+    /// `consumers_running` false stops the consumers again.
+    async fn start(title: &str, relays: usize, consumers_running: bool) -> anyhow::Result<Bench> {
+        phase(title);
+        let system = start_system(relays).await;
+        system.stock_up().await;
+        let orders = pg(Database::Orders).await;
+        let raw_tenant = format!("{}-raw", system.tenant);
+        orders
+            .execute(
+                "INSERT INTO tenants (tenant_id) VALUES ($1) ON CONFLICT DO NOTHING",
+                &[&raw_tenant],
+            )
+            .await?;
+        receive_raw_stock(&system, &raw_tenant).await;
+        receive_raw_stock(&system, &format!("{raw_tenant}2")).await;
+        if !consumers_running {
+            for consumer in &system.consumers {
+                block(|| consumer.stop());
+            }
+        }
+        Ok(Bench {
+            system,
+            orders,
+            raw_tenant,
+        })
+    }
+
+    /// Orders for 5 s from 8 clients: the events of a single-phase run.
+    async fn template_orders(&self) -> u64 {
+        let seed = api::http_load(
+            &self.system.api.base_url(),
+            &self.system.key,
+            0,
+            8,
+            Duration::from_secs(5),
+        )
+        .await;
+        println!("  {} template orders", seed.requests);
+        seed.requests
+    }
+
+    /// Stop every service and delete what the run wrote: the consumers'
+    /// inbox rows, the tenants' orders and outbox rows.
+    async fn teardown(self) {
+        for member in self.system.members() {
+            block(|| member.stop());
+        }
+        for consumer in &self.system.consumers {
+            if consumer.label.ends_with("-0") {
+                consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
+            }
+        }
+        for tenant in [
+            self.system.tenant.clone(),
+            self.raw_tenant.clone(),
+            format!("{}2", self.raw_tenant),
+        ] {
+            cleanup_orders(&self.orders, &tenant).await;
+        }
+    }
+}
+
 async fn suite(settings: Settings) -> anyhow::Result<()> {
     let run_started = Instant::now();
     let mut results = Results {
@@ -200,47 +273,30 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
         settings: Some(settings.clone()),
         ..Results::default()
     };
-    phase("start: order-api, 2 relays (stopped), 3 consumers (private names)");
-    let system = start_system(2).await;
+    let bench = Bench::start(
+        "start: order-api, 2 relays (stopped), 3 consumers (private names)",
+        2,
+        false,
+    )
+    .await?;
+    let (system, orders, raw_tenant) = (&bench.system, &bench.orders, &bench.raw_tenant);
     let peaks = PeakMemory::default();
     let sampler = sample_memory(system.clone(), peaks.clone());
-    system.stock_up().await;
-    let orders = pg(Database::Orders).await;
-    let raw_tenant = format!("{}-raw", system.tenant);
-    orders
-        .execute(
-            "INSERT INTO tenants (tenant_id) VALUES ($1) ON CONFLICT DO NOTHING",
-            &[&raw_tenant],
-        )
-        .await?;
-    receive_raw_stock(&system, &raw_tenant).await;
-    receive_raw_stock(&system, &format!("{raw_tenant}2")).await;
-    for consumer in &system.consumers {
-        block(|| consumer.stop());
-    }
 
     // 1. API vs raw transaction.
-    api_phase(&system, &orders, &settings, &raw_tenant, &mut results).await;
+    api_phase(system, orders, &settings, raw_tenant, &mut results).await;
 
     // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
-    let backlog = relay_phase(&system, &orders, &settings, &mut results).await;
+    let backlog = relay_phase(system, orders, &settings, &mut results).await;
 
     // 3. Consumers: fill each one's queues, start it, compare with raw.
-    consumer_phase(
-        &system,
-        &orders,
-        &settings,
-        &raw_tenant,
-        backlog,
-        &mut results,
-    )
-    .await;
+    consumer_phase(system, orders, &settings, raw_tenant, backlog, &mut results).await;
 
     // 4. End to end at half the sustained maximum order rate of the whole
     // pipeline, measured here with everything running at once (API, one
     // relay, three consumers, PostgreSQL and RabbitMQ share the machine: the
     // stages' isolated maxima above add up to more than it has).
-    start_relays(&system, 1).await;
+    start_relays(system, 1).await;
     phase(&format!(
         "4. sustained maximum: {} clients back to back for {} s, 1 relay, all consumers",
         settings.concurrency, settings.sustain_seconds
@@ -255,7 +311,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     )
     .await;
     report::print_load("order-api", &results.sustain_orders);
-    let applied = applied_by_all(&system, &orders, since).await?;
+    let applied = applied_by_all(system, orders, since).await?;
     results.sustained = applied.throughput();
     println!(
         "  {} orders applied by all three consumers at {:.0}/s (first order to last applied)",
@@ -278,7 +334,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     )
     .await;
     report::print_load("paced order-api", &results.e2e_orders);
-    let (latency, timeline) = end_to_end(&system, &orders, since).await?;
+    let (latency, timeline) = end_to_end(system, orders, since).await?;
     println!(
         "  order committed -> applied by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
         latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
@@ -301,16 +357,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
 
     phase("writing results");
     report::write(&settings.out, &results)?;
-    for member in system.members() {
-        block(|| member.stop());
-    }
-    for consumer in &system.consumers {
-        if consumer.label.ends_with("-0") {
-            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
-        }
-    }
-    cleanup_orders(&orders, &system.tenant).await;
-    cleanup_orders(&orders, &format!("{raw_tenant}2")).await;
+    bench.teardown().await;
     println!("done in {:.0?}", run_started.elapsed());
     Ok(())
 }
@@ -561,40 +608,25 @@ async fn relay_phase(
 async fn relay_only(settings: Settings) -> anyhow::Result<()> {
     let run_started = Instant::now();
     let mut results = Results::default();
-    phase("relay: start order-api, 2 relays (stopped), 3 consumers (private names)");
-    let system = start_system(2).await;
-    system.stock_up().await;
-    for consumer in &system.consumers {
-        block(|| consumer.stop());
-    }
-    let orders = pg(Database::Orders).await;
-    let seed = api::http_load(
-        &system.api.base_url(),
-        &system.key,
-        0,
-        8,
-        Duration::from_secs(5),
+    let bench = Bench::start(
+        "relay: start order-api, 2 relays (stopped), 3 consumers (private names)",
+        2,
+        false,
     )
-    .await;
-    println!("  {} template orders", seed.requests);
-    relay_phase(&system, &orders, &settings, &mut results).await;
-    println!(
-        "  1 relay {:.0}/s, 2 relays {:.0}/s, raw {:.0}/s: {:.0} % and {:.0} %",
+    .await?;
+    bench.template_orders().await;
+    relay_phase(&bench.system, &bench.orders, &settings, &mut results).await;
+    report::print_ratio(
+        "1 relay",
         results.relay_one.per_second,
+        results.relay_raw.per_second,
+    );
+    report::print_ratio(
+        "2 relays",
         results.relay_two.per_second,
         results.relay_raw.per_second,
-        100.0 * results.relay_one.per_second / results.relay_raw.per_second.max(1.0),
-        100.0 * results.relay_two.per_second / results.relay_raw.per_second.max(1.0),
     );
-    for member in system.members() {
-        block(|| member.stop());
-    }
-    for consumer in &system.consumers {
-        if consumer.label.ends_with("-0") {
-            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
-        }
-    }
-    cleanup_orders(&orders, &system.tenant).await;
+    bench.teardown().await;
     println!("done in {:.0?}", run_started.elapsed());
     Ok(())
 }
@@ -695,53 +727,26 @@ async fn consumer_phase(
 /// events (the relays stay stopped): a quick loop for the consumers.
 async fn consumers_only(settings: Settings) -> anyhow::Result<()> {
     let mut results = Results::default();
-    phase("consumers: start order-api, 1 relay (stopped), 3 consumers (private names)");
-    let system = start_system(1).await;
-    system.stock_up().await;
-    let orders = pg(Database::Orders).await;
-    let raw_tenant = format!("{}-raw", system.tenant);
-    receive_raw_stock(&system, &raw_tenant).await;
-    receive_raw_stock(&system, &format!("{raw_tenant}2")).await;
-    for consumer in &system.consumers {
-        block(|| consumer.stop());
-    }
-    let seed = api::http_load(
-        &system.api.base_url(),
-        &system.key,
-        0,
-        8,
-        Duration::from_secs(5),
+    let bench = Bench::start(
+        "consumers: start order-api, 1 relay (stopped), 3 consumers (private names)",
+        1,
+        false,
     )
-    .await;
-    println!("  {} orders", seed.requests);
-    let backlog = i64::try_from(seed.requests).unwrap_or(i64::MAX);
+    .await?;
+    let backlog = i64::try_from(bench.template_orders().await).unwrap_or(i64::MAX);
     consumer_phase(
-        &system,
-        &orders,
+        &bench.system,
+        &bench.orders,
         &settings,
-        &raw_tenant,
+        &bench.raw_tenant,
         backlog,
         &mut results,
     )
     .await;
     for (name, (applied, raw, _)) in &results.consumers {
-        println!(
-            "  {name}: {:.0}/s against {:.0}/s raw: {:.0} %",
-            applied.per_second,
-            raw.per_second,
-            100.0 * applied.per_second / raw.per_second.max(1.0)
-        );
+        report::print_ratio(name, applied.per_second, raw.per_second);
     }
-    for member in system.members() {
-        block(|| member.stop());
-    }
-    for consumer in &system.consumers {
-        if consumer.label.ends_with("-0") {
-            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
-        }
-    }
-    cleanup_orders(&orders, &system.tenant).await;
-    cleanup_orders(&orders, &format!("{raw_tenant}2")).await;
+    bench.teardown().await;
     Ok(())
 }
 
@@ -789,30 +794,22 @@ async fn api_phase(
 /// `bench api`: phase 1 alone (the API against the raw transaction).
 async fn api_only(settings: Settings) -> anyhow::Result<()> {
     let mut results = Results::default();
-    phase("api: start order-api, 1 relay (stopped), 3 consumers (private names)");
-    let system = start_system(1).await;
-    for consumer in &system.consumers {
-        block(|| consumer.stop());
-    }
-    let orders = pg(Database::Orders).await;
-    let raw_tenant = format!("{}-raw", system.tenant);
-    orders
-        .execute(
-            "INSERT INTO tenants (tenant_id) VALUES ($1) ON CONFLICT DO NOTHING",
-            &[&raw_tenant],
-        )
-        .await?;
-    api_phase(&system, &orders, &settings, &raw_tenant, &mut results).await;
-    println!(
-        "  API {:.0}/s against {:.0}/s raw: {:.0} %",
-        results.api.per_second,
-        results.api_raw.per_second,
-        100.0 * results.api.per_second / results.api_raw.per_second.max(1.0)
-    );
-    for member in system.members() {
-        block(|| member.stop());
-    }
-    cleanup_orders(&orders, &system.tenant).await;
+    let bench = Bench::start(
+        "api: start order-api, 1 relay (stopped), 3 consumers (private names)",
+        1,
+        false,
+    )
+    .await?;
+    api_phase(
+        &bench.system,
+        &bench.orders,
+        &settings,
+        &bench.raw_tenant,
+        &mut results,
+    )
+    .await;
+    report::print_ratio("API", results.api.per_second, results.api_raw.per_second);
+    bench.teardown().await;
     Ok(())
 }
 
@@ -824,11 +821,14 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(50.0);
-    phase("e2e: start order-api, 1 relay, 3 consumers (private names)");
-    let system = start_system(1).await;
-    system.stock_up().await;
-    let orders = pg(Database::Orders).await;
-    start_relays(&system, 1).await;
+    let bench = Bench::start(
+        "e2e: start order-api, 1 relay, 3 consumers (private names)",
+        1,
+        true,
+    )
+    .await?;
+    let (system, orders) = (&bench.system, &bench.orders);
+    start_relays(system, 1).await;
     phase(&format!(
         "e2e: {rate:.0} orders/s for {} s",
         settings.e2e_seconds
@@ -843,20 +843,12 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
     )
     .await;
     report::print_load("paced order-api", &load);
-    let (latency, _) = end_to_end(&system, &orders, since).await?;
+    let (latency, _) = end_to_end(system, orders, since).await?;
     println!(
         "  order committed -> applied by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
         latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
     );
-    for member in system.members() {
-        block(|| member.stop());
-    }
-    for consumer in &system.consumers {
-        if consumer.label.ends_with("-0") {
-            consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
-        }
-    }
-    cleanup_orders(&orders, &system.tenant).await;
+    bench.teardown().await;
     Ok(())
 }
 
@@ -878,35 +870,24 @@ async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
 /// `bench backlog`: one relay draining a backlog of `BENCH_BACKLOG_EVENTS`,
 /// sampling the claim query's latency and the outbox's dead tuples.
 async fn backlog(settings: Settings) -> anyhow::Result<()> {
-    phase("backlog: start order-api, 1 relay (stopped)");
-    let system = start_system(1).await;
-    for consumer in &system.consumers {
-        block(|| consumer.stop());
+    let mut bench = Bench::start("backlog: start order-api, 1 relay (stopped)", 1, false).await?;
+    for consumer in &bench.system.consumers {
         if consumer.label.ends_with("-0") {
-            unbind_consumer(&consumer.name, &system.exchange).await;
+            unbind_consumer(&consumer.name, &bench.system.exchange).await;
         }
     }
-    let (mut orders, connection) =
-        tokio_postgres::connect(&pg_url(Database::Orders), tokio_postgres::NoTls).await?;
-    tokio::spawn(connection);
     phase("backlog: 5 s of API orders as templates, then the synthetic backlog");
-    let seed = api::http_load(
-        &system.api.base_url(),
-        &system.key,
-        0,
-        8,
-        Duration::from_secs(5),
-    )
-    .await;
-    println!("  {} template orders", seed.requests);
-    let backlog = relay::top_up(&orders, &system.tenant, settings.backlog_events).await;
+    bench.template_orders().await;
+    let system = bench.system.clone();
+    let orders = &mut bench.orders;
+    let backlog = relay::top_up(orders, &system.tenant, settings.backlog_events).await;
     println!("  backlog: {backlog} events");
     let sink = relay::Sink::bind(&system.exchange).await;
     phase("backlog: one relay draining; a sample every 2 s");
     let started = start_relays(&system, 1).await;
     let mut samples = Vec::new();
     loop {
-        let sample = relay::backlog_sample(&mut orders, &system.tenant, started).await;
+        let sample = relay::backlog_sample(orders, &system.tenant, started).await;
         println!(
             "  {:>6.0} s  left {:>8}  claim {:>7.1} ms  dead tuples {:>8}  live {:>8}",
             sample.seconds, sample.left, sample.claim_ms, sample.dead_tuples, sample.live_tuples
@@ -918,14 +899,11 @@ async fn backlog(settings: Settings) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    let drain = relay::measure_drain(&orders, &system.tenant, started, "relay").await;
+    let drain = relay::measure_drain(orders, &system.tenant, started, "relay").await;
     report::print_drain("1 relay", &drain);
     stop_relays(&system);
     sink.delete().await;
     report::write_backlog(&settings.out, &drain, &samples)?;
-    for member in system.members() {
-        block(|| member.stop());
-    }
-    cleanup_orders(&orders, &system.tenant).await;
+    bench.teardown().await;
     Ok(())
 }
