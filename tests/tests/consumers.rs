@@ -1726,3 +1726,89 @@ async fn live_counts(queue: &str) -> (u32, u32) {
     let _ = connection.close(200, "ok".into()).await;
     (declared.message_count(), declared.consumer_count())
 }
+
+/// The one-statement reservation: an order listing a sku twice and a second
+/// sku reserves each sku once (quantities summed), in the same transaction,
+/// with the shortage of each computed from what was available before: 3 on
+/// hand, 5 asked -> 2 short; a sku never received -> all of it short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_order_reserves_each_sku_once_with_its_own_shortage() {
+    let tenant = unique("t5-reserve");
+    let name = unique("t5-reserve-inv");
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::default()).await;
+    assert_eq!(receipt(&inventory, &tenant, "R-3", 3).await.0, 201);
+    let order = Uuid::now_v7();
+    let placed = message(
+        &tenant,
+        order,
+        1,
+        "OrderPlaced",
+        1,
+        json!({
+            "order_id": order,
+            "customer_id": "77",
+            "lines": [
+                {"sku": "JKT-M", "qty": 2, "unit_price": "40.00", "unit_cost": "22.00"},
+                {"sku": "HAT-S", "qty": 1, "unit_price": "10.00", "unit_cost": "4.00"},
+                {"sku": "JKT-M", "qty": 3, "unit_price": "40.00", "unit_cost": "22.00"}
+            ],
+            "shipping": "5.00",
+            "tax": "8.00",
+            "total": "223.00",
+            "currency": "USD",
+            "location": "WH-1",
+        }),
+    );
+    Publisher::connect().await.to_consumer(&name, &placed).await;
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+
+    let db = pg(Database::Inventory).await;
+    let reserved: Vec<(String, i64, i64, i64, i64, Option<Uuid>)> = db
+        .query(
+            "SELECT sku, qty, on_hand_delta, reserved_delta, shortage, event_id FROM stock_movements \
+             WHERE tenant_id = $1 AND movement_type = 'reserve' ORDER BY sku",
+            &[&tenant],
+        )
+        .await
+        .expect("movements")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
+        .collect();
+    let event = Some(placed.event_id);
+    assert_eq!(
+        reserved,
+        vec![
+            ("HAT-S".to_owned(), 1, 0, 1, 1, event),
+            ("JKT-M".to_owned(), 5, 0, 5, 2, event),
+        ]
+    );
+    let levels: Vec<(String, i64, i64)> = db
+        .query(
+            "SELECT sku, on_hand, reserved FROM stock_levels WHERE tenant_id = $1 ORDER BY sku",
+            &[&tenant],
+        )
+        .await
+        .expect("levels")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        levels,
+        vec![("HAT-S".to_owned(), 0, 1), ("JKT-M".to_owned(), 3, 5)]
+    );
+    let location: String = db
+        .query_one(
+            "SELECT location FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2",
+            &[&tenant, &order],
+        )
+        .await
+        .expect("the order's location")
+        .get(0);
+    assert_eq!(location, "WH-1");
+    assert_eq!(
+        inventory.metric("inventory_shortages_total", "").await,
+        2.0,
+        "two short skus"
+    );
+    assert_levels_equal_movements(&tenant).await;
+}
