@@ -673,12 +673,18 @@ impl System {
 
     /// Receive `qty` of `sku` at WH-1 (inventory's receipts endpoint).
     pub async fn receive(&self, sku: &str, qty: i64) {
+        self.receive_for(&self.tenant, sku, qty).await;
+    }
+
+    /// A stock receipt for another `tenant` (e.g. a benchmark's raw loop)
+    /// through this system's inventory consumer.
+    pub async fn receive_for(&self, tenant: &str, sku: &str, qty: i64) {
         let inventory = self.consumer(Kind::Inventory);
         let response = self
             .http
             .post(format!("{}/stock/receipts", inventory.base_url()))
             .bearer_auth(TEST_TOKEN)
-            .header("X-Tenant-Id", &self.tenant)
+            .header("X-Tenant-Id", tenant)
             .json(&json!({"receipt_id": format!("rcpt-{sku}"), "sku": sku, "location": "WH-1", "qty": qty}))
             .send()
             .await

@@ -370,25 +370,8 @@ fn record_cpu(results: &mut Results, label: &str, events: u64, usage: cpu::Usage
 
 /// Receipts of every SKU for the raw tenant (the same stock as the system's).
 async fn receive_raw_stock(system: &System, tenant: &str) {
-    let inventory = system.consumer(Kind::Inventory);
     for sku in system_tests::system::skus() {
-        let response = system
-            .http
-            .post(format!("{}/stock/receipts", inventory.base_url()))
-            .bearer_auth(system_tests::consumers::TEST_TOKEN)
-            .header("X-Tenant-Id", tenant)
-            .json(
-                &serde_json::json!({"receipt_id": format!("rcpt-{sku}"), "sku": sku,
-                                      "location": "WH-1", "qty": 100_000_000}),
-            )
-            .send()
-            .await
-            .expect("receipt");
-        assert!(
-            response.status().is_success(),
-            "receipt: {}",
-            response.status()
-        );
+        system.receive_for(tenant, &sku, 100_000_000).await;
     }
 }
 
