@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, QueueMode, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 use tokio_util::sync::CancellationToken;
 
@@ -61,6 +61,12 @@ pub fn pool_with_options(
     );
     Pool::builder(manager)
         .max_size(settings.pool_size)
+        // The most recently returned connection first: a handful of hot
+        // connections (and server backends) do the work instead of every
+        // connection of the pool taking turns. Each statement round trip of a
+        // consumer was ~40 µs faster (make bench-consumers: 68-76 % -> 78-81 %
+        // of the raw transaction); idle connections are left alone.
+        .queue_mode(QueueMode::Lifo)
         .wait_timeout(Some(Duration::from_millis(settings.acquire_timeout_ms)))
         .create_timeout(Some(Duration::from_secs(5)))
         .recycle_timeout(Some(Duration::from_secs(5)))
