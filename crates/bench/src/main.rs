@@ -561,8 +561,16 @@ async fn relay_phase(
     drop(messages);
     phase("2. one relay draining the backlog");
     let meter = cpu::Meter::start();
+    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
     let started = start_relays(system, 1).await;
-    results.relay_one = relay::measure_drain(orders, &system.tenant, started, "relay").await;
+    results.relay_one = relay::measure_drain(
+        orders,
+        &system.tenant,
+        started,
+        "relay",
+        (&sink, before, backlog as u64),
+    )
+    .await;
     let events = results.relay_one.events;
     record_cpu(results, "2. 1 relay", events, meter.stop());
     stop_relays(system);
@@ -570,8 +578,16 @@ async fn relay_phase(
     phase("2. two relays draining the same backlog again");
     relay::reset(orders, &system.tenant).await;
     let meter = cpu::Meter::start();
+    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
     let started = start_relays(system, 2).await;
-    results.relay_two = relay::measure_drain(orders, &system.tenant, started, "2 relays").await;
+    results.relay_two = relay::measure_drain(
+        orders,
+        &system.tenant,
+        started,
+        "2 relays",
+        (&sink, before, backlog as u64),
+    )
+    .await;
     let events = results.relay_two.events;
     record_cpu(results, "2. 2 relays", events, meter.stop());
     stop_relays(system);
@@ -882,7 +898,7 @@ async fn backlog(settings: Settings) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    let drain = relay::measure_drain(orders, &system.tenant, started, "relay").await;
+    let drain = relay::measure_drain(orders, &system.tenant, started, "relay", (&sink, 0, 0)).await;
     report::print_drain("1 relay", &drain);
     stop_relays(&system);
     sink.delete().await;
