@@ -441,7 +441,22 @@ async fn applied_by_all(
         let kind = consumer.kind.expect("kind");
         let db = consumers::db(kind).await;
         let deadline = Instant::now() + Duration::from_secs(300);
+        // While the consumer catches up only its count is asked (the same
+        // PostgreSQL serves it); the rows once it has them all.
+        let want = i64::try_from(events.len()).unwrap_or(i64::MAX);
         loop {
+            let applied: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM processed_events
+                      WHERE consumer_name = $1 AND processed_at >= $2",
+                    &[&consumer.name, &since],
+                )
+                .await?
+                .get(0);
+            if applied < want && Instant::now() <= deadline {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
             let rows = db
                 .query(
                     "SELECT event_id, processed_at FROM processed_events
@@ -886,7 +901,9 @@ async fn backlog(settings: Settings) -> anyhow::Result<()> {
     let started = start_relays(&system, 1).await;
     let mut samples = Vec::new();
     loop {
-        let sample = relay::backlog_sample(orders, &system.tenant, started).await;
+        let delivered = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
+        let left = backlog.saturating_sub(i64::try_from(delivered).unwrap_or(i64::MAX));
+        let sample = relay::backlog_sample(orders, &system.tenant, started, left).await;
         println!(
             "  {:>6.0} s  left {:>8}  claim {:>7.1} ms  dead tuples {:>8}  live {:>8}",
             sample.seconds, sample.left, sample.claim_ms, sample.dead_tuples, sample.live_tuples
@@ -898,7 +915,14 @@ async fn backlog(settings: Settings) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    let drain = relay::measure_drain(orders, &system.tenant, started, "relay", (&sink, 0, 0)).await;
+    let drain = relay::measure_drain(
+        orders,
+        &system.tenant,
+        started,
+        "relay",
+        (&sink, 0, u64::try_from(backlog).unwrap_or(0)),
+    )
+    .await;
     report::print_drain("1 relay", &drain);
     stop_relays(&system);
     sink.delete().await;
