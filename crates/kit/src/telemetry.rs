@@ -18,6 +18,7 @@
 //!   log level.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use opentelemetry::{propagation::TextMapPropagator, trace::TracerProvider as _};
 use opentelemetry_sdk::{propagation::TraceContextPropagator, trace::SdkTracerProvider, Resource};
@@ -28,6 +29,16 @@ use tracing_subscriber::{
     util::SubscriberInitExt,
     EnvFilter, Layer,
 };
+
+static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// Whether spans leave the process (an OTLP endpoint is configured and the
+/// exporter started). Without it a span only serves the trace context it
+/// carries; a hot path whose span nobody would see can skip it and forward
+/// the context it received instead.
+pub fn exporting() -> bool {
+    EXPORTING.load(Ordering::Relaxed)
+}
 
 /// Keeps the tracer provider alive; flushes pending spans when dropped.
 pub struct TelemetryGuard {
@@ -86,6 +97,7 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     // Without an exporter the spans only carry the trace context (stored and
     // propagated): log events are not recorded into them.
     let exporting = otlp_configured() && export_error.is_none();
+    EXPORTING.store(exporting, Ordering::Relaxed);
     let trace_filter = EnvFilter::try_from_env("OTEL_TRACES_FILTER")
         .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER))
         .and(filter_fn(move |metadata| exporting || metadata.is_span()));

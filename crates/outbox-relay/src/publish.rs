@@ -254,24 +254,39 @@ pub async fn publish_batch(
 /// The message of `row` with its publish span: a child of the trace stored
 /// with the row (the operation that caused the event), whose own context is
 /// sent in the `traceparent`/`tracestate` headers.
+///
+/// When spans are not exported ([`kit::telemetry::exporting`]) there is no
+/// publish span: nobody would see it, and building, propagating and closing
+/// one per message was a quarter of the relay's CPU per event (make
+/// bench-relay: 44-52 -> 33-36 µs). The stored context is then forwarded
+/// unchanged, so the consumers still continue the producer's trace.
 pub fn prepare(
     row: &OutboxRow,
     replayed: bool,
 ) -> Result<(Message, tracing::Span), events::EncodeError> {
-    let span = tracing::info_span!(
-        "outbox.publish",
-        otel.kind = "producer",
-        event_id = %row.event_id,
-        event_type = %row.event_type,
-        aggregate_id = %row.aggregate_id,
-        aggregate_sequence = row.aggregate_sequence,
-        replayed,
-    );
-    kit::telemetry::set_remote_parent(&span, row.traceparent.as_deref(), row.tracestate.as_deref());
-    let mut trace = kit::telemetry::trace_headers(&span);
+    let (span, mut trace) = if kit::telemetry::exporting() {
+        let span = tracing::info_span!(
+            "outbox.publish",
+            otel.kind = "producer",
+            event_id = %row.event_id,
+            event_type = %row.event_type,
+            aggregate_id = %row.aggregate_id,
+            aggregate_sequence = row.aggregate_sequence,
+            replayed,
+        );
+        kit::telemetry::set_remote_parent(
+            &span,
+            row.traceparent.as_deref(),
+            row.tracestate.as_deref(),
+        );
+        let trace = kit::telemetry::trace_headers(&span);
+        (span, trace)
+    } else {
+        (tracing::Span::none(), std::collections::HashMap::new())
+    };
     if !trace.contains_key(headers::TRACEPARENT) {
-        // The span is disabled (e.g. RUST_LOG=warn): still continue the
-        // producer's trace by forwarding its context unchanged.
+        // No publish span (not exporting, or disabled by the filter): still
+        // continue the producer's trace by forwarding its context unchanged.
         for (name, value) in [
             (headers::TRACEPARENT, &row.traceparent),
             (headers::TRACESTATE, &row.tracestate),
@@ -345,8 +360,8 @@ mod tests {
             Some(AMQPValue::LongString("acme".into()))
         );
         assert_eq!(get(headers::REPLAYED), None);
-        // No tracing subscriber here, so the publish span is disabled: the
-        // stored context is forwarded unchanged rather than dropped.
+        // Not exporting (and no subscriber here), so there is no publish span:
+        // the stored context is forwarded unchanged rather than dropped.
         assert_eq!(
             get(headers::TRACEPARENT),
             Some(AMQPValue::LongString(
