@@ -525,7 +525,10 @@ fn assert_message_matches(r: &Received, event: &NewEvent, tenant: &str) {
     let parts: Vec<&str> = traceparent.split('-').collect();
     assert_eq!(parts.len(), 4, "{traceparent}");
     assert_eq!(parts[1], TRACE_ID, "same trace as the stored traceparent");
-    assert_eq!(parts[2], "00f067aa0ba902b7", "the stored span id, forwarded");
+    assert_eq!(
+        parts[2], "00f067aa0ba902b7",
+        "the stored span id, forwarded"
+    );
 }
 
 // ------------------------------------------------------------------ tests --

@@ -174,17 +174,16 @@ pub async fn publish_batch(
         let started = Instant::now();
         let send = tokio::time::timeout_at(
             deadline,
-            channel
-                .basic_publish(
-                    exchange.into(),
-                    message.routing_key.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    &message.body,
-                    message.properties,
-                ),
+            channel.basic_publish(
+                exchange.into(),
+                message.routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &message.body,
+                message.properties,
+            ),
         )
         .await;
         match send {
