@@ -70,8 +70,8 @@ impl Settings {
         Settings {
             concurrency: env("BENCH_CONCURRENCY", 16),
             api_seconds: env("BENCH_API_SECONDS", 15),
-            events: env("BENCH_EVENTS", 50_000),
-            consumer_events: env("BENCH_CONSUMER_EVENTS", 3_000),
+            events: env("BENCH_EVENTS", 100_000),
+            consumer_events: env("BENCH_CONSUMER_EVENTS", 10_000),
             e2e_seconds: env("BENCH_E2E_SECONDS", 20),
             sustain_seconds: env("BENCH_SUSTAIN_SECONDS", 10),
             backlog_events: env("BENCH_BACKLOG_EVENTS", 1_000_000),
