@@ -83,6 +83,9 @@ full_page_writes = on
 # crash recovery first fsyncs the data dir; syncfs does it in one call (fsync per file took ~6s here)
 recovery_init_sync_method = syncfs
 password_encryption = 'scram-sha-256'
+# the outbox is a queue table: look for work to vacuum every 10 s, not every
+# minute (its own thresholds: migrations/orders/V4__outbox_autovacuum.sql)
+autovacuum_naptime = 10s
 EOF
 
 if pg_as_postgres "$PG_BIN/pg_ctl" -D "$PG_DATA_DIR" status >/dev/null 2>&1; then
