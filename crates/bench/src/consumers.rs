@@ -125,18 +125,18 @@ async fn apply_one<D: Domain>(
     };
     let last: i64 = progress.get(0);
     anyhow::ensure!(raw.aggregate_sequence == last + 1, "in order");
-    if let Some(event) = &event {
-        domain
-            .apply(&tx, event, &raw)
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-    }
     let advance_args: [&(dyn ToSql + Sync); 3] =
         [&name, &raw.aggregate_id, &raw.aggregate_sequence];
     match prepared {
         Some(s) => tx.execute(&s[3], &advance_args).await?,
         None => tx.execute(ADVANCE_PROGRESS, &advance_args).await?,
     };
+    if let Some(event) = &event {
+        domain
+            .apply(&tx, event, &raw)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
     tx.commit().await?;
     Ok(())
 }

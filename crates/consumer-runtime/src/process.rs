@@ -7,8 +7,8 @@
 //!    applied = stale (ack); parked behind a dead letter = straight to the DLQ;
 //!    sequence > last + 1 = a gap: roll back, defer through retry tier 0 (not a
 //!    failed attempt; bounded).
-//! 3. The domain handler, in the same transaction; advance `last_sequence`;
-//!    commit; then ack.
+//! 3. Advance `last_sequence` and run the domain handler, in the same
+//!    transaction; commit; then ack.
 //!
 //! A handler error rolls everything back and the message goes to the next
 //! retry tier (published with a confirm, then acked); after `max_attempts`
@@ -294,7 +294,14 @@ impl<D: Domain> Processor<D> {
             return self.failed(publisher, incoming, raw, &error).await;
         }
 
-        // In order: run the domain handler in this transaction.
+        // In order: advance the progress, then run the domain handler, in
+        // this transaction (a handler error rolls the advance back with
+        // everything else). The advance comes first so that the rows the
+        // handler locks (inventory's stock levels, shared by every partition)
+        // are held for the commit only, not for one more round trip.
+        let advance = tx.prepare_cached(ADVANCE_PROGRESS).await?;
+        tx.execute(&advance, &[&self.name(), &raw.aggregate_id, &sequence])
+            .await?;
         let started = Instant::now();
         let result = match event {
             None => Ok(()),
@@ -322,9 +329,6 @@ impl<D: Domain> Processor<D> {
                 .failed(publisher, incoming, raw, &error.to_string())
                 .await;
         }
-        let advance = tx.prepare_cached(ADVANCE_PROGRESS).await?;
-        tx.execute(&advance, &[&self.name(), &raw.aggregate_id, &sequence])
-            .await?;
         tx.commit().await?;
         kit::failpoint::crash_point("consumer.after_commit_before_ack");
 
