@@ -189,6 +189,12 @@ async fn move_letters(
             .await;
             match published {
                 Ok(()) => {
+                    // Crash window: the copy is confirmed in the consumer's
+                    // exchange, the dead letter not yet acknowledged. A crash
+                    // here returns the letter to the DLQ; the next redrive
+                    // moves it again and the inbox takes the second copy as
+                    // a duplicate.
+                    kit::failpoint::crash_point("consumer.redrive.after_publish_before_ack");
                     letter
                         .delivery
                         .acker
