@@ -10,7 +10,9 @@
 //!   standard `OTEL_*` variables apply (`OTEL_SERVICE_NAME` overrides the name,
 //!   `OTEL_BSP_SCHEDULE_DELAY` / `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` tune the batch
 //!   exporter; the protocol is `http/protobuf`). Pending spans are flushed when
-//!   the [`TelemetryGuard`] is dropped at the end of `main`.
+//!   the [`TelemetryGuard`] is dropped at the end of `main`. [`exporting`]
+//!   tells a hot path whether its spans would be seen at all (the relay skips
+//!   its per-message span when not, and forwards the stored context).
 //! - The log filter (`RUST_LOG`) applies to the log lines only: spans reach
 //!   the OpenTelemetry layer at INFO whatever `RUST_LOG` says (noisy
 //!   dependencies excluded; `OTEL_TRACES_FILTER` overrides, in `RUST_LOG`
