@@ -122,6 +122,7 @@ impl Application {
         ));
         let gauges = tokio::spawn(self.metrics.clone().refresh_periodically(
             self.pool.clone(),
+            self.settings.relay.only_tenant.clone(),
             std::time::Duration::from_millis(self.settings.relay.metrics_interval_ms),
             shutdown.clone(),
         ));

@@ -129,7 +129,8 @@ impl Metrics {
     /// statistics still say "half the table is pending" and the planner
     /// scanned the whole table (70 ms on the bench's database, every
     /// `metrics_interval_ms`, per relay), growing with the retention.
-    pub async fn refresh(&self, pool: &PgPool) -> anyhow::Result<()> {
+    /// `only_tenant` (empty: all) scopes them like the relay's claim.
+    pub async fn refresh(&self, pool: &PgPool, only_tenant: &str) -> anyhow::Result<()> {
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         tx.batch_execute("SET LOCAL enable_seqscan = off").await?;
@@ -140,8 +141,9 @@ impl Metrics {
                                  FILTER (WHERE quarantined_at IS NULL))::float8, 0),
                         count(*) FILTER (WHERE quarantined_at IS NOT NULL),
                         pg_total_relation_size('outbox_events')
-                 FROM outbox_events WHERE published_at IS NULL",
-                &[],
+                 FROM outbox_events
+                 WHERE published_at IS NULL AND ($1 = '' OR tenant_id = $1)",
+                &[&only_tenant],
             )
             .await?;
         tx.commit().await?;
@@ -157,11 +159,12 @@ impl Metrics {
     pub async fn refresh_periodically(
         self,
         pool: PgPool,
+        only_tenant: String,
         interval: Duration,
         shutdown: CancellationToken,
     ) {
         loop {
-            if let Err(error) = self.refresh(&pool).await {
+            if let Err(error) = self.refresh(&pool, &only_tenant).await {
                 tracing::warn!(error = format!("{error:#}"), "refreshing outbox gauges");
             }
             tokio::select! {
