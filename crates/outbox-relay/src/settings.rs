@@ -27,7 +27,8 @@ pub struct RelaySettings {
     /// This instance's name in `claimed_by`; empty: `<hostname>-<pid>-<uuid>`.
     pub instance_id: String,
     /// Restrict this instance to one tenant's rows (a dedicated relay for a
-    /// large tenant, or a test sharing a database); empty: every tenant.
+    /// large tenant, or a test sharing a database); empty: every tenant. Its
+    /// pending gauges count that tenant's rows only.
     pub only_tenant: String,
     /// The topic exchange events are published to (routing key = event
     /// type). Default `order-events`, the exchange of the wire contract; a
