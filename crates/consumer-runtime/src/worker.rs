@@ -98,14 +98,18 @@ async fn consume<D: Domain>(
         let processor = processor.clone();
         let stop = stop.clone();
         workers.spawn(async move {
-            // Keep the channels alive as long as the worker.
-            let _consume_channel = consume_channel;
             let ack_batch = usize::from(prefetch / 2).max(1);
             let result =
                 partition_worker(processor, &queue, consumer, &publisher, &stop, ack_batch).await;
             if result.is_err() {
                 stop.cancel();
             }
+            // Close both channels before the connection is closed: a dropped
+            // channel closes itself in the background, and closing the
+            // connection meanwhile made lapin log an ERROR on every clean
+            // shutdown. (Unacknowledged prefetched messages are requeued.)
+            close_channel(&consume_channel).await;
+            close_channel(&publisher).await;
             result
         });
     }
@@ -273,9 +277,21 @@ async fn watch_dead_letters(
             }
         }
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => {
+                close_channel(&channel).await;
+                return;
+            }
             _ = tokio::time::sleep(Duration::from_secs(5)) => {}
         }
+    }
+}
+
+/// Close `channel` if it is still open (bounded: a broker that does not answer
+/// must not hold up a shutdown).
+async fn close_channel(channel: &lapin::Channel) {
+    if channel.status().connected() {
+        let _ =
+            tokio::time::timeout(Duration::from_secs(2), channel.close(200, "bye".into())).await;
     }
 }
 
