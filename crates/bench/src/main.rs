@@ -324,21 +324,9 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
         "4. end to end: {e2e_rate:.0} orders/s for {} s, 1 relay, all consumers",
         settings.e2e_seconds
     ));
-    let since = consumers::now(&consumers::db(Kind::Inventory).await).await;
-    results.e2e_orders = api::paced_load(
-        &system.api.base_url(),
-        &system.key,
-        10_000_000,
-        e2e_rate,
-        Duration::from_secs(settings.e2e_seconds),
-    )
-    .await;
-    report::print_load("paced order-api", &results.e2e_orders);
-    let (latency, timeline) = end_to_end(system, orders, since).await?;
-    println!(
-        "  order committed -> applied by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
-        latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
-    );
+    let (load, latency, timeline) =
+        paced_run(system, orders, e2e_rate, settings.e2e_seconds).await?;
+    results.e2e_orders = load;
     results.e2e = latency;
     results.e2e_timeline = timeline;
 
@@ -442,7 +430,8 @@ async fn applied_by_all(
         let db = consumers::db(kind).await;
         let deadline = Instant::now() + Duration::from_secs(300);
         // While the consumer catches up only its count is asked (the same
-        // PostgreSQL serves it); the rows once it has them all.
+        // PostgreSQL serves it); the rows once it has them all (an event
+        // missing then fails the run in `end_to_end`).
         let want = i64::try_from(events.len()).unwrap_or(i64::MAX);
         loop {
             let applied: i64 = db
@@ -453,45 +442,69 @@ async fn applied_by_all(
                 )
                 .await?
                 .get(0);
-            if applied < want && Instant::now() <= deadline {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-            let rows = db
-                .query(
-                    "SELECT event_id, processed_at FROM processed_events
-                      WHERE consumer_name = $1 AND processed_at >= $2",
-                    &[&consumer.name, &since],
-                )
-                .await?;
-            let seen: BTreeMap<uuid::Uuid, time::OffsetDateTime> =
-                rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-            if events.iter().all(|(id, _)| seen.contains_key(id)) || Instant::now() > deadline {
-                let part = Latency::of(
-                    events
-                        .iter()
-                        .filter_map(|(id, occurred)| {
-                            seen.get(id).map(|at| ms((*at - *occurred).unsigned_abs()))
-                        })
-                        .collect(),
-                );
-                println!(
-                    "  order -> applied by {}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
-                    kind.binary(),
-                    part.p50_ms,
-                    part.p99_ms,
-                    part.max_ms
-                );
-                for (id, at) in seen {
-                    let entry = done.entry(id).or_insert(at);
-                    *entry = (*entry).max(at);
-                }
+            if applied >= want || Instant::now() > deadline {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        let rows = db
+            .query(
+                "SELECT event_id, processed_at FROM processed_events
+                  WHERE consumer_name = $1 AND processed_at >= $2",
+                &[&consumer.name, &since],
+            )
+            .await?;
+        let seen: BTreeMap<uuid::Uuid, time::OffsetDateTime> =
+            rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let part = Latency::of(
+            events
+                .iter()
+                .filter_map(|(id, occurred)| {
+                    seen.get(id).map(|at| ms((*at - *occurred).unsigned_abs()))
+                })
+                .collect(),
+        );
+        println!(
+            "  order -> applied by {}: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            kind.binary(),
+            part.p50_ms,
+            part.p99_ms,
+            part.max_ms
+        );
+        for (id, at) in seen {
+            let entry = done.entry(id).or_insert(at);
+            *entry = (*entry).max(at);
+        }
     }
     Ok(Applied { events, done })
+}
+
+/// Orders started at an even `rate` for `seconds` (open loop), then the
+/// latency of every event from its order to the last of the three consumers
+/// (printed, with the per-stage breakdown): the load, the latency and its
+/// per-second timeline.
+async fn paced_run(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    rate: f64,
+    seconds: u64,
+) -> anyhow::Result<(api::Load, Latency, Vec<(f64, f64, f64, f64)>)> {
+    let since = consumers::now(&consumers::db(Kind::Inventory).await).await;
+    let load = api::paced_load(
+        &system.api.base_url(),
+        &system.key,
+        10_000_000,
+        rate,
+        Duration::from_secs(seconds),
+    )
+    .await;
+    report::print_load("paced order-api", &load);
+    let (latency, timeline) = end_to_end(system, orders, since).await?;
+    println!(
+        "  order committed -> applied by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
+        latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
+    );
+    Ok((load, latency, timeline))
 }
 
 /// Every event of the paced run: from its `occurred_at` (the order's
@@ -566,7 +579,7 @@ async fn relay_phase(
             .collect(),
     );
     drop(rows);
-    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
+    let before = sink.delivered();
     let meter = cpu::Meter::start();
     results.relay_raw = relay::raw_publish(&sink.connection, messages.clone(), workers, 500).await;
     sink.wait_delivered(before + messages.len() as u64).await;
@@ -575,38 +588,10 @@ async fn relay_phase(
     record_cpu(results, "2. relay raw", events, meter.stop());
     drop(messages);
     phase("2. one relay draining the backlog");
-    let meter = cpu::Meter::start();
-    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
-    let started = start_relays(system, 1).await;
-    results.relay_one = relay::measure_drain(
-        orders,
-        &system.tenant,
-        started,
-        "relay",
-        (&sink, before, backlog as u64),
-    )
-    .await;
-    let events = results.relay_one.events;
-    record_cpu(results, "2. 1 relay", events, meter.stop());
-    stop_relays(system);
-    report::print_drain("1 relay", &results.relay_one);
+    results.relay_one = drain(system, orders, &sink, backlog, 1, results).await;
     phase("2. two relays draining the same backlog again");
     relay::reset(orders, &system.tenant).await;
-    let meter = cpu::Meter::start();
-    let before = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
-    let started = start_relays(system, 2).await;
-    results.relay_two = relay::measure_drain(
-        orders,
-        &system.tenant,
-        started,
-        "2 relays",
-        (&sink, before, backlog as u64),
-    )
-    .await;
-    let events = results.relay_two.events;
-    record_cpu(results, "2. 2 relays", events, meter.stop());
-    stop_relays(system);
-    report::print_drain("2 relays", &results.relay_two);
+    results.relay_two = drain(system, orders, &sink, backlog, 2, results).await;
     sink.delete().await;
     for consumer in &system.consumers {
         if consumer.label.ends_with("-0") {
@@ -615,6 +600,32 @@ async fn relay_phase(
     }
 
     backlog
+}
+
+/// `relays` relays draining the tenant's backlog of `backlog` events into the
+/// sink: the drain, its CPU per event (recorded), the relays stopped again.
+async fn drain(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    sink: &relay::Sink,
+    backlog: i64,
+    relays: usize,
+    results: &mut Results,
+) -> relay::Drain {
+    let label = match relays {
+        1 => "1 relay".to_owned(),
+        n => format!("{n} relays"),
+    };
+    let meter = cpu::Meter::start();
+    let before = sink.delivered();
+    let started = start_relays(system, relays).await;
+    let total = u64::try_from(backlog).unwrap_or(0);
+    let drain =
+        relay::measure_drain(orders, &system.tenant, started, &label, sink, before, total).await;
+    record_cpu(results, &format!("2. {label}"), drain.events, meter.stop());
+    stop_relays(system);
+    report::print_drain(&label, &drain);
+    drain
 }
 
 /// `bench relay`: phase 2 alone (`BENCH_EVENTS` backlog), after 5 s of API
@@ -847,21 +858,7 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
         "e2e: {rate:.0} orders/s for {} s",
         settings.e2e_seconds
     ));
-    let since = consumers::now(&consumers::db(Kind::Inventory).await).await;
-    let load = api::paced_load(
-        &system.api.base_url(),
-        &system.key,
-        10_000_000,
-        rate,
-        Duration::from_secs(settings.e2e_seconds),
-    )
-    .await;
-    report::print_load("paced order-api", &load);
-    let (latency, _) = end_to_end(system, orders, since).await?;
-    println!(
-        "  order committed -> applied by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
-        latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
-    );
+    paced_run(system, orders, rate, settings.e2e_seconds).await?;
     bench.teardown().await;
     Ok(())
 }
@@ -901,8 +898,7 @@ async fn backlog(settings: Settings) -> anyhow::Result<()> {
     let started = start_relays(&system, 1).await;
     let mut samples = Vec::new();
     loop {
-        let delivered = sink.delivered.load(std::sync::atomic::Ordering::Relaxed);
-        let left = backlog.saturating_sub(i64::try_from(delivered).unwrap_or(i64::MAX));
+        let left = backlog.saturating_sub(i64::try_from(sink.delivered()).unwrap_or(i64::MAX));
         let sample = relay::backlog_sample(orders, &system.tenant, started, left).await;
         println!(
             "  {:>6.0} s  left {:>8}  claim {:>7.1} ms  dead tuples {:>8}  live {:>8}",
@@ -915,14 +911,9 @@ async fn backlog(settings: Settings) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    let drain = relay::measure_drain(
-        orders,
-        &system.tenant,
-        started,
-        "relay",
-        (&sink, 0, u64::try_from(backlog).unwrap_or(0)),
-    )
-    .await;
+    let total = u64::try_from(backlog).unwrap_or(0);
+    let drain =
+        relay::measure_drain(orders, &system.tenant, started, "relay", &sink, 0, total).await;
     report::print_drain("1 relay", &drain);
     stop_relays(&system);
     sink.delete().await;

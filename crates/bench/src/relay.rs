@@ -108,9 +108,14 @@ impl Sink {
         }
     }
 
+    /// Messages received so far.
+    pub fn delivered(&self) -> u64 {
+        self.delivered.load(Ordering::Relaxed)
+    }
+
     pub async fn wait_delivered(&self, want: u64) {
         let deadline = Instant::now() + Duration::from_secs(600);
-        while self.delivered.load(Ordering::Relaxed) < want && Instant::now() < deadline {
+        while self.delivered() < want && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -211,14 +216,13 @@ pub async fn measure_drain(
     tenant: &str,
     started: Instant,
     label: &str,
-    (sink, delivered_before, total): (&Sink, u64, u64),
+    sink: &Sink,
+    delivered_before: u64,
+    total: u64,
 ) -> Drain {
     let mut last_print = Instant::now();
     loop {
-        let delivered = sink
-            .delivered
-            .load(Ordering::Relaxed)
-            .saturating_sub(delivered_before);
+        let delivered = sink.delivered().saturating_sub(delivered_before);
         if delivered >= total {
             break;
         }
