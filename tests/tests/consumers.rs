@@ -1111,22 +1111,16 @@ async fn the_declared_topology_has_the_agreed_shape() {
     let name = unique("t5-topo");
     let options = Options::default();
     let _topology = TopologyGuard::new(&name, &options);
-    let mut env = system_tests::consumers::consumer_env(
-        Kind::Inventory,
-        &name,
-        system_tests::free_port(),
-        &options,
-    );
-    env.retain(|(k, _)| !k.ends_with("__BIND_ORDER_EVENTS"));
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(bin("inventory-consumer"))
-            .args(["redrive", "--order", "no-such-order"])
-            .envs(env)
-            .output()
-            .expect("run redrive")
-    })
-    .await
-    .expect("redrive");
+    let mut command = consumer_command(Kind::Inventory, &name, &options);
+    command
+        .args(["redrive", "--order", "no-such-order"])
+        .env_remove(format!(
+            "{}__CONSUMER__BIND_ORDER_EVENTS",
+            Kind::Inventory.prefix()
+        ));
+    let output = tokio::task::spawn_blocking(move || command.output().expect("run redrive"))
+        .await
+        .expect("redrive");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(output.status.success(), "{stdout}");
     assert!(stdout.contains("0 dead letter(s) moved"), "{stdout}");
@@ -1470,15 +1464,27 @@ async fn redrive(kind: Kind, name: &str, args: &[&str]) -> String {
     stdout
 }
 
+/// The consumer binary of `kind` under the private `name`
+/// ([`system_tests::consumers::consumer_env`], a free port), not started.
+fn consumer_command(kind: Kind, name: &str, options: &Options) -> std::process::Command {
+    let mut command = std::process::Command::new(bin(kind.binary()));
+    command.envs(system_tests::consumers::consumer_env(
+        kind,
+        name,
+        system_tests::free_port(),
+        options,
+    ));
+    command
+}
+
 async fn run_redrive(
     kind: Kind,
     name: &str,
     args: &[&str],
     options: &Options,
 ) -> std::process::Output {
-    let env = system_tests::consumers::consumer_env(kind, name, system_tests::free_port(), options);
-    let mut command = std::process::Command::new(bin(kind.binary()));
-    command.arg("redrive").args(args).envs(env);
+    let mut command = consumer_command(kind, name, options);
+    command.arg("redrive").args(args);
     tokio::task::spawn_blocking(move || command.output().expect("run redrive"))
         .await
         .expect("redrive")
@@ -1861,18 +1867,11 @@ async fn a_clean_stop_logs_no_error() {
     let name = unique("t-stop-led");
     let options = Options::default();
     let _topology = TopologyGuard::new(&name, &options);
-    let mut env = system_tests::consumers::consumer_env(
-        Kind::Ledger,
-        &name,
-        system_tests::free_port(),
-        &options,
-    );
-    env.push(("RUST_LOG".to_owned(), "info".to_owned()));
-    env.push(("LOG_FORMAT".to_owned(), "json".to_owned()));
     let log = std::env::temp_dir().join(format!("{name}.log"));
     let file = std::fs::File::create(&log).expect("log file");
-    let mut child = std::process::Command::new(bin(Kind::Ledger.binary()))
-        .envs(env)
+    let mut child = consumer_command(Kind::Ledger, &name, &options)
+        .env("RUST_LOG", "info")
+        .env("LOG_FORMAT", "json")
         .stdin(std::process::Stdio::null())
         .stderr(file)
         .spawn()
