@@ -867,3 +867,49 @@ async fn a_revoked_key_stops_working_within_the_key_cache_window() {
         );
     }
 }
+
+/// The other side of the key cache: within the window a verified key is
+/// served from memory (revoking it in the database does not refuse the next
+/// request), while a refusal is never remembered (a key refused once works as
+/// soon as it is valid in the database).
+#[tokio::test]
+async fn a_verified_key_is_remembered_and_a_refused_one_is_not() {
+    let api = OrderApi::start(&[("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned())]).await;
+    let missing = api.url(&format!("/orders/{}", uuid::Uuid::now_v7()));
+    let set_revoked = |tenant: String, revoked: bool| async move {
+        let changed = pg(Database::Orders)
+            .await
+            .execute(
+                "UPDATE api_keys SET revoked_at = CASE WHEN $2 THEN now() END WHERE tenant_id = $1",
+                &[&tenant, &revoked],
+            )
+            .await
+            .expect("update the key");
+        assert_eq!(changed, 1);
+    };
+
+    let remembered = Caller::new("cached");
+    assert_eq!(
+        remembered.get(&missing).await.status(),
+        StatusCode::NOT_FOUND
+    );
+    set_revoked(remembered.tenant.clone(), true).await;
+    assert_eq!(
+        remembered.get(&missing).await.status(),
+        StatusCode::NOT_FOUND,
+        "verified less than the window ago: not looked up again"
+    );
+
+    let refused = Caller::new("refused");
+    set_revoked(refused.tenant.clone(), true).await;
+    assert_eq!(
+        refused.get(&missing).await.status(),
+        StatusCode::UNAUTHORIZED
+    );
+    set_revoked(refused.tenant.clone(), false).await;
+    assert_eq!(
+        refused.get(&missing).await.status(),
+        StatusCode::NOT_FOUND,
+        "a refusal is not remembered"
+    );
+}
