@@ -1597,6 +1597,59 @@ async fn the_claim_query_uses_the_partial_indexes() {
         .expect("drop");
 }
 
+/// The gauges' query (pending count, oldest pending age, quarantined) after a
+/// backlog: statistics taken while 200,000 rows were pending, all but 100 of
+/// them published since (a temporary table: autovacuum never re-analyzes
+/// it). The relay runs it with sequential scans off, and then it reads the
+/// pending rows from the partial index alone, never the published history;
+/// it counts exactly the pending rows.
+#[tokio::test]
+async fn the_gauge_query_reads_only_the_pending_rows_after_a_backlog() {
+    let mut session = pg(Database::Orders).await;
+    session
+        .batch_execute(
+            "CREATE TEMP TABLE outbox_events (LIKE public.outbox_events INCLUDING ALL);
+             INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+                 aggregate_sequence, event_type, schema_version, payload, occurred_at, available_at)
+             SELECT gen_random_uuid(), 'backlog', 'order', 'o-' || g, 1, 'New', 1, '{}',
+                    now() - interval '1 hour' + g * interval '1 ms',
+                    now() - interval '1 hour' + g * interval '1 ms'
+             FROM generate_series(0, 199999) g;
+             ANALYZE outbox_events;
+             UPDATE outbox_events SET published_at = now()
+              WHERE aggregate_id NOT IN (SELECT 'o-' || g FROM generate_series(199900, 199999) g);",
+        )
+        .await
+        .expect("private outbox copy with stale statistics");
+    let tx = session.transaction().await.expect("tx");
+    tx.batch_execute("SET LOCAL enable_seqscan = off")
+        .await
+        .expect("set");
+    let sql = GAUGES_SQL_FOR_EXPLAIN.replace("$1", "''");
+    let plan: Vec<String> = tx
+        .query(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"), &[])
+        .await
+        .expect("explain")
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect();
+    let plan = plan.join("\n");
+    println!("{plan}");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+    assert!(plan.contains("Index"), "{plan}");
+    let row = tx.query_one(&sql, &[]).await.expect("gauges");
+    assert_eq!(row.get::<_, i64>(0), 100, "pending");
+    assert_eq!(row.get::<_, i64>(2), 0, "quarantined");
+    tx.rollback().await.expect("rollback");
+    session
+        .batch_execute("DROP TABLE pg_temp.outbox_events")
+        .await
+        .expect("drop");
+}
+
+/// Must equal `outbox_relay::metrics::GAUGES_SQL` (the file the relay embeds).
+const GAUGES_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src/gauges.sql");
+
 /// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and
 /// do not link the relay crate): the very file the relay embeds.
 const CLAIM_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src/claim.sql");

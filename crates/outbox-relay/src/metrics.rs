@@ -34,6 +34,11 @@ fn opts(name: &str, help: &str) -> Opts {
     Opts::new(name, help)
 }
 
+/// The gauges' query: pending (not quarantined) rows, the oldest one's age
+/// in seconds, quarantined rows, the table's size. `$1` only this tenant
+/// (empty: all). Run with sequential scans off (see [`Metrics::refresh`]).
+pub const GAUGES_SQL: &str = include_str!("gauges.sql");
+
 impl Metrics {
     /// Build the collectors and register them in `registry`.
     pub fn new(registry: &Registry) -> Self {
@@ -121,7 +126,8 @@ impl Metrics {
         }
     }
 
-    /// Refresh the gauges from one query over the pending rows.
+    /// Refresh the gauges from one query over the pending rows
+    /// ([`GAUGES_SQL`]).
     ///
     /// Sequential scans are off for it: the pending rows are all in the
     /// partial indexes (`published_at IS NULL`), while the table also holds
@@ -134,18 +140,7 @@ impl Metrics {
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         tx.batch_execute("SET LOCAL enable_seqscan = off").await?;
-        let row = tx
-            .query_one(
-                "SELECT count(*) FILTER (WHERE quarantined_at IS NULL),
-                        COALESCE(EXTRACT(EPOCH FROM now() - min(occurred_at)
-                                 FILTER (WHERE quarantined_at IS NULL))::float8, 0),
-                        count(*) FILTER (WHERE quarantined_at IS NOT NULL),
-                        pg_total_relation_size('outbox_events')
-                 FROM outbox_events
-                 WHERE published_at IS NULL AND ($1 = '' OR tenant_id = $1)",
-                &[&only_tenant],
-            )
-            .await?;
+        let row = tx.query_one(GAUGES_SQL, &[&only_tenant]).await?;
         tx.commit().await?;
         self.pending.set(row.get(0));
         let age: f64 = row.get(1);

@@ -1,0 +1,7 @@
+SELECT count(*) FILTER (WHERE quarantined_at IS NULL),
+       COALESCE(EXTRACT(EPOCH FROM now() - min(occurred_at)
+                FILTER (WHERE quarantined_at IS NULL))::float8, 0),
+       count(*) FILTER (WHERE quarantined_at IS NOT NULL),
+       pg_total_relation_size('outbox_events')
+FROM outbox_events
+WHERE published_at IS NULL AND ($1 = '' OR tenant_id = $1)
