@@ -47,7 +47,7 @@ pub struct Sink {
     pub connection: Connection,
     pub channel: Channel,
     pub queue: String,
-    pub delivered: Arc<AtomicU64>,
+    delivered: Arc<AtomicU64>,
 }
 
 impl Sink {
