@@ -106,6 +106,10 @@ impl Relay {
             }
             // Anything notified from here on wakes the next idle wait.
             self.wake.borrow_and_update();
+            // The lease runs from the claim's transaction start (`now()` in
+            // the claim statement), so the time the claim itself takes (a
+            // slow commit) is already spent: the deadline starts here.
+            let lease_deadline = tokio::time::Instant::now() + self.settings.lease();
             let claimed = match claim::claim(
                 &self.pool,
                 &self.instance,
@@ -136,7 +140,10 @@ impl Relay {
             self.metrics.claimed.inc_by(claimed.rows.len() as u64);
             self.metrics.expired_claims.inc_by(claimed.taken_over);
             kit::failpoint::crash_point("relay.before_publish");
-            if self.publish_and_settle(channel, claimed.rows).await {
+            if self
+                .publish_and_settle(channel, claimed.rows, lease_deadline)
+                .await
+            {
                 // A timeout or channel failure: the broker is in trouble (an
                 // alarm, a restart). Pause before the next claim, growing
                 // while it lasts, instead of cycling the rows through it.
@@ -176,10 +183,15 @@ impl Relay {
         }
     }
 
-    /// Publish a claimed batch and record the outcome. Returns whether the
-    /// channel should be replaced.
-    async fn publish_and_settle(&self, channel: &Channel, rows: Vec<OutboxRow>) -> bool {
-        let lease_deadline = tokio::time::Instant::now() + self.settings.lease();
+    /// Publish a claimed batch and record the outcome, retrying the writes
+    /// until `lease_deadline` (after it the rows may be another instance's).
+    /// Returns whether the channel should be replaced.
+    async fn publish_and_settle(
+        &self,
+        channel: &Channel,
+        rows: Vec<OutboxRow>,
+        lease_deadline: tokio::time::Instant,
+    ) -> bool {
         let attempts: HashMap<Uuid, i32> =
             rows.iter().map(|r| (r.event_id, r.attempt_count)).collect();
         let mut messages = Vec::with_capacity(rows.len());
