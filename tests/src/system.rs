@@ -229,7 +229,9 @@ impl Member {
             name,
             labels,
             value,
-            Duration::from_secs(120),
+            // Thousands of events (a replay) through a debug build on a
+            // slow machine.
+            Duration::from_secs(300),
         )
         .await;
     }

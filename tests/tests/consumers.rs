@@ -484,7 +484,17 @@ async fn duplicate_deliveries_apply_once_and_are_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_ahead_of_its_predecessor_is_deferred_then_applied_in_order() {
     let tenant = unique("t5-gap");
-    let ledger = Consumer::start(Kind::Ledger, &unique("t5-gap-led"), Options::default()).await;
+    // Deferrals never run out here, however long the machine stalls before
+    // the missing predecessor is published (no failed attempt is expected).
+    let ledger = Consumer::start(
+        Kind::Ledger,
+        &unique("t5-gap-led"),
+        Options {
+            max_deferrals: 100_000,
+            ..Options::default()
+        },
+    )
+    .await;
     let s = story(&tenant);
     let publisher = Publisher::connect().await;
 
@@ -1164,20 +1174,39 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     let tenant = unique("t5-term");
     let name = unique("t5-term-inv");
     let s = story(&tenant);
+    let url = format!(
+        "{}?application_name={name}",
+        system_tests::pg_url(Database::Inventory)
+    );
     let mut slow = Consumer::start(
         Kind::Inventory,
         &name,
         Options {
             partitions: 1,
-            failpoints: Some("consumer.in_handler=sleep(1500)".to_owned()),
+            failpoints: Some("consumer.in_handler=1*sleep(10000)".to_owned()),
+            extra: vec![("INVENTORY_CONSUMER__DATABASE__URL".into(), url)],
             ..Options::default()
         },
     )
     .await;
     let publisher = Publisher::connect().await;
     publisher.to_consumer(&name, &s.placed).await;
-    // Delivered within milliseconds; the handler then sleeps 1.5 s.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // SIGTERM once the message is inside its transaction (the handler
+    // then sleeps 10 s).
+    let admin = pg(Database::Inventory).await;
+    eventually("the consumer inside its transaction", WAIT, || async {
+        let busy: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND state = 'idle in transaction'",
+                &[&name],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        (busy > 0).then_some(())
+    })
+    .await;
     slow.service.signal("TERM");
     let status = tokio::task::spawn_blocking(move || {
         let status = slow.service.wait_exit(WAIT);
@@ -1585,7 +1614,10 @@ async fn a_database_connection_lost_mid_message_is_retried_in_place() {
         &name,
         Options {
             partitions: 1,
-            failpoints: Some("consumer.in_handler=sleep(1000)".to_owned()),
+            // The first attempt waits inside its transaction long enough
+            // for the test to see it even on a slow machine; the retry
+            // runs at once.
+            failpoints: Some("consumer.in_handler=1*sleep(10000)".to_owned()),
             extra: vec![("LEDGER_CONSUMER__DATABASE__URL".into(), url)],
             ..Options::default()
         },

@@ -32,16 +32,26 @@ async fn start(prefix: &str) -> System {
 
 /// POST to order-api once; returns status, replay flag and body.
 async fn post(system: &System, path: &str, key: &str, body: &Value) -> (StatusCode, bool, Vec<u8>) {
-    let response = system
-        .http
-        .post(system.api.url(path))
-        .bearer_auth(&system.key)
-        .header("Idempotency-Key", key)
-        .json(body)
-        .timeout(Duration::from_secs(30))
-        .send()
-        .await
-        .expect("request");
+    // A 503 (the database did not answer in time: nothing stored) is retried
+    // under the same key, as the API contract tells a client to.
+    let mut attempts = 0;
+    let response = loop {
+        let response = system
+            .http
+            .post(system.api.url(path))
+            .bearer_auth(&system.key)
+            .header("Idempotency-Key", key)
+            .json(body)
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await
+            .expect("request");
+        attempts += 1;
+        if response.status() != StatusCode::SERVICE_UNAVAILABLE || attempts == 10 {
+            break response;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
     let replayed = response
         .headers()
         .get("Idempotent-Replayed")

@@ -249,7 +249,9 @@ impl OtelEnv {
             receiver.endpoint(),
             // Export every 100 ms instead of every 5 s.
             "100".to_owned(),
-            "2000".to_owned(),
+            // A batch whose export times out is dropped for good: generous,
+            // so a stalled machine does not lose spans the test waits for.
+            "30000".to_owned(),
         ]) {
             std::env::set_var(name, value);
         }
