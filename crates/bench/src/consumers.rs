@@ -5,12 +5,14 @@
 
 use std::time::{Duration, Instant};
 
-use consumer_runtime::process::{ADVANCE_PROGRESS, INSERT_INBOX, INSERT_PROGRESS, LOCK_PROGRESS};
+use consumer_runtime::process::{
+    open_message, ADVANCE_PROGRESS, INSERT_INBOX, INSERT_PROGRESS, LOCK_PROGRESS,
+};
 use consumer_runtime::Domain;
 use events::RawEnvelope;
 use serde::Serialize;
 use system_tests::{consumers::Kind, pg_url};
-use tokio_postgres::{types::ToSql, Client, Statement};
+use tokio_postgres::{types::ToSql, Client};
 
 use crate::stats::rate;
 
@@ -94,12 +96,13 @@ pub async fn measure(
 }
 
 /// The runtime's transaction (crates/consumer-runtime/src/process.rs) for
-/// one in-order event, with the domain's own handler. `prepared`: the
-/// runtime's four statements prepared on this connection (as the runtime's
-/// statement cache holds them), or `None` to send them as text.
+/// one in-order event, with the domain's own handler. `pipelined`: the
+/// runtime's own opening of the transaction (`open_message`: its four
+/// statements prepared and sent together), or, as the runtime sent them
+/// before the benchmark, one at a time as text.
 async fn apply_one<D: Domain>(
     client: &mut kit::db::Client,
-    prepared: Option<&[Statement; 4]>,
+    pipelined: bool,
     domain: &D,
     name: &str,
     body: &[u8],
@@ -107,30 +110,13 @@ async fn apply_one<D: Domain>(
     let raw = RawEnvelope::parse_raw(body)?;
     let event = raw.decode().ok();
     let tx = client.transaction().await?;
-    let inbox_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.event_id];
-    let inserted = match prepared {
-        Some(s) => tx.query_opt(&s[0], &inbox_args).await?,
-        None => tx.query_opt(INSERT_INBOX, &inbox_args).await?,
-    };
-    anyhow::ensure!(inserted.is_some(), "raw events are new");
-    let progress_args: [&(dyn ToSql + Sync); 3] = [&name, &raw.aggregate_id, &raw.tenant_id];
-    match prepared {
-        Some(s) => tx.execute(&s[1], &progress_args).await?,
-        None => tx.execute(INSERT_PROGRESS, &progress_args).await?,
-    };
-    let lock_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.aggregate_id];
-    let progress = match prepared {
-        Some(s) => tx.query_one(&s[2], &lock_args).await?,
-        None => tx.query_one(LOCK_PROGRESS, &lock_args).await?,
-    };
-    let last: i64 = progress.get(0);
-    anyhow::ensure!(raw.aggregate_sequence == last + 1, "in order");
-    let advance_args: [&(dyn ToSql + Sync); 3] =
-        [&name, &raw.aggregate_id, &raw.aggregate_sequence];
-    match prepared {
-        Some(s) => tx.execute(&s[3], &advance_args).await?,
-        None => tx.execute(ADVANCE_PROGRESS, &advance_args).await?,
-    };
+    if pipelined {
+        let opened = open_message(&tx, name, &raw).await?;
+        anyhow::ensure!(opened.new, "raw events are new");
+        anyhow::ensure!(opened.advanced, "in order");
+    } else {
+        sequential_open(&tx, name, &raw).await?;
+    }
     if let Some(event) = &event {
         domain
             .apply(&tx, event, &raw)
@@ -141,17 +127,25 @@ async fn apply_one<D: Domain>(
     Ok(())
 }
 
-async fn prepare(client: &Client) -> [Statement; 4] {
-    let mut statements = Vec::new();
-    for sql in [
-        INSERT_INBOX,
-        INSERT_PROGRESS,
-        LOCK_PROGRESS,
-        ADVANCE_PROGRESS,
-    ] {
-        statements.push(client.prepare(sql).await.expect("prepare"));
-    }
-    statements.try_into().expect("four statements")
+/// The runtime's opening statements as text, one round trip each.
+async fn sequential_open(
+    tx: &kit::db::Transaction<'_>,
+    name: &str,
+    raw: &RawEnvelope,
+) -> anyhow::Result<()> {
+    let inbox_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.event_id];
+    let inserted = tx.query_opt(INSERT_INBOX, &inbox_args).await?;
+    anyhow::ensure!(inserted.is_some(), "raw events are new");
+    let progress_args: [&(dyn ToSql + Sync); 3] = [&name, &raw.aggregate_id, &raw.tenant_id];
+    tx.execute(INSERT_PROGRESS, &progress_args).await?;
+    let lock_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.aggregate_id];
+    let progress = tx.query_one(LOCK_PROGRESS, &lock_args).await?;
+    let last: i64 = progress.get(0);
+    anyhow::ensure!(raw.aggregate_sequence == last + 1, "in order");
+    let advance_args: [&(dyn ToSql + Sync); 3] =
+        [&name, &raw.aggregate_id, &raw.aggregate_sequence];
+    tx.execute(ADVANCE_PROGRESS, &advance_args).await?;
+    Ok(())
 }
 
 async fn raw_with<D: Domain>(
@@ -159,7 +153,7 @@ async fn raw_with<D: Domain>(
     name: &str,
     bodies: &[(String, Vec<u8>)],
     workers: usize,
-    prepared: bool,
+    pipelined: bool,
 ) -> Apply {
     let domain = std::sync::Arc::new(D::new(&kit::metrics::prometheus::Registry::new()));
     // Partition like the hash exchange does: one order, one worker.
@@ -182,24 +176,13 @@ async fn raw_with<D: Domain>(
     for (mut client, share) in clients.into_iter().zip(shares) {
         let (domain, name, pool) = (domain.clone(), name.to_owned(), pool.clone());
         tasks.spawn(async move {
-            let mut statements = if prepared {
-                Some(prepare(&client).await)
-            } else {
-                None
-            };
             for body in share {
                 // Retried on a new connection if the database went away (other
                 // engineers' fault tests restart it); an event applied before
                 // the failure counts as done.
                 let mut attempts = 0;
-                while let Err(error) = apply_one(
-                    &mut client,
-                    statements.as_ref(),
-                    domain.as_ref(),
-                    &name,
-                    &body,
-                )
-                .await
+                while let Err(error) =
+                    apply_one(&mut client, pipelined, domain.as_ref(), &name, &body).await
                 {
                     if error.to_string().contains("raw events are new") {
                         break;
@@ -210,9 +193,6 @@ async fn raw_with<D: Domain>(
                     if client.is_closed() {
                         if let Ok(c) = pool.get().await {
                             client = c;
-                            if prepared {
-                                statements = Some(prepare(&client).await);
-                            }
                         }
                     }
                 }
@@ -237,17 +217,17 @@ pub async fn raw(
     name: &str,
     bodies: &[(String, Vec<u8>)],
     workers: usize,
-    prepared: bool,
+    pipelined: bool,
 ) -> Apply {
     match kind {
         Kind::Inventory => {
-            raw_with::<inventory_consumer::Inventory>(kind, name, bodies, workers, prepared).await
+            raw_with::<inventory_consumer::Inventory>(kind, name, bodies, workers, pipelined).await
         }
         Kind::Ledger => {
-            raw_with::<ledger_consumer::Ledger>(kind, name, bodies, workers, prepared).await
+            raw_with::<ledger_consumer::Ledger>(kind, name, bodies, workers, pipelined).await
         }
         Kind::Loyalty => {
-            raw_with::<loyalty_consumer::Loyalty>(kind, name, bodies, workers, prepared).await
+            raw_with::<loyalty_consumer::Loyalty>(kind, name, bodies, workers, pipelined).await
         }
     }
 }

@@ -729,7 +729,7 @@ async fn consumer_phase(
         let raw_name = format!("{}-raw", consumer.name);
         let meter = cpu::Meter::start();
         let raw = consumers::raw(kind, &raw_name, &raw_bodies, 2, true).await;
-        report::print_apply("raw (runtime statements prepared)", &raw);
+        report::print_apply("raw (the runtime's transaction, same statements)", &raw);
         record_cpu(
             results,
             &format!("3. {} raw", kind.binary()),
@@ -740,7 +740,10 @@ async fn consumer_phase(
         // The transaction as the runtime sent it before the benchmark
         // (statements as text): the gain of preparing them, same run.
         let unprepared = consumers::raw(kind, &raw_name, &unprepared_bodies, 2, false).await;
-        report::print_apply("raw (statements as text, before)", &unprepared);
+        report::print_apply(
+            "raw (statements one at a time as text, as before)",
+            &unprepared,
+        );
         consumers::forget(kind, &raw_name).await;
         results
             .consumers

@@ -10,6 +10,10 @@
 //! 3. Advance `last_sequence` and run the domain handler, in the same
 //!    transaction; commit; then ack.
 //!
+//! Steps 1 and 2 and the advance (conditional: only the next sequence of an
+//! unparked order) are sent in one round trip ([`open_message`]); the
+//! decisions are taken on their results, before the domain handler runs.
+//!
 //! A handler error rolls everything back and the message goes to the next
 //! retry tier (published with a confirm, then acked); after `max_attempts`
 //! failures it goes to the dead-letter queue and the order is parked, in the
@@ -115,9 +119,72 @@ pub const INSERT_PROGRESS: &str = "INSERT INTO order_progress (consumer_name, ag
 /// The order's progress, locked for the transaction.
 pub const LOCK_PROGRESS: &str = "SELECT last_sequence, parked_at IS NOT NULL, parked_event_id, \
      parked_reason FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE";
-/// The last applied sequence moves on.
+/// The last applied sequence moves on, only if `$3` is the next one and the
+/// order is not parked (it runs before the runtime has seen the progress
+/// row: see [`open_message`]).
 pub const ADVANCE_PROGRESS: &str = "UPDATE order_progress SET last_sequence = $3, \
-     updated_at = now() WHERE consumer_name = $1 AND aggregate_id = $2";
+     updated_at = now() WHERE consumer_name = $1 AND aggregate_id = $2 \
+     AND last_sequence = $3::bigint - 1 AND parked_at IS NULL";
+
+/// What the first four statements of a message's transaction found.
+#[derive(Debug)]
+pub struct Opened {
+    /// The inbox row was new (false: a duplicate).
+    pub new: bool,
+    /// The order's last applied sequence before this event.
+    pub last: i64,
+    /// Parked behind a dead letter: (its event, the reason).
+    pub parked: Option<(Option<uuid::Uuid>, Option<String>)>,
+    /// The progress moved to this event's sequence (in order, not parked).
+    pub advanced: bool,
+}
+
+/// Open a message's transaction: the inbox row, the order's progress row
+/// (created on its first event), locked, and advanced if this event is the
+/// next one. The four statements go out together and come back together:
+/// one round trip instead of four (tokio-postgres pipelines requests that
+/// are polled concurrently; `join4` polls them in this order, so they are
+/// sent, and PostgreSQL runs them, in this order: each sees the ones
+/// before). In every case but "new and in order" the caller rolls back or
+/// only keeps the inbox row, and the conditional advance did nothing, so
+/// running the later statements before looking at the earlier results
+/// changes no outcome. The statements are prepared once per pooled
+/// connection (deadpool's statement cache).
+pub async fn open_message(
+    tx: &kit::db::Transaction<'_>,
+    name: &str,
+    raw: &RawEnvelope,
+) -> Result<Opened, tokio_postgres::Error> {
+    let insert_inbox = tx.prepare_cached(INSERT_INBOX).await?;
+    let insert_progress = tx.prepare_cached(INSERT_PROGRESS).await?;
+    let lock_progress = tx.prepare_cached(LOCK_PROGRESS).await?;
+    let advance = tx.prepare_cached(ADVANCE_PROGRESS).await?;
+    let sequence = raw.aggregate_sequence;
+    let (inserted, _, progress, advanced) = futures_util::future::join4(
+        tx.query_opt(&insert_inbox, &[&name, &raw.event_id]),
+        tx.execute(
+            &insert_progress,
+            &[&name, &raw.aggregate_id, &raw.tenant_id],
+        ),
+        tx.query_one(&lock_progress, &[&name, &raw.aggregate_id]),
+        tx.execute(&advance, &[&name, &raw.aggregate_id, &sequence]),
+    )
+    .await;
+    // The first error is the cause (the later statements then fail with
+    // "current transaction is aborted").
+    let new = inserted?.is_some();
+    let progress = progress?;
+    let advanced = advanced? == 1;
+    let parked = progress
+        .get::<_, bool>(1)
+        .then(|| (progress.get(2), progress.get(3)));
+    Ok(Opened {
+        new,
+        last: progress.get(0),
+        parked,
+        advanced,
+    })
+}
 
 fn decode(body: &[u8]) -> Decoded {
     match RawEnvelope::parse_raw(body) {
@@ -217,30 +284,14 @@ impl<D: Domain> Processor<D> {
     ) -> Result<Outcome, Infra> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        // Prepared once per pooled connection (deadpool's statement cache):
-        // one round trip per statement instead of two (parse, then execute).
-        let insert_inbox = tx.prepare_cached(INSERT_INBOX).await?;
-        let inserted = tx
-            .query_opt(&insert_inbox, &[&self.name(), &raw.event_id])
-            .await?;
-        if inserted.is_none() {
+        let opened = open_message(&tx, self.name(), raw).await?;
+        if !opened.new {
             tx.rollback().await?;
             self.metrics.duplicates.inc();
             tracing::info!(event_id = %raw.event_id, "duplicate delivery acknowledged");
             return Ok(Outcome::Duplicate);
         }
-        let insert_progress = tx.prepare_cached(INSERT_PROGRESS).await?;
-        tx.execute(
-            &insert_progress,
-            &[&self.name(), &raw.aggregate_id, &raw.tenant_id],
-        )
-        .await?;
-        let lock_progress = tx.prepare_cached(LOCK_PROGRESS).await?;
-        let progress = tx
-            .query_one(&lock_progress, &[&self.name(), &raw.aggregate_id])
-            .await?;
-        let last: i64 = progress.get(0);
-        let parked: bool = progress.get(1);
+        let last = opened.last;
         let sequence = raw.aggregate_sequence;
 
         if sequence <= last {
@@ -251,13 +302,11 @@ impl<D: Domain> Processor<D> {
             tracing::info!(event_id = %raw.event_id, sequence, last, "stale event acknowledged");
             return Ok(Outcome::Stale);
         }
-        if parked {
+        if let Some((parked_event, parked_reason)) = opened.parked {
             tx.rollback().await?;
             // Publishing needs no database connection: give it back first (the
             // park path takes one of its own).
             drop(client);
-            let parked_event: Option<uuid::Uuid> = progress.get(2);
-            let parked_reason: Option<String> = progress.get(3);
             let reason = format!(
                 "order parked behind dead-lettered event {}: {}",
                 parked_event.map(|e| e.to_string()).unwrap_or_default(),
@@ -294,14 +343,19 @@ impl<D: Domain> Processor<D> {
             return self.failed(publisher, incoming, raw, &error).await;
         }
 
-        // In order: advance the progress, then run the domain handler, in
-        // this transaction (a handler error rolls the advance back with
-        // everything else). The advance comes first so that the rows the
-        // handler locks (inventory's stock levels, shared by every partition)
-        // are held for the commit only, not for one more round trip.
-        let advance = tx.prepare_cached(ADVANCE_PROGRESS).await?;
-        tx.execute(&advance, &[&self.name(), &raw.aggregate_id, &sequence])
-            .await?;
+        // In order: the progress was advanced with the inbox row (a handler
+        // error rolls it back with everything else), before the domain
+        // handler, so that the rows the handler locks (inventory's stock
+        // levels, shared by every partition) are held for the commit only.
+        if !opened.advanced {
+            // In order and not parked, so the conditional advance matched
+            // the row it had just locked: anything else is a bug.
+            tx.rollback().await?;
+            return Err(Infra::Database(format!(
+                "progress of order {} not advanced to {sequence} (last {last})",
+                raw.aggregate_id
+            )));
+        }
         let started = Instant::now();
         let result = match event {
             None => Ok(()),
