@@ -738,7 +738,8 @@ async fn consumer_phase(
         );
         consumers::forget(kind, &raw_name).await;
         // The transaction as the runtime sent it before the benchmark
-        // (statements as text): the gain of preparing them, same run.
+        // (statements as text, one round trip each): the gain of preparing
+        // and pipelining them, same run.
         let unprepared = consumers::raw(kind, &raw_name, &unprepared_bodies, 2, false).await;
         report::print_apply(
             "raw (statements one at a time as text, as before)",

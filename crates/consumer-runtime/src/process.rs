@@ -160,7 +160,7 @@ pub async fn open_message(
     let lock_progress = tx.prepare_cached(LOCK_PROGRESS).await?;
     let advance = tx.prepare_cached(ADVANCE_PROGRESS).await?;
     let sequence = raw.aggregate_sequence;
-    let (inserted, _, progress, advanced) = futures_util::future::join4(
+    let (inserted, ensured, progress, advanced) = futures_util::future::join4(
         tx.query_opt(&insert_inbox, &[&name, &raw.event_id]),
         tx.execute(
             &insert_progress,
@@ -173,6 +173,7 @@ pub async fn open_message(
     // The first error is the cause (the later statements then fail with
     // "current transaction is aborted").
     let new = inserted?.is_some();
+    ensured?;
     let progress = progress?;
     let advanced = advanced? == 1;
     let parked = progress
