@@ -148,8 +148,12 @@ pub struct Opened {
 /// before). In every case but "new and in order" the caller rolls back or
 /// only keeps the inbox row, and the conditional advance did nothing, so
 /// running the later statements before looking at the earlier results
-/// changes no outcome. The statements are prepared once per pooled
-/// connection (deadpool's statement cache).
+/// changes no outcome. One difference in timing: a duplicate now also
+/// locks the order's progress row before it is rolled back, so it waits
+/// while another transaction holds that order (another instance's message
+/// in flight during a failover, a park waiting for its dead letter's
+/// confirm); it used to be acknowledged without waiting. The statements
+/// are prepared once per pooled connection (deadpool's statement cache).
 pub async fn open_message(
     tx: &kit::db::Transaction<'_>,
     name: &str,
@@ -347,15 +351,19 @@ impl<D: Domain> Processor<D> {
         // In order: the progress was advanced with the inbox row (a handler
         // error rolls it back with everything else), before the domain
         // handler, so that the rows the handler locks (inventory's stock
-        // levels, shared by every partition) are held for the commit only.
+        // levels, shared by every partition) are not held for one more
+        // round trip.
         if !opened.advanced {
             // In order and not parked, so the conditional advance matched
-            // the row it had just locked: anything else is a bug.
+            // the row it had just locked: anything else is a bug (retried in
+            // place like a database failure, and said loudly).
             tx.rollback().await?;
-            return Err(Infra::Database(format!(
+            let error = format!(
                 "progress of order {} not advanced to {sequence} (last {last})",
                 raw.aggregate_id
-            )));
+            );
+            tracing::error!(event_id = %raw.event_id, %error, "inconsistent progress row");
+            return Err(Infra::Database(error));
         }
         let started = Instant::now();
         let result = match event {
