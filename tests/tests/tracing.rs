@@ -68,7 +68,24 @@ async fn one_trace_per_operation_across_the_broker() {
     // Inherited by every process the system starts (the test process starts no
     // other thread that reads the environment at this point).
     let _env = OtelEnv::set(&receiver);
-    let system = System::start("trace", SystemOptions::default()).await;
+    // No lease may run out and no confirm time out on a stalled machine: a
+    // republished copy would bring a second publish span, whose consume
+    // span can reach the receiver before the publish span does.
+    let patient = [
+        ("OUTBOX_RELAY__RELAY__LEASE_MS", "600000"),
+        ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "300000"),
+    ];
+    let system = System::start(
+        "trace",
+        SystemOptions {
+            relay_env: patient
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..SystemOptions::default()
+        },
+    )
+    .await;
     system.receive("SKU-00", 100).await;
 
     // The first two operations continue a trace the client started (trace
