@@ -60,6 +60,16 @@ pub fn pool(db: Database) -> kit::db::PgPool {
 }
 
 /// A TCP port that was free a moment ago.
+/// Relay settings for a relay that must not see its own lease run out or a
+/// confirm time out (a republish, so a duplicate) because the machine
+/// stalls: tests that count duplicates or spans exactly, where no crash of
+/// this relay is involved. A takeover of a dead relay's rows depends on the
+/// dead relay's lease, not on these.
+pub const PATIENT_RELAY: [(&str, &str); 2] = [
+    ("OUTBOX_RELAY__RELAY__LEASE_MS", "600000"),
+    ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "300000"),
+];
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

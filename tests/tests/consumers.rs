@@ -1194,19 +1194,7 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     // SIGTERM once the message is inside its transaction (the handler
     // then sleeps 10 s).
     let admin = pg(Database::Inventory).await;
-    eventually("the consumer inside its transaction", WAIT, || async {
-        let busy: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE application_name = $1 AND state = 'idle in transaction'",
-                &[&name],
-            )
-            .await
-            .expect("pg_stat_activity")
-            .get(0);
-        (busy > 0).then_some(())
-    })
-    .await;
+    inside_its_transaction(&admin, &name).await;
     slow.service.signal("TERM");
     let status = tokio::task::spawn_blocking(move || {
         let status = slow.service.wait_exit(WAIT);
@@ -1629,19 +1617,7 @@ async fn a_database_connection_lost_mid_message_is_retried_in_place() {
     let admin = pg(Database::Ledger).await;
     // Only this consumer's connections (by application name), once one of
     // them is inside the message's transaction.
-    eventually("the consumer inside its transaction", WAIT, || async {
-        let busy: i64 = admin
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE application_name = $1 AND state = 'idle in transaction'",
-                &[&name],
-            )
-            .await
-            .expect("pg_stat_activity")
-            .get(0);
-        (busy > 0).then_some(())
-    })
-    .await;
+    inside_its_transaction(&admin, &name).await;
     let terminated: i64 = admin
         .query_one(
             "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
@@ -1770,6 +1746,24 @@ async fn an_idle_consumer_has_acknowledged_everything_it_applied() {
         37,
         "every event applied exactly once"
     );
+}
+
+/// Wait until a connection of `application_name` (set in the consumer's
+/// database URL) is inside a transaction, e.g. held there by a fail point.
+async fn inside_its_transaction(admin: &tokio_postgres::Client, application_name: &str) {
+    eventually("the consumer inside its transaction", WAIT, || async {
+        let busy: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND state = 'idle in transaction'",
+                &[&application_name],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        (busy > 0).then_some(())
+    })
+    .await;
 }
 
 async fn consumer_inbox(name: &str) -> i64 {

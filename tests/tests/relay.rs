@@ -25,7 +25,9 @@ use lapin::{
     BasicProperties, Channel, Connection, ExchangeKind,
 };
 use serde_json::{json, Value};
-use system_tests::{amqp_url, free_port, pg, pg_url, pool, wait_for_ok, Database, Service};
+use system_tests::{
+    amqp_url, free_port, pg, pg_url, pool, wait_for_ok, Database, Service, PATIENT_RELAY,
+};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
@@ -259,19 +261,12 @@ fn relay_env(tenant: &str, instance: &str, port: u16) -> Vec<(&'static str, Stri
     ]
 }
 
-/// For a relay that must not see its own lease run out or a confirm time
-/// out (a republish, so a duplicate) because the machine stalls: tests that
-/// count duplicates exactly, where no crash of this relay is involved. A
-/// takeover of a dead relay's rows depends on the dead relay's lease, not
-/// on these.
-fn patient() -> [(&'static str, String); 2] {
-    [
-        ("OUTBOX_RELAY__RELAY__LEASE_MS", "600000".to_owned()),
-        (
-            "OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS",
-            "300000".to_owned(),
-        ),
-    ]
+/// [`system_tests::PATIENT_RELAY`] as `Relay::start` takes it.
+fn patient() -> Vec<(&'static str, String)> {
+    PATIENT_RELAY
+        .iter()
+        .map(|(k, v)| (*k, (*v).to_owned()))
+        .collect()
 }
 
 impl Relay {
@@ -576,7 +571,7 @@ async fn three_relays_publish_every_event_once_in_per_order_sequence() {
     // another relay took the rows over and published them again. Duplicates
     // are the designed outcome for a stalled relay, but a stall is not what
     // this test is about.
-    let mut extra = patient().to_vec();
+    let mut extra = patient();
     extra.push(("OUTBOX_RELAY__RELAY__BATCH_SIZE", "50".to_owned()));
     let relays: Vec<Relay> = (0..3).map(|_| Relay::start(&tenant, &extra)).collect();
 
@@ -1128,11 +1123,21 @@ async fn notify_wakes_an_idle_relay_within_milliseconds() {
     db.execute("SELECT pg_terminate_backend($1)", &[&old])
         .await
         .expect("terminate");
+    // A new connection that has issued its LISTEN (its last statement is
+    // the LISTEN, or the liveness probe that only follows it): from here on
+    // only a NOTIFY can wake the idle relay (its poll is an hour).
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match backend(&db, &listener).await {
-            Some(pid) if pid != old => break,
-            _ => {}
+        let listening = db
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = $1
+                   AND pid <> $2 AND (query ILIKE 'LISTEN%' OR query = 'SELECT 1')",
+                &[&listener, &old],
+            )
+            .await
+            .expect("pg_stat_activity");
+        if listening.is_some() {
+            break;
         }
         assert!(
             Instant::now() < deadline,
@@ -1140,7 +1145,8 @@ async fn notify_wakes_an_idle_relay_within_milliseconds() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(500)).await; // LISTEN issued, relay idle
+    // The wake-up that follows the LISTEN has found nothing by now: idle.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let started = Instant::now();
     insert(&db, &tenant, &orders_with_events(1, 1, &event_type)).await;
     collector.wait_distinct(5, Duration::from_secs(30)).await;
@@ -1609,14 +1615,7 @@ async fn the_claim_query_uses_the_partial_indexes() {
         .replace("$2", "30000")
         .replace("$3", "500")
         .replace("$4", "''");
-    let plan: Vec<String> = session
-        .query(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"), &[])
-        .await
-        .expect("explain")
-        .iter()
-        .map(|r| r.get::<_, String>(0))
-        .collect();
-    let plan = plan.join("\n");
+    let plan = explain_analyze(&session, &sql).await;
     println!("{plan}");
     assert!(
         plan.contains(&format!("Index Scan using {dispatch}")),
@@ -1688,9 +1687,10 @@ async fn the_gauge_query_reads_only_the_pending_rows_after_a_backlog() {
         .expect("drop");
 }
 
-/// `EXPLAIN (ANALYZE, COSTS OFF)` of `sql` in `tx`, one plan line per line.
-async fn explain_analyze(tx: &tokio_postgres::Transaction<'_>, sql: &str) -> String {
-    let plan: Vec<String> = tx
+/// `EXPLAIN (ANALYZE, COSTS OFF)` of `sql` on `db` (a session or a
+/// transaction), one plan line per line.
+async fn explain_analyze(db: &impl tokio_postgres::GenericClient, sql: &str) -> String {
+    let plan: Vec<String> = db
         .query(&format!("EXPLAIN (ANALYZE, COSTS OFF) {sql}"), &[])
         .await
         .expect("explain")

@@ -71,14 +71,10 @@ async fn one_trace_per_operation_across_the_broker() {
     // No lease may run out and no confirm time out on a stalled machine: a
     // republished copy would bring a second publish span, whose consume
     // span can reach the receiver before the publish span does.
-    let patient = [
-        ("OUTBOX_RELAY__RELAY__LEASE_MS", "600000"),
-        ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "300000"),
-    ];
     let system = System::start(
         "trace",
         SystemOptions {
-            relay_env: patient
+            relay_env: system_tests::PATIENT_RELAY
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
