@@ -1705,7 +1705,15 @@ async fn a_tenant_filtered_consumer_acknowledges_other_tenants_events_without_ef
 async fn an_idle_consumer_has_acknowledged_everything_it_applied() {
     let tenant = unique("t5-acks");
     let name = unique("t5-acks-loy");
-    let options = Options::default();
+    // A prefetch of 16 (acks in batches of 8), so that each partition gets
+    // more than one batch.
+    let options = Options {
+        extra: vec![(
+            format!("{}__CONSUMER__PREFETCH", Kind::Loyalty.prefix()),
+            "16".to_owned(),
+        )],
+        ..Options::default()
+    };
     let consumer = Consumer::start(Kind::Loyalty, &name, options.clone()).await;
     let publisher = Publisher::connect().await;
     // 37 events: more than one batch (half the prefetch window) and not a

@@ -29,7 +29,7 @@
 //! | `<PREFIX>__AMQP__URL` | `amqp://app:app@127.0.0.1:5672/%2f` |
 //! | `<PREFIX>__CONSUMER__NAME` (inbox key, queue prefix) | `inventory` / `ledger` / `loyalty` |
 //! | `<PREFIX>__CONSUMER__PARTITIONS` | 4 |
-//! | `<PREFIX>__CONSUMER__PREFETCH` (per partition) | 16 |
+//! | `<PREFIX>__CONSUMER__PREFETCH` (per partition) | 64 |
 //! | `<PREFIX>__CONSUMER__RETRY_TIERS_MS` | `10000,60000,300000,1800000,7200000` |
 //! | `<PREFIX>__CONSUMER__MAX_ATTEMPTS` | 5 |
 //! | `<PREFIX>__CONSUMER__MAX_DEFERRALS` | 30 |
