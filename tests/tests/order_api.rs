@@ -50,6 +50,33 @@ impl Caller {
     }
 }
 
+impl Drop for Caller {
+    /// No relay runs in these tests, so the tenant's outbox rows would stay
+    /// pending for good in a shared development database, and every claim
+    /// of a tenant-scoped relay (other tests, `make bench`) walks all
+    /// pending rows. Deleted when the test is done (or has failed); its
+    /// orders stay for a look.
+    fn drop(&mut self) {
+        let tenant = std::mem::take(&mut self.tenant);
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async {
+                pg(Database::Orders)
+                    .await
+                    .execute(
+                        "DELETE FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+                        &[&tenant],
+                    )
+                    .await
+            })
+        })
+        .join();
+    }
+}
+
 #[derive(Debug, PartialEq, Eq)]
 struct Counts {
     orders: i64,
