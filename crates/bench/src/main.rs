@@ -881,8 +881,6 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Delete a tenant's orders, idempotency records and outbox rows (the bench
-/// leaves the shared database as small as it found it).
 /// Delete what aborted bench runs left behind (their teardown never ran), and
 /// say how many other tenants' rows are pending. The bench's relays claim
 /// for their own tenant only, but their claim still walks every pending row
@@ -919,6 +917,8 @@ async fn clear_aborted_runs(db: &tokio_postgres::Client) {
     }
 }
 
+/// Delete a tenant's orders, idempotency records and outbox rows (the bench
+/// leaves the shared database as small as it found it).
 async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
     for statement in [
         "DELETE FROM outbox_events WHERE tenant_id = $1",

@@ -37,8 +37,8 @@ pub struct ConsumerSettings {
     /// acknowledged cumulatively at half of it (or when the partition is
     /// idle), so a crash redelivers at most that many per partition, as
     /// inbox duplicates. Every ack is a Raft command of the quorum queue:
-    /// 64 instead of 16 cut RabbitMQ's CPU per event from ~100-120 µs to
-    /// ~65-80 µs (BENCHMARKS.md).
+    /// 64 instead of 16 cut RabbitMQ's CPU per event from ~100-130 µs to
+    /// ~55-85 µs (BENCHMARKS.md).
     pub prefetch: u16,
     /// Retry tier delays in milliseconds, comma separated (one queue
     /// `<name>.retry.<i>` per tier). Default 10 s, 1 min, 5 min, 30 min, 2 h.
