@@ -59,7 +59,6 @@ pub fn pool(db: Database) -> kit::db::PgPool {
     kit::db::pool(&settings).expect("pool")
 }
 
-/// A TCP port that was free a moment ago.
 /// Relay settings for a relay that must not see its own lease run out or a
 /// confirm time out (a republish, so a duplicate) because the machine
 /// stalls: tests that count duplicates or spans exactly, where no crash of
@@ -70,6 +69,7 @@ pub const PATIENT_RELAY: [(&str, &str); 2] = [
     ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "300000"),
 ];
 
+/// A TCP port that was free a moment ago.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
