@@ -32,6 +32,10 @@ pub struct Metrics {
     pub inbox_cleaned: IntCounter,
     /// Events of tenants outside `consumer.only_tenants`, acknowledged unapplied.
     pub filtered: IntCounter,
+    /// Messages whose acknowledgement has been written to the broker's socket
+    /// (a cumulative ack counts every message it covers). Settled minus this
+    /// is what a crash now would redeliver as duplicates.
+    pub acknowledged: IntCounter,
 }
 
 fn opts(name: &str, help: &str, consumer: &str) -> Opts {
@@ -127,6 +131,11 @@ impl Metrics {
                 "Events of other tenants acknowledged without effect (consumer.only_tenants)",
                 consumer,
             ))?,
+            acknowledged: IntCounter::with_opts(opts(
+                "consumer_messages_acknowledged_total",
+                "Messages whose acknowledgement was written to the broker connection",
+                consumer,
+            ))?,
         };
         for tier in 0..tiers {
             metrics.retried.with_label_values(&[&tier.to_string()]);
@@ -146,6 +155,7 @@ impl Metrics {
         kit::metrics::register(registry, &metrics.lag_seconds);
         kit::metrics::register(registry, &metrics.inbox_cleaned);
         kit::metrics::register(registry, &metrics.filtered);
+        kit::metrics::register(registry, &metrics.acknowledged);
         Ok(metrics)
     }
 }

@@ -167,7 +167,7 @@ async fn partition_worker<D: Domain>(
     stop: &CancellationToken,
     ack_batch: usize,
 ) -> Result<(), lapin::Error> {
-    let mut acks = PendingAcks::default();
+    let mut acks = PendingAcks::new(processor.metrics.acknowledged.clone());
     loop {
         // Take what is already here without waiting; before waiting for the
         // broker, acknowledge everything settled so far.
@@ -229,13 +229,22 @@ async fn partition_worker<D: Domain>(
 
 /// Settled, not yet acknowledged deliveries of one channel (in delivery
 /// order): one cumulative ack of the latest covers them all.
-#[derive(Default)]
 struct PendingAcks {
     latest: Option<lapin::Acker>,
     count: usize,
+    /// `consumer_messages_acknowledged_total`.
+    acknowledged: kit::metrics::prometheus::IntCounter,
 }
 
 impl PendingAcks {
+    fn new(acknowledged: kit::metrics::prometheus::IntCounter) -> Self {
+        Self {
+            latest: None,
+            count: 0,
+            acknowledged,
+        }
+    }
+
     fn push(&mut self, acker: lapin::Acker) {
         self.latest = Some(acker);
         self.count += 1;
@@ -246,9 +255,13 @@ impl PendingAcks {
     }
 
     async fn flush(&mut self) -> Result<(), lapin::Error> {
-        self.count = 0;
+        let count = std::mem::take(&mut self.count);
         if let Some(acker) = self.latest.take() {
+            // Resolves once the frame is written to the socket: the broker
+            // reads it before it can see this connection close, even after a
+            // kill -9 (the kernel still delivers what was written).
             acker.ack(BasicAckOptions { multiple: true }).await?;
+            self.acknowledged.inc_by(count as u64);
         }
         Ok(())
     }
