@@ -360,7 +360,14 @@ enum Command {
     },
 }
 
-/// The whole `main` of a consumer binary.
+/// The whole `main` of a consumer binary, run on tokio's default
+/// multi-thread runtime (one worker per core). With a single worker the
+/// partitions took turns on one thread: a partition holding stock-level row
+/// locks waited for the thread while another partition ran, and the other
+/// partition then waited for those locks (inventory +9 points against its
+/// raw limit over five alternating `make bench-consumers` pairs, ledger and
+/// loyalty within the noise, ~10 % more consumer CPU per event;
+/// BENCHMARKS.md, session 6).
 pub async fn main<D: Domain>() -> anyhow::Result<()> {
     let cli = <Cli as clap::Parser>::parse();
     kit::service_main(D::SERVICE, |shutdown| async move {

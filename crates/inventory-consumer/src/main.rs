@@ -1,4 +1,4 @@
-#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
+#[tokio::main]
 async fn main() -> anyhow::Result<()> {
     consumer_runtime::main::<inventory_consumer::Inventory>().await
 }
