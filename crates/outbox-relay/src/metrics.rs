@@ -174,16 +174,29 @@ impl Metrics {
         interval: Duration,
         shutdown: CancellationToken,
     ) {
-        loop {
-            let started = std::time::Instant::now();
+        paced(interval, &shutdown, || async {
             if let Err(error) = self.refresh(&pool, &only_tenant).await {
                 tracing::warn!(error = format!("{error:#}"), "refreshing outbox gauges");
             }
-            let pause = gauge_pause(interval, started.elapsed());
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(pause) => {}
-            }
+        })
+        .await;
+    }
+}
+
+/// Run `work` until `shutdown`, pausing after each run for
+/// [`gauge_pause`]`(interval, how long the run took)`.
+async fn paced<F, Fut>(interval: Duration, shutdown: &CancellationToken, mut work: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    loop {
+        let started = std::time::Instant::now();
+        work().await;
+        let pause = gauge_pause(interval, started.elapsed());
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
         }
     }
 }
@@ -206,6 +219,31 @@ mod tests {
         assert_eq!(
             gauge_pause(Duration::ZERO, Duration::from_millis(20)),
             Duration::from_secs(1)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_refresh_loop_waits_fifty_times_a_slow_refresh() {
+        // Each run takes at least 20 ms against a 10 ms interval: the loop
+        // must then wait at least 1 s. Paced by the interval instead, it
+        // would run ~50 times in 1.5 s; a slow machine only makes the runs
+        // longer and the pauses too.
+        let runs = std::sync::atomic::AtomicUsize::new(0);
+        let shutdown = CancellationToken::new();
+        let work = || async {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let stopped = tokio::time::timeout(
+            Duration::from_millis(1500),
+            paced(Duration::from_millis(10), &shutdown, work),
+        )
+        .await;
+        assert!(stopped.is_err(), "the loop runs until shutdown");
+        let runs = runs.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            (1..=2).contains(&runs),
+            "{runs} runs in 1.5 s: a 20 ms run must be followed by a pause of at least 1 s"
         );
     }
 }
