@@ -1727,9 +1727,10 @@ async fn an_idle_consumer_has_acknowledged_everything_it_applied() {
     consumer
         .wait_metric("consumer_events_applied_total", "", 37.0)
         .await;
-    // Every acknowledgement written to the broker's socket (exact, unlike
-    // the management API's statistics, which refresh every 5 s): the broker
-    // reads them before it sees the connection of the killed process close.
+    // Every acknowledgement written to the broker connection's socket
+    // before the kill (an exact counter, unlike the management API's
+    // statistics, which refresh every 5 s). The live counts below then show
+    // whether the broker took them all.
     consumer
         .wait_metric_eq("consumer_messages_acknowledged_total", "", 37.0)
         .await;

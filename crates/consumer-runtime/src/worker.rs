@@ -257,9 +257,8 @@ impl PendingAcks {
     async fn flush(&mut self) -> Result<(), lapin::Error> {
         let count = std::mem::take(&mut self.count);
         if let Some(acker) = self.latest.take() {
-            // Resolves once the frame is written to the socket: the broker
-            // reads it before it can see this connection close, even after a
-            // kill -9 (the kernel still delivers what was written).
+            // Resolves once lapin has written the frame to the socket: from
+            // then on it no longer depends on this process.
             acker.ack(BasicAckOptions { multiple: true }).await?;
             self.acknowledged.inc_by(count as u64);
         }
