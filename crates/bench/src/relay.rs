@@ -326,25 +326,22 @@ pub async fn raw_publish(
                 .take(share)
                 .collect::<Vec<_>>();
             for chunk in mine.chunks(window.max(1)) {
-                let mut confirms = Vec::with_capacity(chunk.len());
-                for (exchange, message) in chunk {
-                    confirms.push(
-                        channel
-                            .basic_publish(
-                                exchange.as_str().into(),
-                                message.routing_key.as_str().into(),
-                                BasicPublishOptions {
-                                    mandatory: true,
-                                    ..BasicPublishOptions::default()
-                                },
-                                &message.body,
-                                message.properties.clone(),
-                            )
-                            .await
-                            .expect("publish"),
-                    );
-                }
-                for confirm in confirms {
+                // Like the relay (`publish_batch`): every publish of the
+                // window handed to lapin before any is awaited.
+                let sends = chunk.iter().map(|(exchange, message)| {
+                    channel.basic_publish(
+                        exchange.as_str().into(),
+                        message.routing_key.as_str().into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &message.body,
+                        message.properties.clone(),
+                    )
+                });
+                for confirm in futures_util::future::join_all(sends).await {
+                    let confirm = confirm.expect("publish");
                     check_confirmation(confirm.await.expect("confirm")).expect("routed and acked");
                 }
             }

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use events::{headers, RawEnvelope};
-use futures_util::{stream::FuturesUnordered, StreamExt};
+use futures_util::{stream::FuturesUnordered, FutureExt, StreamExt};
 use kit::amqp::{check_confirmation, PublishRejected};
 use lapin::{
     options::BasicPublishOptions,
@@ -151,6 +151,13 @@ pub struct Outcome {
 /// enabled, `mandatory`), all in flight at once, and wait for their confirms
 /// until `deadline`. One outcome per message, in no particular order; on
 /// success the confirm latency.
+///
+/// Every publish is handed to the connection before any is awaited: lapin
+/// resolves a publish once its I/O thread has written the frames to the
+/// socket, so awaiting them one by one cost a hand-off to that thread and
+/// back per message. Each publish is polled once, in batch order, right
+/// after it is created (that queues its frames and takes its delivery tag),
+/// so the frames go out in batch order; then all are awaited together.
 pub async fn publish_batch(
     channel: &Channel,
     exchange: &str,
@@ -160,62 +167,78 @@ pub async fn publish_batch(
     let deadline = tokio::time::Instant::now() + timeout;
     let mut outcomes = Vec::with_capacity(messages.len());
     let mut pending = FuturesUnordered::new();
-    let mut broken: Option<String> = None;
     let mut sent = Vec::new();
-    for (message, span) in messages {
-        let event_id = message.event_id;
-        if let Some(error) = &broken {
-            outcomes.push(Outcome {
-                event_id,
-                result: Err(PublishFailure::Channel(error.clone())),
-            });
-            continue;
-        }
-        let started = Instant::now();
-        let send = tokio::time::timeout_at(
-            deadline,
-            channel.basic_publish(
-                exchange.into(),
-                message.routing_key.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &message.body,
-                message.properties,
-            ),
-        )
-        .await;
-        match send {
-            Ok(Ok(confirm)) => {
+    let mut sending = FuturesUnordered::new();
+    let mut unsent = HashSet::with_capacity(messages.len());
+    type Sent = (
+        Uuid,
+        tracing::Span,
+        Instant,
+        lapin::Result<lapin::PublisherConfirm>,
+    );
+    let mut on_sent =
+        |(event_id, span, started, send): Sent, outcomes: &mut Vec<Outcome>| match send {
+            Ok(confirm) => {
                 sent.push(event_id);
                 // The publish span (if any) lasts until the confirm: it is
                 // closed when dropped. It is not entered around the awaits:
                 // nothing the broker client logs is recorded into spans (see
-                // kit::telemetry), so entering and leaving it on every poll
-                // of 500 futures would be work for nothing.
+                // kit::telemetry), so entering and leaving it on every poll of
+                // 500 futures would be work for nothing.
                 pending.push(async move {
                     let result = confirm.await;
                     drop(span);
                     (event_id, started, result)
                 });
             }
-            Ok(Err(error)) => {
-                broken = Some(error.to_string());
-                outcomes.push(Outcome {
-                    event_id,
-                    result: Err(PublishFailure::Channel(error.to_string())),
-                });
-            }
-            Err(_) => {
-                broken = Some("timed out sending".to_owned());
-                outcomes.push(Outcome {
-                    event_id,
-                    result: Err(PublishFailure::Timeout),
-                });
+            Err(error) => outcomes.push(Outcome {
+                event_id,
+                result: Err(PublishFailure::Channel(error.to_string())),
+            }),
+        };
+    for (message, span) in messages {
+        let event_id = message.event_id;
+        let started = Instant::now();
+        let mut send = Box::pin(async move {
+            let send = channel
+                .basic_publish(
+                    exchange.into(),
+                    message.routing_key.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &message.body,
+                    message.properties,
+                )
+                .await;
+            (event_id, span, started, send)
+        });
+        match (&mut send).now_or_never() {
+            Some(done) => on_sent(done, &mut outcomes),
+            None => {
+                unsent.insert(event_id);
+                sending.push(send);
             }
         }
     }
+    let all_sent = async {
+        while let Some(done) = sending.next().await {
+            unsent.remove(&done.0);
+            on_sent(done, &mut outcomes);
+        }
+    };
+    if tokio::time::timeout_at(deadline, all_sent).await.is_err() {
+        // Not even handed to the socket in time (a blocked connection):
+        // the channel is replaced.
+        for event_id in unsent {
+            outcomes.push(Outcome {
+                event_id,
+                result: Err(PublishFailure::Timeout),
+            });
+        }
+    }
+    drop(on_sent);
     let collect = async {
         while let Some((event_id, started, result)) = pending.next().await {
             let result = match result {
