@@ -238,7 +238,6 @@ pub async fn publish_batch(
             });
         }
     }
-    drop(on_sent);
     let collect = async {
         while let Some((event_id, started, result)) = pending.next().await {
             let result = match result {
