@@ -165,37 +165,34 @@ pub async fn publish_batch(
     timeout: Duration,
 ) -> Vec<Outcome> {
     let deadline = tokio::time::Instant::now() + timeout;
+    let ids: Vec<Uuid> = messages.iter().map(|(m, _)| m.event_id).collect();
     let mut outcomes = Vec::with_capacity(messages.len());
     let mut pending = FuturesUnordered::new();
-    let mut sent = Vec::new();
     let mut sending = FuturesUnordered::new();
-    let mut unsent = HashSet::with_capacity(messages.len());
     type Sent = (
         Uuid,
         tracing::Span,
         Instant,
         lapin::Result<lapin::PublisherConfirm>,
     );
-    let mut on_sent =
-        |(event_id, span, started, send): Sent, outcomes: &mut Vec<Outcome>| match send {
-            Ok(confirm) => {
-                sent.push(event_id);
-                // The publish span (if any) lasts until the confirm: it is
-                // closed when dropped. It is not entered around the awaits:
-                // nothing the broker client logs is recorded into spans (see
-                // kit::telemetry), so entering and leaving it on every poll of
-                // 500 futures would be work for nothing.
-                pending.push(async move {
-                    let result = confirm.await;
-                    drop(span);
-                    (event_id, started, result)
-                });
-            }
-            Err(error) => outcomes.push(Outcome {
-                event_id,
-                result: Err(PublishFailure::Channel(error.to_string())),
-            }),
-        };
+    let on_sent = |(event_id, span, started, send): Sent, outcomes: &mut Vec<Outcome>| match send {
+        Ok(confirm) => {
+            // The publish span (if any) lasts until the confirm: it is
+            // closed when dropped. It is not entered around the awaits:
+            // nothing the broker client logs is recorded into spans (see
+            // kit::telemetry), so entering and leaving it on every poll of
+            // 500 futures would be work for nothing.
+            pending.push(async move {
+                let result = confirm.await;
+                drop(span);
+                (event_id, started, result)
+            });
+        }
+        Err(error) => outcomes.push(Outcome {
+            event_id,
+            result: Err(PublishFailure::Channel(error.to_string())),
+        }),
+    };
     for (message, span) in messages {
         let event_id = message.event_id;
         let started = Instant::now();
@@ -216,28 +213,16 @@ pub async fn publish_batch(
         });
         match (&mut send).now_or_never() {
             Some(done) => on_sent(done, &mut outcomes),
-            None => {
-                unsent.insert(event_id);
-                sending.push(send);
-            }
+            None => sending.push(send),
         }
     }
     let all_sent = async {
         while let Some(done) = sending.next().await {
-            unsent.remove(&done.0);
             on_sent(done, &mut outcomes);
         }
     };
-    if tokio::time::timeout_at(deadline, all_sent).await.is_err() {
-        // Not even handed to the socket in time (a blocked connection):
-        // the channel is replaced.
-        for event_id in unsent {
-            outcomes.push(Outcome {
-                event_id,
-                result: Err(PublishFailure::Timeout),
-            });
-        }
-    }
+    // Past the deadline, what is left gets no outcome here (see below).
+    let _ = tokio::time::timeout_at(deadline, all_sent).await;
     let collect = async {
         while let Some((event_id, started, result)) = pending.next().await {
             let result = match result {
@@ -256,11 +241,14 @@ pub async fn publish_batch(
             outcomes.push(Outcome { event_id, result });
         }
     };
-    if tokio::time::timeout_at(deadline, collect).await.is_err() {
-        // Whatever has no confirm yet timed out (the broker may still take
-        // it: a later retry is then a duplicate, never a loss).
+    let _ = tokio::time::timeout_at(deadline, collect).await;
+    if outcomes.len() < ids.len() {
+        // Whatever has no outcome by the deadline timed out: not even
+        // written to the socket (a blocked connection), or not confirmed.
+        // The broker may still take it: a later retry is then a duplicate,
+        // never a loss.
         let done: HashSet<Uuid> = outcomes.iter().map(|o| o.event_id).collect();
-        for event_id in sent {
+        for event_id in ids {
             if !done.contains(&event_id) {
                 outcomes.push(Outcome {
                     event_id,
