@@ -37,7 +37,8 @@ where
 pub struct DatabaseSettings {
     /// `postgres://user:password@host:port/database`
     pub url: String,
-    /// Maximum connections in the pool.
+    /// Maximum connections in the pool (order-api splits them between its
+    /// HTTP workers, one pool each).
     pub pool_size: usize,
     /// Bound on waiting for a pooled connection, in milliseconds.
     pub acquire_timeout_ms: u64,
@@ -75,7 +76,7 @@ pub struct HttpSettings {
     pub host: String,
     pub port: u16,
     /// HTTP worker threads of a service that serves an API (order-api); 0 =
-    /// actix's default, one per physical core. Health/metrics-only servers
+    /// one per available core. Health/metrics-only servers
     /// always use one.
     #[serde(default)]
     pub workers: usize,
