@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use events::{headers, RawEnvelope};
+use events::{headers, Envelope};
 use futures_util::{stream::FuturesUnordered, FutureExt, StreamExt};
 use kit::amqp::{check_confirmation, PublishRejected};
 use lapin::{
@@ -26,9 +26,10 @@ pub struct Message {
     pub properties: BasicProperties,
 }
 
-/// The envelope of `row` (the JSON body every consumer reads).
-pub fn envelope(row: &OutboxRow) -> RawEnvelope {
-    RawEnvelope {
+/// The envelope of `row` (the JSON body every consumer reads). It borrows
+/// the payload rather than copying its JSON tree for every message.
+pub fn envelope(row: &OutboxRow) -> Envelope<&serde_json::Value> {
+    Envelope {
         event_id: row.event_id,
         event_type: row.event_type.clone(),
         schema_version: u32::try_from(row.schema_version).unwrap_or_default(),
@@ -37,7 +38,7 @@ pub fn envelope(row: &OutboxRow) -> RawEnvelope {
         aggregate_id: row.aggregate_id.clone(),
         aggregate_sequence: row.aggregate_sequence,
         occurred_at: row.occurred_at,
-        payload: row.payload.clone(),
+        payload: &row.payload,
     }
 }
 
