@@ -1,6 +1,7 @@
-//! Phase 1: `POST /orders` at a fixed concurrency for a fixed time, then the
+//! Phase 1: `POST /orders` at a fixed concurrency for a fixed time, and the
 //! same transaction (the same statements, in the same order, one round
 //! trip each, prepared once per connection) straight through tokio-postgres.
+//! Each side runs as [`Run`]s that [`Run::then`] joins into one [`Load`].
 
 use std::{
     sync::Arc,
@@ -54,6 +55,36 @@ pub fn order_body(i: u64) -> Value {
            "currency": "USD", "location": "WH-1"})
 }
 
+/// The completions of one timed run: per request, when it started (from the
+/// run's start) and how long it took.
+pub struct Run {
+    samples: Vec<(Duration, Duration)>,
+    errors: u64,
+    elapsed: Duration,
+}
+
+impl Run {
+    /// This run followed by `next`, as one run of both durations (`next`'s
+    /// start times shifted by this run's length).
+    pub fn then(mut self, next: Run) -> Run {
+        let offset = self.elapsed;
+        self.samples.extend(
+            next.samples
+                .into_iter()
+                .map(|(at, latency)| (at + offset, latency)),
+        );
+        Run {
+            samples: self.samples,
+            errors: self.errors + next.errors,
+            elapsed: self.elapsed + next.elapsed,
+        }
+    }
+
+    pub fn load(self) -> Load {
+        summarize(self.samples, self.errors, self.elapsed)
+    }
+}
+
 fn summarize(samples: Vec<(Duration, Duration)>, errors: u64, elapsed: Duration) -> Load {
     let secs = elapsed.as_secs() as usize + 1;
     let mut timeline = vec![0; secs];
@@ -82,6 +113,19 @@ pub async fn http_load(
     concurrency: usize,
     duration: Duration,
 ) -> Load {
+    http_run(base, key, first, concurrency, duration)
+        .await
+        .load()
+}
+
+/// [`http_load`], as a [`Run`].
+pub async fn http_run(
+    base: &str,
+    key: &str,
+    first: u64,
+    concurrency: usize,
+    duration: Duration,
+) -> Run {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(concurrency)
         .build()
@@ -129,7 +173,11 @@ pub async fn http_load(
         samples.extend(s);
         errors += e;
     }
-    summarize(samples, errors, started.elapsed())
+    Run {
+        samples,
+        errors,
+        elapsed: started.elapsed(),
+    }
 }
 
 /// Minor units of a decimal money string of the generated body.
@@ -257,8 +305,15 @@ fn blake_like(body: &Value) -> String {
 }
 
 /// The same transaction at the same concurrency, one connection per client.
-pub async fn raw_load(url: &str, tenant: &str, concurrency: usize, duration: Duration) -> Load {
-    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+/// Order numbers start at `first`.
+pub async fn raw_run(
+    url: &str,
+    tenant: &str,
+    first: u64,
+    concurrency: usize,
+    duration: Duration,
+) -> Run {
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(first));
     let mut clients = Vec::new();
     for _ in 0..concurrency {
         let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
@@ -303,7 +358,11 @@ pub async fn raw_load(url: &str, tenant: &str, concurrency: usize, duration: Dur
         samples.extend(s);
         errors += e;
     }
-    summarize(samples, errors, started.elapsed())
+    Run {
+        samples,
+        errors,
+        elapsed: started.elapsed(),
+    }
 }
 
 /// An open-loop load: `per_second` orders started at even intervals for

@@ -93,6 +93,14 @@ impl Usage {
         Usage { seconds }
     }
 
+    /// The CPU of both intervals.
+    pub fn plus(mut self, other: Usage) -> Usage {
+        for (group, seconds) in other.seconds {
+            *self.seconds.entry(group).or_default() += seconds;
+        }
+        self
+    }
+
     /// "postgresql 41 µs, rabbitmq 35 µs, ..." per event, largest first.
     pub fn per_event(&self, events: u64) -> String {
         let mut groups: Vec<(&String, &f64)> = self.seconds.iter().collect();
