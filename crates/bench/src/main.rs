@@ -152,29 +152,29 @@ fn sample_memory(system: Arc<System>, peaks: PeakMemory) -> tokio::task::JoinHan
 }
 
 async fn start_system(relays: usize) -> Arc<System> {
-    // The relays run as deployed: the production defaults in place of the
-    // tests' short timings. (With the tests' 500 ms gauge refresh, the
-    // gauges' count of the 100,000-row backlog alone cost PostgreSQL
-    // 16 µs per relayed event.)
-    let defaults = outbox_relay::settings::RelaySettings::default();
-    let relay_env = [
-        ("LEASE_MS", defaults.lease_ms.to_string()),
-        (
-            "CONFIRM_TIMEOUT_MS",
-            defaults.confirm_timeout_ms.to_string(),
-        ),
-        ("POLL_INTERVAL_MS", defaults.poll_interval_ms.to_string()),
-        (
-            "METRICS_INTERVAL_MS",
-            defaults.metrics_interval_ms.to_string(),
-        ),
-        ("BACKOFF_BASE_MS", defaults.backoff_base_ms.to_string()),
-        ("BACKOFF_CAP_MS", defaults.backoff_cap_ms.to_string()),
-        ("MAX_ATTEMPTS", defaults.max_attempts.to_string()),
-    ]
-    .into_iter()
-    .map(|(name, value)| (format!("OUTBOX_RELAY__RELAY__{name}"), value))
-    .collect();
+    // The relays run as deployed: every production default of the relay
+    // settings in place of the tests' short timings, except what places the
+    // bench's relays (their instance ids, tenant and private exchange).
+    // (With the tests' 500 ms gauge refresh, the gauges' count of the
+    // 100,000-row backlog alone cost PostgreSQL 16 µs per relayed event.)
+    let defaults = serde_json::to_value(outbox_relay::settings::RelaySettings::default())
+        .expect("relay settings serialize");
+    let relay_env = defaults
+        .as_object()
+        .expect("relay settings are a struct")
+        .iter()
+        .filter(|(name, _)| !["instance_id", "only_tenant", "exchange"].contains(&name.as_str()))
+        .map(|(name, value)| {
+            let value = match value {
+                serde_json::Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
+            (
+                format!("OUTBOX_RELAY__RELAY__{}", name.to_uppercase()),
+                value,
+            )
+        })
+        .collect();
     let system = System::start(
         "bench",
         SystemOptions {
