@@ -100,7 +100,7 @@ fn verdict(ok: bool) -> &'static str {
 /// "  <label>: 1234/s against 1500/s raw: 82 %" (the single-phase modes).
 pub fn print_ratio(label: &str, measured: f64, raw: f64) {
     println!(
-        "  {label}: {measured:.0}/s against {raw:.0}/s raw: {:.0} %",
+        "  {label}: {measured:.0}/s against {raw:.0}/s raw: {:.1} %",
         ratio(measured, raw)
     );
 }
@@ -120,7 +120,7 @@ pub fn table(r: &Results) -> String {
     let api_ratio = ratio(r.api.per_second, r.api_raw.per_second);
     let _ = writeln!(
         md,
-        "| API `POST /orders` ({} clients) | {:.0} orders/s, p50 {:.1} ms, p99 {:.1} ms | {:.0} tx/s, p50 {:.1} ms, p99 {:.1} ms | {:.0} % | ≥ 85 % | {} |",
+        "| API `POST /orders` ({} clients) | {:.0} orders/s, p50 {:.1} ms, p99 {:.1} ms | {:.0} tx/s, p50 {:.1} ms, p99 {:.1} ms | {:.1} % | ≥ 85 % | {} |",
         r.settings.as_ref().map_or(0, |s| s.concurrency),
         r.api.per_second, r.api.latency.p50_ms, r.api.latency.p99_ms,
         r.api_raw.per_second, r.api_raw.latency.p50_ms, r.api_raw.latency.p99_ms,
@@ -130,7 +130,7 @@ pub fn table(r: &Results) -> String {
         let q = ratio(drain.per_second, r.relay_raw.per_second);
         let _ = writeln!(
             md,
-            "| Relay drain, {label} ({} events) | {:.0} events/s (wall {:.1} s) | {:.0} msg/s confirm-publish ({} channels × 500 in flight) | {:.0} % | ≥ 80 % | {} |",
+            "| Relay drain, {label} ({} events) | {:.0} events/s (wall {:.1} s) | {:.0} msg/s confirm-publish ({} channels × 500 in flight) | {:.1} % | ≥ 80 % | {} |",
             drain.events, drain.per_second, drain.wall_seconds, r.relay_raw.per_second,
             r.relay_workers, q, verdict(q >= 80.0)
         );
@@ -139,7 +139,7 @@ pub fn table(r: &Results) -> String {
         let q = ratio(applied.per_second, raw.per_second);
         let _ = writeln!(
             md,
-            "| {name} apply ({} events, 2 partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect ({:.0} tx/s with them one at a time as text, as before) | {:.0} % | ≥ 80 % | {} |",
+            "| {name} apply ({} events, 2 partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect ({:.0} tx/s with them one at a time as text, as before) | {:.1} % | ≥ 80 % | {} |",
             applied.events, applied.per_second, raw.per_second, unprepared.per_second, q, verdict(q >= 80.0)
         );
     }
