@@ -417,3 +417,40 @@ pub async fn paced_load(
     }
     summarize(samples, errors, started.elapsed())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(samples: &[(u64, u64)], errors: u64, elapsed_ms: u64) -> Run {
+        Run {
+            samples: samples
+                .iter()
+                .map(|&(at, took)| (Duration::from_millis(at), Duration::from_millis(took)))
+                .collect(),
+            errors,
+            elapsed: Duration::from_millis(elapsed_ms),
+        }
+    }
+
+    #[test]
+    fn two_halves_make_one_run_of_both_lengths() {
+        let first = run(&[(100, 10), (1_500, 20)], 1, 2_000);
+        let second = run(&[(200, 30)], 2, 3_000);
+        let joined = first.then(second);
+        // The second half's start times follow the first half's length.
+        let starts: Vec<u64> = joined
+            .samples
+            .iter()
+            .map(|(at, _)| at.as_millis() as u64)
+            .collect();
+        assert_eq!(starts, vec![100, 1_500, 2_200]);
+        assert_eq!(joined.errors, 3);
+        assert_eq!(joined.elapsed, Duration::from_millis(5_000));
+        let load = joined.load();
+        assert_eq!(load.requests, 3);
+        // 3 requests over 5 s, not over either half alone.
+        assert!((load.per_second - 0.6).abs() < 1e-9, "{}", load.per_second);
+        assert_eq!(load.timeline, vec![1, 1, 1, 0, 0, 0]);
+    }
+}

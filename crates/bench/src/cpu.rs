@@ -160,3 +160,33 @@ impl Meter {
         Usage::between(&self.before, &last)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_of_two_intervals_adds_up_per_group() {
+        let a = Usage {
+            seconds: BTreeMap::from([
+                ("postgresql".to_owned(), 1.5),
+                ("order-api".to_owned(), 0.5),
+            ]),
+        };
+        let b = Usage {
+            seconds: BTreeMap::from([
+                ("postgresql".to_owned(), 2.0),
+                ("rabbitmq".to_owned(), 0.25),
+            ]),
+        };
+        let both = a.plus(b);
+        assert_eq!(
+            both.seconds,
+            BTreeMap::from([
+                ("order-api".to_owned(), 0.5),
+                ("postgresql".to_owned(), 3.5),
+                ("rabbitmq".to_owned(), 0.25),
+            ])
+        );
+    }
+}
