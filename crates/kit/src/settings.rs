@@ -38,7 +38,8 @@ pub struct DatabaseSettings {
     /// `postgres://user:password@host:port/database`
     pub url: String,
     /// Maximum connections in the pool (order-api splits them between its
-    /// HTTP workers, one pool each).
+    /// HTTP workers, one pool each, and keeps two more for migrations,
+    /// health and its key cleanup).
     pub pool_size: usize,
     /// Bound on waiting for a pooled connection, in milliseconds.
     pub acquire_timeout_ms: u64,

@@ -61,6 +61,16 @@ pub fn pool(settings: &Settings) -> anyhow::Result<Pool> {
     )?)
 }
 
+/// Connections of the process-wide pool (migrations, health, key cleanup).
+const SHARED_POOL_SIZE: usize = 2;
+
+/// [`pool`] with `size` connections at most.
+fn pool_of_size(settings: &Settings, size: usize) -> anyhow::Result<Pool> {
+    let mut settings = settings.clone();
+    settings.database.pool_size = size;
+    pool(&settings)
+}
+
 /// A built order-api: database migrated, listener bound.
 pub struct Application {
     server: actix_web::dev::Server,
@@ -70,7 +80,10 @@ pub struct Application {
 
 impl Application {
     pub async fn build(settings: Settings, shutdown: &CancellationToken) -> anyhow::Result<Self> {
-        let shared_pool = pool(&settings)?;
+        // Migrations, health and the key cleanup: a small pool of their own,
+        // so the process holds at most `database.pool_size` (the workers')
+        // plus these connections.
+        let shared_pool = pool_of_size(&settings, SHARED_POOL_SIZE)?;
         kit::db::wait_until_ready(&shared_pool, shutdown).await?;
         kit::migrations::run(&shared_pool, Database::Orders).await?;
         let metrics = metrics::Metrics::new(SERVICE);
@@ -94,15 +107,9 @@ impl Application {
         // connections are opened (and driven) by that worker alone. Three
         // alternating `bench api` pairs: order-api CPU per order 361-470 ->
         // 293-390 µs (0.30-0.31 -> 0.27-0.28 of PostgreSQL's).
-        let mut per_worker = settings.database.clone();
-        per_worker.pool_size = settings.database.pool_size.div_ceil(workers).max(1);
+        let per_worker = settings.database.pool_size.div_ceil(workers).max(1);
         let worker_pools = (0..workers)
-            .map(|_| {
-                pool(&Settings {
-                    database: per_worker.clone(),
-                    ..settings.clone()
-                })
-            })
+            .map(|_| pool_of_size(&settings, per_worker))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let worker_pools = Arc::new(Mutex::new(worker_pools));
         let state = web::Data::new(AppState {
