@@ -86,6 +86,9 @@ password_encryption = 'scram-sha-256'
 # the outbox is a queue table: look for work to vacuum every 10 s, not every
 # minute (its own thresholds: migrations/orders/V4__outbox_autovacuum.sql)
 autovacuum_naptime = 10s
+# commit times of every transaction (pg_xact_commit_timestamp): the bench
+# measures end-to-end latency from the order's commit to the consumers'
+track_commit_timestamp = on
 EOF
 
 if pg_as_postgres "$PG_BIN/pg_ctl" -D "$PG_DATA_DIR" status >/dev/null 2>&1; then
