@@ -25,6 +25,28 @@ pub struct Apply {
     pub per_second: f64,
 }
 
+impl Apply {
+    /// This run followed by `next`, as one run: events over the sum of both
+    /// spans (the pause between them, another side's turn, left out).
+    pub fn then(self, next: Apply) -> Apply {
+        let events = self.events + next.events;
+        let wall_seconds = self.wall_seconds + next.wall_seconds;
+        let span_seconds = self.span_seconds + next.span_seconds;
+        Apply {
+            events,
+            wall_seconds,
+            span_seconds,
+            per_second: if span_seconds > 0.0 {
+                events as f64 / span_seconds
+            } else if wall_seconds > 0.0 {
+                events as f64 / wall_seconds
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
 pub async fn db(kind: Kind) -> Client {
     let (client, connection) =
         tokio_postgres::connect(&pg_url(kind.database()), tokio_postgres::NoTls)
@@ -247,4 +269,29 @@ pub async fn forget(kind: Kind, name: &str) {
             &[&name],
         )
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn apply(events: u64, span_seconds: f64) -> Apply {
+        Apply {
+            events,
+            wall_seconds: span_seconds + 1.0,
+            span_seconds,
+            per_second: events as f64 / span_seconds,
+        }
+    }
+
+    #[test]
+    fn two_halves_make_one_rate_over_both_spans() {
+        // 5000 in 2 s, then 5000 in 8 s: 10000 in 10 s, not the mean of
+        // 2500 and 625.
+        let both = apply(5000, 2.0).then(apply(5000, 8.0));
+        assert_eq!(both.events, 10_000);
+        assert_eq!(both.span_seconds, 10.0);
+        assert_eq!(both.wall_seconds, 12.0);
+        assert_eq!(both.per_second, 1000.0);
+    }
 }

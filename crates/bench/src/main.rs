@@ -31,7 +31,7 @@ use std::{
 use system_tests::{
     consumers::Kind,
     pg, pg_url,
-    system::{bind_consumer, unbind_consumer, System, SystemOptions},
+    system::{bind_consumer, unbind_consumer, Member, System, SystemOptions},
     Database,
 };
 
@@ -715,6 +715,12 @@ async fn relay_only(settings: Settings) -> anyhow::Result<()> {
 
 /// Phase 3: each consumer applying `n` queued events, against the same
 /// transaction run raw (under `raw_tenant` and `raw_tenant`2).
+///
+/// Each side runs in halves ordered consumer, raw, raw, consumer (like the
+/// API phase): a drift of the machine's speed, or of the tables' size,
+/// during the phase then weighs on both sides alike instead of on the later
+/// one. The consumer is stopped between its halves and its queues are
+/// filled only while it is stopped, so it never competes with the filling.
 async fn consumer_phase(
     system: &System,
     orders: &tokio_postgres::Client,
@@ -726,22 +732,11 @@ async fn consumer_phase(
     // 3. Consumers: fill each one's queues, start it, compare with raw.
     let n = settings.consumer_events.min(backlog);
     phase(&format!(
-        "3. consumers: {n} events queued for each (stopped)"
+        "3. consumers: {n} events for each, in halves ordered consumer (queued while \
+         stopped), raw, raw, consumer"
     ));
     let rows = relay::rows(orders, &system.tenant, n).await;
-    let connection = system_tests::consumers::connect().await;
-    let mut queued = Vec::new();
-    for consumer in &system.consumers {
-        for row in &rows {
-            queued.push((format!("{}.events", consumer.name), relay::message(row)));
-        }
-    }
-    let fill = relay::raw_publish(&connection, Arc::new(queued), 1, 500).await;
-    println!(
-        "  queued {} messages in {:.1} s",
-        fill.events, fill.wall_seconds
-    );
-    let _ = connection.close(200, "done".into()).await;
+    let half = rows.len() / 2;
     // The effects are keyed by tenant: each raw variant applies the events
     // under a tenant of its own (same stock), so its effects are new too.
     let bodies_for = |tenant: &str| -> Vec<(String, Vec<u8>)> {
@@ -758,45 +753,38 @@ async fn consumer_phase(
     };
     let raw_bodies = bodies_for(raw_tenant);
     let unprepared_bodies = bodies_for(&format!("{raw_tenant}2"));
-    drop(rows);
     for consumer in &system.consumers {
         let kind = consumer.kind.expect("consumer kind");
         let db = consumers::db(kind).await;
-        let since = consumers::now(&db).await;
-        println!("  {} starting", consumer.label);
-        let started = Instant::now();
+        let (first, first_cpu) = consumer_half(consumer, &db, &rows[..half]).await;
+        block(|| consumer.stop());
+        let raw_name = format!("{}-raw", consumer.name);
         let meter = cpu::Meter::start();
-        consumer.start("");
-        consumer.ready(Duration::from_secs(60)).await;
-        let applied = consumers::measure(
-            &db,
-            &consumer.name,
-            since,
-            u64::try_from(n).unwrap_or_default(),
-            started,
-        )
-        .await;
+        let raw_first = consumers::raw(kind, &raw_name, &raw_bodies[..half], 2, true).await;
+        let raw_second = consumers::raw(kind, &raw_name, &raw_bodies[half..], 2, true).await;
+        let raw_cpu = meter.stop();
+        // The second half; the consumer then stays up for phase 4.
+        let (second, second_cpu) = consumer_half(consumer, &db, &rows[half..]).await;
+        let applied = first.then(second);
         report::print_apply(kind.binary(), &applied);
         record_cpu(
             results,
             &format!("3. {}", kind.binary()),
             applied.events,
-            meter.stop(),
+            first_cpu.plus(second_cpu),
         );
-        let raw_name = format!("{}-raw", consumer.name);
-        let meter = cpu::Meter::start();
-        let raw = consumers::raw(kind, &raw_name, &raw_bodies, 2, true).await;
+        let raw = raw_first.then(raw_second);
         report::print_apply("raw (the runtime's transaction, same statements)", &raw);
         record_cpu(
             results,
             &format!("3. {} raw", kind.binary()),
             raw.events,
-            meter.stop(),
+            raw_cpu,
         );
         consumers::forget(kind, &raw_name).await;
         // The transaction as the runtime sent it before the benchmark
         // (statements as text, one round trip each): the gain of preparing
-        // and pipelining them, same run.
+        // and pipelining them, same run (informative: in one piece, after).
         let unprepared = consumers::raw(kind, &raw_name, &unprepared_bodies, 2, false).await;
         report::print_apply(
             "raw (statements one at a time as text, as before)",
@@ -807,6 +795,40 @@ async fn consumer_phase(
             .consumers
             .insert(kind.binary().to_owned(), (applied, raw, unprepared));
     }
+}
+
+/// Queue `rows` for the stopped `consumer`, start it and wait until it has
+/// applied them all: the run and the machine's CPU from its start to then.
+async fn consumer_half(
+    consumer: &Member,
+    db: &tokio_postgres::Client,
+    rows: &[outbox_relay::claim::OutboxRow],
+) -> (consumers::Apply, cpu::Usage) {
+    let connection = system_tests::consumers::connect().await;
+    let queued: Vec<_> = rows
+        .iter()
+        .map(|row| (format!("{}.events", consumer.name), relay::message(row)))
+        .collect();
+    let fill = relay::raw_publish(&connection, Arc::new(queued), 1, 500).await;
+    let _ = connection.close(200, "done".into()).await;
+    println!(
+        "  {}: queued {} messages in {:.1} s, starting",
+        consumer.label, fill.events, fill.wall_seconds
+    );
+    let since = consumers::now(db).await;
+    let started = Instant::now();
+    let meter = cpu::Meter::start();
+    consumer.start("");
+    consumer.ready(Duration::from_secs(60)).await;
+    let applied = consumers::measure(
+        db,
+        &consumer.name,
+        since,
+        u64::try_from(rows.len()).unwrap_or_default(),
+        started,
+    )
+    .await;
+    (applied, meter.stop())
 }
 
 /// `bench consumers`: phase 3 alone, after 5 s of API orders as its

@@ -83,7 +83,7 @@ pub fn print_drain(label: &str, drain: &Drain) {
 
 pub fn print_apply(label: &str, apply: &Apply) {
     println!(
-        "  {label}: {} events, {:.0}/s (first to last {:.1} s, wall {:.1} s)",
+        "  {label}: {} events, {:.0}/s (applying for {:.1} s, wall {:.1} s)",
         apply.events, apply.per_second, apply.span_seconds, apply.wall_seconds
     );
 }
@@ -232,13 +232,13 @@ fn chart_of(r: &Results) -> String {
             ),
             unit: "/s".into(),
             series: vec![Series {
-                name: "orders/s (by occurred_at)".into(),
+                name: "orders/s (by commit time)".into(),
                 color: "#2ca02c",
                 points: r.e2e_timeline.iter().map(|t| (t.0, t.1)).collect(),
             }],
         },
         Panel {
-            title: "Phase 4: order committed -> applied by all three consumers".into(),
+            title: "Phase 4: order commit -> committed by all three consumers".into(),
             unit: "ms".into(),
             series: vec![
                 Series {
