@@ -1,6 +1,6 @@
 //! Where the CPU goes: user + system time of every process on the machine,
-//! grouped by command name (PostgreSQL's backends, RabbitMQ's `beam.smp`,
-//! each service binary, the bench itself), read from `/proc/<pid>/stat`
+//! grouped by command name (PostgreSQL's backends, its autovacuum workers apart,
+//! RabbitMQ's `beam.smp`, each service binary, the bench itself), read from `/proc/<pid>/stat`
 //! before and after a measured interval. On a 2-core machine every stage
 //! competes with the database and the broker for the same cores, so the CPU
 //! each one spends per event is what explains a ratio.
@@ -38,7 +38,10 @@ pub fn snapshot() -> Snapshot {
         let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
             continue;
         };
-        let comm = group(&stat[open + 1..close]);
+        let mut comm = group(&stat[open + 1..close]);
+        if comm == "postgresql" && is_autovacuum(pid) {
+            comm = AUTOVACUUM.to_owned();
+        }
         let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
         // After the comm: state is field 3 (index 0 here); utime 14, stime 15.
         let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
@@ -47,6 +50,20 @@ pub fn snapshot() -> Snapshot {
         }
     }
     Snapshot(processes)
+}
+
+/// PostgreSQL's autovacuum workers, apart from its other processes: the
+/// vacuuming a stage's writes cause is part of its cost, but shown on its
+/// own so that a reader can tell it from the statements' own work.
+const AUTOVACUUM: &str = "postgresql autovacuum";
+
+/// Whether PostgreSQL process `pid` is an autovacuum worker or launcher
+/// (its process title, in `/proc/<pid>/cmdline`; the command name is
+/// `postgres` for every PostgreSQL process).
+fn is_autovacuum(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|title| title.windows(10).any(|w| w == b"autovacuum"))
+        .unwrap_or(false)
 }
 
 /// The group a command name belongs to (the kernel truncates names to 15
