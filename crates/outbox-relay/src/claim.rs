@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use kit::db::PgPool;
 use time::OffsetDateTime;
+use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 /// One claimed outbox row, with everything needed to publish it.
@@ -91,10 +92,17 @@ pub async fn claim(
 ) -> anyhow::Result<Claimed> {
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
+    // One round trip (an unnamed statement parsed, bound and run at once),
+    // planned with these parameters every time, like a first execution.
     let rows = tx
-        .query(
+        .query_typed(
             CLAIM_SQL,
-            &[&instance, &millis(lease), &batch_size, &only_tenant],
+            &[
+                (&instance, Type::TEXT),
+                (&millis(lease), Type::INT8),
+                (&batch_size, Type::INT8),
+                (&only_tenant, Type::TEXT),
+            ],
         )
         .await?;
     kit::failpoint::crash_point("relay.claim");
@@ -125,11 +133,11 @@ pub async fn mark_published(pool: &PgPool, instance: &str, ids: &[Uuid]) -> anyh
     }
     let client = pool.get().await?;
     let marked = client
-        .execute(
+        .execute_typed(
             "UPDATE outbox_events
              SET published_at = now(), claim_until = NULL
              WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
-            &[&ids, &instance],
+            &[(&ids, Type::UUID_ARRAY), (&instance, Type::TEXT)],
         )
         .await?;
     Ok(marked)
@@ -201,12 +209,12 @@ pub async fn mark_failed(
 pub async fn next_due_in(pool: &PgPool, only_tenant: &str) -> anyhow::Result<Option<Duration>> {
     let client = pool.get().await?;
     let row = client
-        .query_one(
+        .query_typed_one(
             "SELECT (EXTRACT(EPOCH FROM min(available_at) - now()) * 1000)::bigint
              FROM outbox_events
              WHERE published_at IS NULL AND quarantined_at IS NULL AND available_at > now()
                AND ($1 = '' OR tenant_id = $1)",
-            &[&only_tenant],
+            &[(&only_tenant, Type::TEXT)],
         )
         .await?;
     let ms: Option<i64> = row.get(0);
