@@ -178,6 +178,29 @@ impl Meter {
     }
 }
 
+/// Wait until `group` used less than `cores` of a core over 250 ms (or
+/// `at_most` has passed); how long it took.
+pub async fn wait_quiet(
+    group: &str,
+    cores: f64,
+    at_most: std::time::Duration,
+) -> std::time::Duration {
+    let window = std::time::Duration::from_millis(250);
+    let started = std::time::Instant::now();
+    loop {
+        let before = snapshot();
+        tokio::time::sleep(window).await;
+        let used = Usage::between(&before, &snapshot())
+            .seconds
+            .get(group)
+            .copied()
+            .unwrap_or(0.0);
+        if used < cores * window.as_secs_f64() || started.elapsed() >= at_most {
+            return started.elapsed();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
