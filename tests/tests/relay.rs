@@ -1170,6 +1170,72 @@ async fn notify_wakes_an_idle_relay_within_milliseconds() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// The claim's floor (crates/outbox-relay/src/floor.rs) never strands a row:
+/// an order transaction that runs for longer than the floor's margin commits
+/// a row whose `available_at` (the transaction's start) is below the current
+/// floor, so the claim its NOTIFY sets off does not see it; the next floor
+/// refresh does, lowers the floor and wakes the idle workers. The poll
+/// interval is an hour here, so nothing else could publish it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_committed_below_the_claim_floor_is_published_after_the_next_refresh() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestFloor{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let relay = Relay::start(
+        &tenant,
+        &[
+            (
+                "OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS",
+                "3600000".to_owned(),
+            ),
+            (
+                "OUTBOX_RELAY__RELAY__CLAIM_FLOOR_MARGIN_MS",
+                "1000".to_owned(),
+            ),
+            (
+                "OUTBOX_RELAY__RELAY__CLAIM_FLOOR_REFRESH_MS",
+                "300".to_owned(),
+            ),
+        ],
+    );
+    relay.ready().await;
+    insert(&db, &tenant, &orders_with_events(1, 1, &event_type)).await;
+    collector.wait_distinct(1, Duration::from_secs(30)).await;
+
+    // A transaction open for 3 s (three times the margin) around its insert.
+    let slow = system_tests::pg(Database::Orders).await;
+    slow.batch_execute("BEGIN").await.expect("begin");
+    let straggler = orders_with_events(1, 1, &event_type);
+    insert(&slow, &tenant, &straggler).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    slow.batch_execute("COMMIT").await.expect("commit");
+    let committed = Instant::now();
+    // Below the floor when it committed: the floor trails the clock by the
+    // margin (1 s), the row's available_at by the transaction's 3 s.
+    let behind: f64 = db
+        .query_one(
+            "SELECT EXTRACT(EPOCH FROM now() - available_at)::float8
+               FROM outbox_events WHERE event_id = $1",
+            &[&straggler[0].event_id],
+        )
+        .await
+        .expect("available_at")
+        .get(0);
+    assert!(behind >= 3.0, "available_at {behind} s before the commit");
+    collector.wait_distinct(2, Duration::from_secs(20)).await;
+    println!(
+        "straggler published {:?} after its commit",
+        committed.elapsed()
+    );
+    wait_all_published(&db, &tenant, Duration::from_secs(10)).await;
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Issue 4, test 6: cleanup deletes only published rows past the horizon
 /// (default 7 days), in bounded batches, one instance at a time, never an
 /// unpublished or quarantined row; a crash inside a batch rolls that batch
@@ -1614,7 +1680,8 @@ async fn the_claim_query_uses_the_partial_indexes() {
         .replace("$1", "'explain'")
         .replace("$2", "30000")
         .replace("$3", "500")
-        .replace("$4", "''");
+        .replace("$4", "''")
+        .replace("$5", "'-infinity'");
     let plan = explain_analyze(&session, &sql).await;
     println!("{plan}");
     assert!(

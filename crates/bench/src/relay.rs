@@ -384,9 +384,12 @@ pub async fn backlog_sample(
 ) -> BacklogSample {
     let tx = db.transaction().await.expect("tx");
     let t = Instant::now();
+    // From the start of the index (no floor): the walk a claim makes when
+    // the floor is at the oldest pending row, as under a backlog.
+    let floor = outbox_relay::claim::Floor::NegInfinity;
     tx.query(
         outbox_relay::claim::CLAIM_SQL,
-        &[&"bench-probe", &30_000_i64, &500_i64, &tenant],
+        &[&"bench-probe", &30_000_i64, &500_i64, &tenant, &floor],
     )
     .await
     .expect("claim probe");

@@ -15,6 +15,8 @@ use time::OffsetDateTime;
 use tokio_postgres::types::Type;
 use uuid::Uuid;
 
+pub use crate::floor::Floor;
+
 /// One claimed outbox row, with everything needed to publish it.
 #[derive(Clone, Debug)]
 pub struct OutboxRow {
@@ -66,7 +68,8 @@ pub struct Claimed {
 }
 
 /// The claim statement. `$1` instance id, `$2` lease in ms, `$3` batch
-/// size, `$4` only this tenant (empty: all).
+/// size, `$4` only this tenant (empty: all), `$5` the floor: no claimable
+/// row is due before it ([`crate::floor`]; `-infinity`: walk from the start).
 ///
 /// A row is claimable when it is unpublished, not quarantined, due
 /// (`available_at`), not under a live lease, and the lowest unpublished
@@ -82,13 +85,15 @@ fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Claim up to `batch_size` rows for `instance` with a lease of `lease`.
+/// Claim up to `batch_size` rows for `instance` with a lease of `lease`,
+/// walking the pending rows from `floor` on.
 pub async fn claim(
     pool: &PgPool,
     instance: &str,
     lease: Duration,
     batch_size: i64,
     only_tenant: &str,
+    floor: Floor,
 ) -> anyhow::Result<Claimed> {
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
@@ -102,6 +107,7 @@ pub async fn claim(
                 (&millis(lease), Type::INT8),
                 (&batch_size, Type::INT8),
                 (&only_tenant, Type::TEXT),
+                (&floor, Type::TIMESTAMPTZ),
             ],
         )
         .await?;

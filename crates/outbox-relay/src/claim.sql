@@ -3,6 +3,7 @@ WITH due AS (
     FROM outbox_events o
     WHERE o.published_at IS NULL
       AND o.quarantined_at IS NULL
+      AND o.available_at >= $5
       AND o.available_at <= now()
       AND (o.claim_until IS NULL OR o.claim_until <= now())
       AND ($4 = '' OR o.tenant_id = $4)

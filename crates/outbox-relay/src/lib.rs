@@ -24,13 +24,15 @@
 //! - [`claim`]: leased claims (short transaction, `FOR UPDATE SKIP LOCKED`,
 //!   only each order's lowest unpublished sequence), marking, failures.
 //! - [`publish`]: the AMQP message of a row and pipelined confirmed publishing.
-//! - [`relay`]: the worker loop; [`listen`]: LISTEN/NOTIFY wake-up.
+//! - [`relay`]: the worker loop; [`listen`]: LISTEN/NOTIFY wake-up;
+//!   [`floor`]: where the claim's walk of the dispatch index starts.
 //! - [`cleanup`], [`requeue`], [`replay`]: housekeeping and admin subcommands.
 //! - [`metrics`]: the Prometheus metrics.
 
 pub mod claim;
 pub mod cleanup;
 pub mod cli;
+pub mod floor;
 pub mod listen;
 pub mod metrics;
 pub mod publish;
@@ -133,12 +135,23 @@ impl Application {
                 shutdown.clone(),
             ))
         });
+        let (floor_tx, floor_rx) = watch::channel(floor::Floor::NegInfinity);
+        let floor = tokio::spawn(floor::refresh_periodically(
+            self.pool.clone(),
+            self.settings.relay.only_tenant.clone(),
+            std::time::Duration::from_millis(self.settings.relay.claim_floor_margin_ms),
+            std::time::Duration::from_millis(self.settings.relay.claim_floor_refresh_ms),
+            floor_tx,
+            Arc::clone(&wake_tx),
+            shutdown.clone(),
+        ));
         let relay = Relay {
             pool: self.pool.clone(),
             settings: self.settings.relay.clone(),
             instance: self.instance.clone(),
             metrics: self.metrics.clone(),
             wake: wake_rx,
+            floor: floor_rx,
         };
         let broker = {
             let shutdown = shutdown.clone();
@@ -161,6 +174,7 @@ impl Application {
         let server = kit::http::run_until_stopped(self.server, shutdown.clone());
         let (served, broker) = tokio::join!(server, broker);
         listener.abort();
+        let _ = floor.await;
         let _ = gauges.await;
         if let Some(cleanup) = cleanup {
             let _ = cleanup.await;

@@ -22,7 +22,8 @@ pub const CHANNEL: &str = "outbox_events";
 /// connection would otherwise never report an error).
 const PROBE_EVERY: Duration = Duration::from_secs(30);
 
-fn wake(sender: &watch::Sender<u64>) {
+/// Wake every idle worker.
+pub(crate) fn wake(sender: &watch::Sender<u64>) {
     sender.send_modify(|n| *n = n.wrapping_add(1));
 }
 

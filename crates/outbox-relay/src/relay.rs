@@ -31,6 +31,8 @@ pub struct Relay {
     pub instance: String,
     pub metrics: Metrics,
     pub wake: watch::Receiver<u64>,
+    /// The claim's floor, kept fresh by [`crate::floor::refresh_periodically`].
+    pub floor: watch::Receiver<claim::Floor>,
 }
 
 /// Why a worker left its channel.
@@ -110,12 +112,14 @@ impl Relay {
             // the claim statement), so the time the claim itself takes (a
             // slow commit) is already spent: the deadline starts here.
             let lease_deadline = tokio::time::Instant::now() + self.settings.lease();
+            let floor = *self.floor.borrow();
             let claimed = match claim::claim(
                 &self.pool,
                 &self.instance,
                 self.settings.lease(),
                 self.settings.batch_size,
                 &self.settings.only_tenant,
+                floor,
             )
             .await
             {

@@ -54,6 +54,14 @@ pub struct RelaySettings {
     pub backoff_cap_ms: u64,
     /// How often the gauges (pending, oldest age, quarantined, table size) are refreshed.
     pub metrics_interval_ms: u64,
+    /// How often the claim's floor is recomputed (see [`crate::floor`]): a
+    /// row that committed below the current floor (its transaction ran for
+    /// longer than `claim_floor_margin_ms`) waits at most this long.
+    pub claim_floor_refresh_ms: u64,
+    /// The floor stays at least this far behind the database's clock, so an
+    /// order transaction still running when the floor is computed (its row's
+    /// `available_at` is the transaction's start) commits above it.
+    pub claim_floor_margin_ms: u64,
 }
 
 /// Deleting published rows past the replay horizon (`OUTBOX_RELAY__CLEANUP__*`).
@@ -86,6 +94,8 @@ impl Default for RelaySettings {
             backoff_base_ms: 500,
             backoff_cap_ms: 300_000,
             metrics_interval_ms: 5_000,
+            claim_floor_refresh_ms: 1_000,
+            claim_floor_margin_ms: 10_000,
         }
     }
 }
@@ -136,6 +146,10 @@ impl Settings {
         anyhow::ensure!(
             r.backoff_base_ms >= 1 && r.backoff_cap_ms >= r.backoff_base_ms,
             "need 1 <= relay.backoff_base_ms <= relay.backoff_cap_ms"
+        );
+        anyhow::ensure!(
+            r.claim_floor_refresh_ms >= 1,
+            "relay.claim_floor_refresh_ms must be at least 1"
         );
         anyhow::ensure!(
             self.cleanup.batch_size >= 1,
