@@ -311,6 +311,23 @@ impl Relay {
             .sum()
     }
 
+    /// The value of an unlabelled gauge, as written (may be negative).
+    async fn gauge(&self, name: &str) -> f64 {
+        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.port))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics body");
+        text.lines()
+            .find(|line| {
+                line.strip_prefix(name)
+                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            })
+            .and_then(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("gauge {name} missing"))
+    }
+
     /// SIGTERM and wait for a clean exit.
     fn stop(mut self) {
         self.service.signal("TERM");
@@ -962,6 +979,10 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
             ),
             ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", base_ms.to_string()),
             ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "60000".to_owned()),
+            (
+                "OUTBOX_RELAY__RELAY__CLAIM_FLOOR_MARGIN_MS",
+                "1000".to_owned(),
+            ),
         ],
     );
 
@@ -1007,6 +1028,23 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
         "{last_error}"
     );
     assert_eq!(row.get::<_, Option<String>>(2), None, "lease released");
+    // The events the quarantine holds back do not pin the claim's floor: a
+    // refresh after the quarantine puts it at the margin (1 s) behind the
+    // clock, not at the held events' available_at (at least the first four
+    // backoffs, 7.5 s, back).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let held_age: f64 = db
+        .query_one(
+            "SELECT min(EXTRACT(EPOCH FROM now() - available_at))::float8
+               FROM outbox_events WHERE aggregate_id = $1 AND aggregate_sequence > 1",
+            &[&stuck],
+        )
+        .await
+        .expect("held events")
+        .get(0);
+    let lag = relay.gauge("outbox_claim_floor_lag_seconds").await;
+    assert!(held_age > 5.0, "held events {held_age} s old");
+    assert!((0.5..4.0).contains(&lag), "floor lag {lag} s");
     // The backoff grew: after the last attempt at least 8 x base was set
     // (seen here as more than 3 x base left even 5 s late); a backoff that
     // does not grow never sets more than 1 x base.
@@ -1211,6 +1249,11 @@ async fn a_row_committed_below_the_claim_floor_is_published_after_the_next_refre
     let straggler = orders_with_events(1, 1, &event_type);
     insert(&slow, &tenant, &straggler).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
+    // The floor is set and trails the clock by about the margin: later than
+    // the straggler's available_at (3 s back), so the claim that its
+    // commit's NOTIFY sets off cannot see it.
+    let lag = relay.gauge("outbox_claim_floor_lag_seconds").await;
+    assert!((0.5..2.5).contains(&lag), "floor lag {lag} s");
     slow.batch_execute("COMMIT").await.expect("commit");
     let committed = Instant::now();
     // Below the floor when it committed: the floor trails the clock by the
@@ -1694,6 +1737,26 @@ async fn the_claim_query_uses_the_partial_indexes() {
     );
     assert!(!plan.contains("Seq Scan"), "{plan}");
     assert!(plan.contains("rows=500 loops=1"), "a full batch: {plan}");
+    // The floor bounds the walk: the index scan starts at it, and a floor
+    // above every row claims nothing.
+    let above_all = CLAIM_SQL_FOR_EXPLAIN
+        .replace("$1", "'explain'")
+        .replace("$2", "30000")
+        .replace("$3", "500")
+        .replace("$4", "''")
+        .replace("$5", "'infinity'");
+    let plan = explain_analyze(&session, &above_all).await;
+    println!("{plan}");
+    assert!(
+        plan.contains("Index Cond: ((available_at >= "),
+        "the floor is an index condition: {plan}"
+    );
+    assert!(
+        plan.lines()
+            .next()
+            .is_some_and(|l| l.contains("rows=0 loops=1")),
+        "nothing claimed above the floor: {plan}"
+    );
     session
         .batch_execute("DROP TABLE pg_temp.outbox_events")
         .await

@@ -66,6 +66,10 @@ fn is_autovacuum(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+fn is_postgres(group: &str) -> bool {
+    group.starts_with("postgresql")
+}
+
 /// The group a command name belongs to (the kernel truncates names to 15
 /// bytes: `inventory-consu` is the inventory consumer).
 fn group(comm: &str) -> String {
@@ -95,10 +99,13 @@ impl Usage {
     pub fn between(before: &Snapshot, after: &Snapshot) -> Usage {
         let mut seconds: BTreeMap<String, f64> = BTreeMap::new();
         for (pid, (group, ticks)) in &after.0 {
+            // The same process: the same pid and group, or a PostgreSQL
+            // process whose title went blank as it exited (its autovacuum
+            // reading then still counts from where it was).
             let earlier = before
                 .0
                 .get(pid)
-                .filter(|(g, _)| g == group)
+                .filter(|(g, _)| g == group || (is_postgres(g) && is_postgres(group)))
                 .map(|(_, t)| *t)
                 .unwrap_or(0);
             let delta = ticks.saturating_sub(earlier);

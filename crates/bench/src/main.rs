@@ -433,8 +433,8 @@ async fn applied_by_all(
         .query(
             "SELECT o.event_id, pg_xact_commit_timestamp(r.xmin), o.occurred_at, o.published_at
                FROM outbox_events o
-               JOIN orders r ON r.order_id::text = o.aggregate_id
-              WHERE o.tenant_id = $1 AND o.occurred_at >= $2",
+               JOIN orders r ON r.order_id = o.aggregate_id::uuid
+              WHERE o.tenant_id = $1 AND o.occurred_at >= $2 AND o.aggregate_type = 'order'",
             &[&system.tenant, &since],
         )
         .await?;
@@ -761,11 +761,11 @@ async fn consumer_phase(
         let (first, first_cpu) = consumer_half(consumer, &db, &rows[..half]).await;
         block(|| consumer.stop());
         let raw_name = format!("{}-raw", consumer.name);
-        consumers::vacuum(&db).await;
+        settle(&db).await;
         let meter = cpu::Meter::start();
         let raw_first = consumers::raw(kind, &raw_name, &raw_bodies[..half], 2, true).await;
         let raw_cpu = meter.stop();
-        consumers::vacuum(&db).await;
+        settle(&db).await;
         let meter = cpu::Meter::start();
         let raw_second = consumers::raw(kind, &raw_name, &raw_bodies[half..], 2, true).await;
         let raw_cpu = raw_cpu.plus(meter.stop());
@@ -803,6 +803,19 @@ async fn consumer_phase(
     }
 }
 
+/// Before each half of phase 3, the same state for either side: the
+/// consumer's database vacuumed, and RabbitMQ done with earlier work (its
+/// quorum WAL written out to segment files after a burst of publishes or
+/// acks: over a core for a second or more, seen after the last fill of a
+/// run), which belongs to what came before, not to the side measured next.
+async fn settle(db: &tokio_postgres::Client) {
+    consumers::vacuum(db).await;
+    let waited = cpu::wait_quiet("rabbitmq", 0.25, Duration::from_secs(5)).await;
+    if waited > Duration::from_millis(500) {
+        println!("  (waited {waited:.1?} for RabbitMQ to finish earlier work)");
+    }
+}
+
 /// Queue `rows` for the stopped `consumer`, vacuum its database, start it
 /// and wait until it has applied them all: the run and the machine's CPU
 /// from its start to then.
@@ -822,15 +835,7 @@ async fn consumer_half(
         "  {}: queued {} messages in {:.1} s, starting",
         consumer.label, fill.events, fill.wall_seconds
     );
-    // The broker's own work after a burst of publishes (its quorum WAL
-    // written out to segment files: over a core for a second or more, seen
-    // after the last fill of a run) belongs to the fill, not to the
-    // consumer measured next.
-    let waited = cpu::wait_quiet("rabbitmq", 0.25, Duration::from_secs(5)).await;
-    if waited > Duration::from_millis(500) {
-        println!("  (waited {waited:.1?} for RabbitMQ to finish the fill's work)");
-    }
-    consumers::vacuum(db).await;
+    settle(db).await;
     let since = consumers::now(db).await;
     let started = Instant::now();
     let meter = cpu::Meter::start();

@@ -68,8 +68,9 @@ pub struct Claimed {
 }
 
 /// The claim statement. `$1` instance id, `$2` lease in ms, `$3` batch
-/// size, `$4` only this tenant (empty: all), `$5` the floor: no claimable
-/// row is due before it ([`crate::floor`]; `-infinity`: walk from the start).
+/// size, `$4` only this tenant (empty: all), `$5` the floor: the walk starts
+/// there ([`crate::floor`]: a row below it waits for the next refresh;
+/// `-infinity`: walk from the start).
 ///
 /// A row is claimable when it is unpublished, not quarantined, due
 /// (`available_at`), not under a live lease, and the lowest unpublished
@@ -78,7 +79,9 @@ pub struct Claimed {
 /// back). The outer scan walks `outbox_dispatch_idx` in `available_at`
 /// order (oldest first) and the `NOT EXISTS` probes
 /// `outbox_pending_sequence_idx`; both are partial indexes on
-/// `published_at IS NULL`, so published rows cost nothing.
+/// `published_at IS NULL`, so published rows cost nothing once vacuum has
+/// removed their entries (until then the walk steps over them: hence the
+/// floor).
 pub const CLAIM_SQL: &str = include_str!("claim.sql");
 
 fn millis(duration: Duration) -> i64 {

@@ -10,20 +10,22 @@
 //!
 //! The floor is a lower bound of every claimable row's `available_at`,
 //! recomputed every `claim_floor_refresh_ms` by one walk (instead of one per
-//! claim): the earliest `available_at` of the pending, non-quarantined rows,
-//! but never later than `claim_floor_margin_ms` before the database's clock.
-//! Claims add `available_at >= floor` and start their index walk there; when
-//! the floor moves down the idle workers are woken.
+//! claim): the earliest `available_at` of the pending, non-quarantined rows
+//! that no quarantined event holds back, but never later than
+//! `claim_floor_margin_ms` before the database's clock. Claims add
+//! `available_at >= floor` and start their index walk there; when the floor
+//! moves down the idle workers are woken.
 //!
-//! Nothing is ever skipped for good: every pending row is in the next
-//! computation's minimum. A row can only be below the current floor if it
-//! was not visible when the floor was computed, i.e. its transaction (whose
-//! start is its `available_at`) had been running for longer than the margin;
-//! it waits for the next refresh. Backoff sets `available_at` in the future
-//! and `requeue` to `now()`, both above any floor. A quarantined row's held
-//! successors are pending and not quarantined: while an order is held they
-//! keep the floor at their `available_at` (the walk is then as long as it was
-//! before the floor).
+//! Nothing is ever skipped for good: every pending row that could be claimed
+//! is in the next computation's minimum. A row is below the current floor
+//! only if it was not among them when the floor was computed: its
+//! transaction (whose start is its `available_at`) had been running for
+//! longer than the margin, or it was set back to pending with an old
+//! `available_at` (by hand, or the bench resetting its backlog), or the
+//! database's clock stepped back. It waits for the next refresh. Backoff sets
+//! `available_at` in the future and `requeue` to `now()`; the events a
+//! quarantined event holds back cannot be claimed before it is requeued and
+//! published, and the refresh after the requeue counts them again.
 
 use std::time::Duration;
 
@@ -32,18 +34,31 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio_postgres::types::{Timestamp, Type};
 
+use crate::metrics::Metrics;
+
 /// A claim's lower bound on `available_at` (`NegInfinity`: from the start).
 pub type Floor = Timestamp<OffsetDateTime>;
 
 /// `$1` only this tenant (empty: all), `$2` the margin in ms. The inner
 /// query walks the dispatch index from its start to the first pending,
-/// non-quarantined row (ORDER BY ... LIMIT 1 on the index's leading column).
+/// non-quarantined row not held back by a quarantined event of its order
+/// (ORDER BY ... LIMIT 1 on the index's leading column; the hold-back probe
+/// uses `outbox_pending_sequence_idx`). Without that exclusion one
+/// quarantined order would pin the floor at its held events until an
+/// operator requeues it.
 pub const FLOOR_SQL: &str = "
 SELECT least(
-    (SELECT available_at FROM outbox_events
-      WHERE published_at IS NULL AND quarantined_at IS NULL
-        AND ($1 = '' OR tenant_id = $1)
-      ORDER BY available_at
+    (SELECT o.available_at FROM outbox_events o
+      WHERE o.published_at IS NULL AND o.quarantined_at IS NULL
+        AND ($1 = '' OR o.tenant_id = $1)
+        AND NOT EXISTS (
+            SELECT 1 FROM outbox_events q
+            WHERE q.aggregate_id = o.aggregate_id
+              AND q.aggregate_type = o.aggregate_type
+              AND q.aggregate_sequence < o.aggregate_sequence
+              AND q.published_at IS NULL
+              AND q.quarantined_at IS NOT NULL)
+      ORDER BY o.available_at
       LIMIT 1),
     now() - $2::bigint * interval '1 millisecond')";
 
@@ -72,10 +87,12 @@ fn lowered(old: Floor, new: Floor) -> bool {
 }
 
 /// Recompute the floor every `interval` until `shutdown`, publishing it on
-/// `sender`, and wake the idle workers (`wake`) when it moved down: a row
-/// that committed below the old floor is claimed at once, not at the next
-/// poll. On an error the floor falls back to `NegInfinity` (claims walk
-/// from the start, as without a floor) until the next success.
+/// `sender` (and as the `outbox_claim_floor_lag_seconds` gauge), and wake
+/// the idle workers (`wake`) when it moved down: a row that committed below
+/// the old floor is claimed at once, not at the next poll. On an error the
+/// floor falls back to `NegInfinity` (claims walk from the start, as without
+/// a floor) until the next success.
+#[allow(clippy::too_many_arguments)]
 pub async fn refresh_periodically(
     pool: PgPool,
     only_tenant: String,
@@ -83,16 +100,25 @@ pub async fn refresh_periodically(
     interval: Duration,
     sender: watch::Sender<Floor>,
     wake: std::sync::Arc<watch::Sender<u64>>,
+    metrics: Metrics,
     shutdown: CancellationToken,
 ) {
     loop {
-        let floor = match compute(&pool, &only_tenant, margin).await {
+        let computed = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            computed = compute(&pool, &only_tenant, margin) => computed,
+        };
+        let floor = match computed {
             Ok(floor) => floor,
             Err(error) => {
-                tracing::debug!(error = format!("{error:#}"), "computing the claim floor");
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    "computing the claim floor failed: claims walk the whole dispatch index until it works"
+                );
                 Timestamp::NegInfinity
             }
         };
+        metrics.claim_floor_lag.set(lag_seconds(floor));
         let old = sender.send_replace(floor);
         if lowered(old, floor) {
             crate::listen::wake(&wake);
@@ -101,6 +127,14 @@ pub async fn refresh_periodically(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
+    }
+}
+
+/// Seconds from `floor` to now (`-1` for `NegInfinity`).
+fn lag_seconds(floor: Floor) -> f64 {
+    match floor {
+        Timestamp::Value(at) => (OffsetDateTime::now_utc() - at).as_seconds_f64(),
+        _ => -1.0,
     }
 }
 

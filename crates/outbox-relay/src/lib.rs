@@ -143,6 +143,7 @@ impl Application {
             std::time::Duration::from_millis(self.settings.relay.claim_floor_refresh_ms),
             floor_tx,
             Arc::clone(&wake_tx),
+            self.metrics.clone(),
             shutdown.clone(),
         ));
         let relay = Relay {

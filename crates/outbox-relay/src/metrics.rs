@@ -28,6 +28,9 @@ pub struct Metrics {
     pub claimed: IntCounter,
     pub mark_lost: IntCounter,
     pub confirm_latency: Histogram,
+    /// How far the claim's floor trails the database's clock, in seconds
+    /// (`-1` while it is `-infinity`: claims walk from the start).
+    pub claim_floor_lag: Gauge,
 }
 
 fn opts(name: &str, help: &str) -> Opts {
@@ -92,6 +95,12 @@ impl Metrics {
         )
         .expect("valid histogram");
         kit::metrics::register(registry, &confirm_latency);
+        let claim_floor_lag = Gauge::with_opts(opts(
+            "outbox_claim_floor_lag_seconds",
+            "How far the claim's floor trails the clock (-1: no floor, claims walk from the start)",
+        ))
+        .expect("valid gauge");
+        kit::metrics::register(registry, &claim_floor_lag);
         Self {
             pending: int_gauge(
                 "outbox_pending_events",
@@ -133,6 +142,7 @@ impl Metrics {
                 "Confirmed rows this instance could not mark (its lease was taken over): republished later",
             ),
             confirm_latency,
+            claim_floor_lag,
         }
     }
 

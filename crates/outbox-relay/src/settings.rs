@@ -56,7 +56,7 @@ pub struct RelaySettings {
     pub metrics_interval_ms: u64,
     /// How often the claim's floor is recomputed (see [`crate::floor`]): a
     /// row that committed below the current floor (its transaction ran for
-    /// longer than `claim_floor_margin_ms`) waits at most this long.
+    /// longer than `claim_floor_margin_ms`) waits until the next refresh.
     pub claim_floor_refresh_ms: u64,
     /// The floor stays at least this far behind the database's clock, so an
     /// order transaction still running when the floor is computed (its row's
@@ -150,6 +150,10 @@ impl Settings {
         anyhow::ensure!(
             r.claim_floor_refresh_ms >= 1,
             "relay.claim_floor_refresh_ms must be at least 1"
+        );
+        anyhow::ensure!(
+            r.claim_floor_margin_ms <= 86_400_000,
+            "relay.claim_floor_margin_ms must be at most a day (86400000)"
         );
         anyhow::ensure!(
             self.cleanup.batch_size >= 1,
