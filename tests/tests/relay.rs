@@ -359,6 +359,20 @@ async fn admin(args: &[&str], env: &[(&str, String)]) -> (bool, String) {
     (output.status.success(), text)
 }
 
+/// What most tests start from: a fresh tenant (also the name of its private
+/// exchange), an event type `<kind><id>`, the orders database, an AMQP
+/// connection and channel, and a collector consuming one queue bound to the
+/// exchange for the event type.
+async fn subscribed(kind: &str) -> (String, String, Client, Connection, Channel, Collector) {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("{kind}{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    (tenant, event_type, db, connection, channel, collector)
+}
+
 /// A message received by a test queue.
 #[derive(Clone, Debug)]
 struct Received {
@@ -566,12 +580,8 @@ fn assert_message_matches(r: &Received, event: &NewEvent, tenant: &str) {
 /// the contract's body, properties and headers; SIGTERM exits cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_publish_every_event_once_in_per_order_sequence() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestMany{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestMany").await;
 
     // The 10,000 events over 500 orders; RELAY_TEST_MANY_ORDERS
     // scales it down (20 events per order) on a slow machine.
@@ -672,12 +682,8 @@ async fn three_relays_publish_every_event_once_in_per_order_sequence() {
 /// again: duplicates, nothing lost, per order still in sequence order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestCrash{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestCrash").await;
     let events = orders_with_events(3, 2, &event_type);
     insert(&db, &tenant, &events).await;
 
@@ -764,12 +770,8 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
 /// restarted relay publishes every event exactly once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestClaim{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestClaim").await;
     let events = orders_with_events(3, 2, &event_type);
     insert(&db, &tenant, &events).await;
 
@@ -813,12 +815,8 @@ async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
 /// (not before), and publishes each exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestLease{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestLease").await;
     let events = orders_with_events(4, 2, &event_type);
     insert(&db, &tenant, &events).await;
 
@@ -892,12 +890,8 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
 /// is left behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestTerm{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestTerm").await;
     let events = orders_with_events(2, 1, &event_type);
     insert(&db, &tenant, &events).await;
     let relay = Relay::start(
@@ -1120,12 +1114,8 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
 /// measures latency: end to end p50/p99).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_wakes_an_idle_relay_within_milliseconds() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestNotify{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestNotify").await;
     let relay = Relay::start(
         &tenant,
         &[(
@@ -1240,12 +1230,8 @@ async fn floor_behind_held_events(
 /// interval is an hour here, so nothing else could publish it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_committed_below_the_claim_floor_is_published_after_the_next_refresh() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestFloor{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestFloor").await;
     let relay = Relay::start(
         &tenant,
         &[
