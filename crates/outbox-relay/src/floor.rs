@@ -47,18 +47,19 @@ pub type Floor = Timestamp<OffsetDateTime>;
 /// query walks the dispatch index from its start to the first pending,
 /// non-quarantined row that no earlier unpublished event of its order holds
 /// back (ORDER BY ... LIMIT 1 on the index's leading column; the hold-back
-/// probe uses `outbox_pending_sequence_idx`, like the claim's).
+/// probe is the claim's own `NOT EXISTS`, word for word: a unit test keeps
+/// the two the same).
 pub const FLOOR_SQL: &str = "
 SELECT least(
     (SELECT o.available_at FROM outbox_events o
       WHERE o.published_at IS NULL AND o.quarantined_at IS NULL
         AND ($1 = '' OR o.tenant_id = $1)
         AND NOT EXISTS (
-            SELECT 1 FROM outbox_events q
-            WHERE q.aggregate_id = o.aggregate_id
-              AND q.aggregate_type = o.aggregate_type
-              AND q.aggregate_sequence < o.aggregate_sequence
-              AND q.published_at IS NULL)
+            SELECT 1 FROM outbox_events earlier
+            WHERE earlier.aggregate_id = o.aggregate_id
+              AND earlier.aggregate_type = o.aggregate_type
+              AND earlier.aggregate_sequence < o.aggregate_sequence
+              AND earlier.published_at IS NULL)
       ORDER BY o.available_at
       LIMIT 1),
     now() - $2::bigint * interval '1 millisecond')";
@@ -146,6 +147,25 @@ fn lag_seconds(floor: Floor) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The floor counts exactly the rows the claim treats as next in their
+    /// order: its hold-back condition is the claim's, word for word.
+    #[test]
+    fn the_floor_holds_back_what_the_claim_holds_back() {
+        let words = |sql: &str| sql.split_whitespace().collect::<Vec<_>>().join(" ");
+        let claim = words(crate::claim::CLAIM_SQL);
+        let start = claim.find("NOT EXISTS (").expect("the claim's NOT EXISTS");
+        let end = claim[start..]
+            .find("earlier.published_at IS NULL)")
+            .expect("its end")
+            + start
+            + "earlier.published_at IS NULL)".len();
+        assert!(
+            words(FLOOR_SQL).contains(&claim[start..end]),
+            "{}",
+            &claim[start..end]
+        );
+    }
 
     #[test]
     fn only_a_lower_floor_wakes_the_workers() {
