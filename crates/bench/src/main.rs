@@ -458,6 +458,7 @@ async fn applied_by_all(
         "  order commit -> marked published by the relay: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
         relay_part.p50_ms, relay_part.p99_ms, relay_part.max_ms
     );
+    let committed: BTreeMap<uuid::Uuid, time::OffsetDateTime> = events.iter().copied().collect();
     let mut done: BTreeMap<uuid::Uuid, time::OffsetDateTime> = BTreeMap::new();
     let mut processed: BTreeMap<uuid::Uuid, time::OffsetDateTime> = BTreeMap::new();
     for consumer in system.consumers.iter().filter(|c| c.label.ends_with("-0")) {
@@ -493,8 +494,6 @@ async fn applied_by_all(
             )
             .await?;
         let mut part = Vec::with_capacity(rows.len());
-        let committed: BTreeMap<uuid::Uuid, time::OffsetDateTime> =
-            events.iter().copied().collect();
         for row in &rows {
             let id: uuid::Uuid = row.get(0);
             let applied: time::OffsetDateTime = row.get(1);
