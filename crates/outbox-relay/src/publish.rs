@@ -27,8 +27,8 @@ pub struct Message {
 }
 
 /// The envelope of `row` (the JSON body every consumer reads). It borrows
-/// the payload rather than copying its JSON tree for every message.
-pub fn envelope(row: &OutboxRow) -> Envelope<&serde_json::Value> {
+/// the payload's text rather than copying it for every message.
+pub fn envelope(row: &OutboxRow) -> Envelope<&serde_json::value::RawValue> {
     Envelope {
         event_id: row.event_id,
         event_type: row.event_type.clone(),
@@ -38,7 +38,7 @@ pub fn envelope(row: &OutboxRow) -> Envelope<&serde_json::Value> {
         aggregate_id: row.aggregate_id.clone(),
         aggregate_sequence: row.aggregate_sequence,
         occurred_at: row.occurred_at,
-        payload: &row.payload,
+        payload: row.payload.get(),
     }
 }
 
@@ -323,7 +323,11 @@ mod tests {
             aggregate_sequence: 3,
             event_type: "PaymentReceived".into(),
             schema_version: 1,
-            payload: serde_json::json!({"order_id": "00000000-0000-7000-8000-000000001042", "amount": "93.00"}),
+            // jsonb's text form: shorter keys first, a space after `:` and `,`
+            payload: crate::claim::Payload::new(
+                r#"{"amount": "93.00", "order_id": "00000000-0000-7000-8000-000000001042", "note": "a, b: \"c\" \\"}"#,
+            )
+            .expect("valid JSON"),
             traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
             tracestate: Some("vendor=1".into()),
             occurred_at: time::macros::datetime!(2024-05-10 09:15:00 UTC),
@@ -341,7 +345,8 @@ mod tests {
              \"schema_version\":1,\"tenant_id\":\"acme\",\"aggregate_type\":\"order\",\
              \"aggregate_id\":\"00000000-0000-7000-8000-000000001042\",\"aggregate_sequence\":3,\
              \"occurred_at\":\"2024-05-10T09:15:00Z\",\
-             \"payload\":{\"amount\":\"93.00\",\"order_id\":\"00000000-0000-7000-8000-000000001042\"}}"
+             \"payload\":{\"amount\":\"93.00\",\"order_id\":\"00000000-0000-7000-8000-000000001042\",\
+             \"note\":\"a, b: \\\"c\\\" \\\\\"}}"
         );
         let p = &message.properties;
         assert_eq!(
