@@ -820,6 +820,37 @@ async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A panic inside the relay loop (a bug: `relay.claim=panic` makes one)
+/// stops the whole process with an error, so that it is restarted and seen,
+/// rather than leaving it serving /readyz while it relays nothing; the
+/// restarted relay publishes every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_relay_loop_stops_the_process() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestPanic").await;
+    let events = orders_with_events(2, 1, &event_type);
+    insert(&db, &tenant, &events).await;
+
+    let mut panicking = Relay::start(&tenant, &[("FAILPOINTS", "relay.claim=panic".to_owned())]);
+    let status = panicking
+        .service
+        .wait_exit(Duration::from_secs(60))
+        .expect("the relay exits after the panic");
+    assert!(!status.success(), "an error exit: {status:?}");
+    assert_eq!(
+        unpublished(&db, &tenant).await,
+        2,
+        "the claim was rolled back"
+    );
+
+    let relay = Relay::start(&tenant, &patient());
+    collector.wait_distinct(2, Duration::from_secs(60)).await;
+    wait_all_published(&db, &tenant, Duration::from_secs(30)).await;
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Issue 4, test 3: a relay killed (SIGKILL) while holding leases, before it
 /// published: another instance takes the rows over once the leases expire
 /// (not before), and publishes each exactly once.
@@ -1199,6 +1230,40 @@ async fn notify_wakes_an_idle_relay_within_milliseconds() {
         .expect("lag")
         .get(0);
     println!("max occurred_at -> published_at: {lag} s");
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// The relay carries a payload as stored, whatever its depth: nested deeper
+/// than a JSON tree decoder allows (serde_json stops at 128 levels, where a
+/// relay decoding payloads could not even read the row), it is published
+/// byte for byte, and the order's next event follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_too_deep_for_a_json_tree_is_published_as_stored() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestDeep").await;
+    let mut events = orders_with_events(1, 2, &event_type);
+    let depth = 300;
+    let mut deep = json!("bottom");
+    for _ in 0..depth {
+        deep = Value::Array(vec![deep]);
+    }
+    events[0].payload = deep;
+    insert(&db, &tenant, &events).await;
+    let relay = Relay::start(&tenant, &[]);
+    collector.wait_distinct(2, Duration::from_secs(30)).await;
+
+    let received = collector.snapshot();
+    let sequences: Vec<i64> = received.iter().map(|r| r.sequence).collect();
+    assert_eq!(sequences, vec![1, 2], "in order, once each");
+    let first: events::Envelope<Box<serde_json::value::RawValue>> =
+        serde_json::from_slice(&received[0].body).expect("envelope with a raw payload");
+    let expected = format!("{}\"bottom\"{}", "[".repeat(depth), "]".repeat(depth));
+    assert_eq!(first.payload.get(), expected);
+    assert_eq!(first.event_id, events[0].event_id);
+    let second = RawEnvelope::parse_raw(&received[1].body).expect("envelope");
+    assert_eq!(second.payload, events[1].payload);
     relay.stop();
     delete_tenant_rows(&db, &tenant).await;
     finish(connection, &channel, &tenant).await;

@@ -298,3 +298,37 @@ pub async fn next_due_in(pool: &PgPool, only_tenant: &str) -> anyhow::Result<Opt
     let ms: Option<i64> = row.get(0);
     Ok(ms.map(|ms| Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0))))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_payload_is_compacted_outside_its_strings_only() {
+        let payload = Payload::new("{\"a\": [1, 2],\n\t\"b c\": \"x, y: \\\" z\\\\\", \"d\": {}}")
+            .expect("valid JSON");
+        assert_eq!(
+            payload.get().get(),
+            r#"{"a":[1,2],"b c":"x, y: \" z\\","d":{}}"#
+        );
+    }
+
+    #[test]
+    fn a_payload_nested_deeper_than_serde_json_s_recursion_limit_is_kept() {
+        // A Value tree stops at 128 levels; the stored text has no limit, and
+        // the relay carries it as it is (the consumer rejects it as poison).
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert!(serde_json::from_str::<serde_json::Value>(&deep).is_err());
+        let payload = Payload::new(&deep).expect("kept");
+        assert_eq!(payload.get().get(), deep);
+    }
+
+    #[test]
+    fn the_jsonb_wire_form_is_a_version_byte_and_the_text() {
+        let payload =
+            Payload::from_sql(&Type::JSONB, b"\x01{\"k\": [true, null]}").expect("version 1");
+        assert_eq!(payload.get().get(), r#"{"k":[true,null]}"#);
+        assert!(Payload::from_sql(&Type::JSONB, b"\x02{}").is_err());
+        assert!(Payload::from_sql(&Type::JSON, b"{\"k\": 1").is_err());
+    }
+}

@@ -172,6 +172,21 @@ impl Application {
                 .await;
             })
         };
+        // The broker side ends only on shutdown, unless a worker panicked (a
+        // bug): then the whole service stops with an error, so that it is
+        // restarted and seen, instead of answering /readyz while relaying
+        // nothing.
+        let broker = {
+            let shutdown = shutdown.clone();
+            async move {
+                let joined = broker.await;
+                if !shutdown.is_cancelled() {
+                    tracing::error!("the relay loop ended before shutdown: stopping the service");
+                    shutdown.cancel();
+                }
+                joined
+            }
+        };
         let server = kit::http::run_until_stopped(self.server, shutdown.clone());
         let (served, broker) = tokio::join!(server, broker);
         listener.abort();
