@@ -28,9 +28,10 @@ enum Command {
     Requeue(RequeueArgs),
     /// Delete published rows past the retention horizon once, in batches, then exit.
     Cleanup,
-    /// Purge one consumer's partition queues and re-publish the retained,
-    /// published events (optionally of a time range or one order) to that
-    /// consumer only, in per-order sequence order.
+    /// Re-publish the retained, published events (optionally of a time
+    /// range, one order or one tenant) to one consumer only, in per-order
+    /// sequence order; a replay of everything purges its partition queues
+    /// first (a filtered one does not: it would lose what it does not cover).
     Replay(ReplayArgs),
 }
 
@@ -165,10 +166,14 @@ pub async fn main() -> anyhow::Result<()> {
                     confirm_timeout: settings.relay.confirm_timeout(),
                 };
                 let summary = replay::replay(&pool, &settings.amqp, &request, &shutdown).await?;
+                let purged = if summary.purged_queues {
+                    format!("purged {} message(s) from", summary.purged)
+                } else {
+                    "purged nothing from (a filtered replay)".to_owned()
+                };
                 println!(
-                    "replay of {}: purged {} message(s) from {} partition(s) ({}), re-published {} event(s) of {} order(s)",
+                    "replay of {}: {purged} {} partition(s) ({}), re-published {} event(s) of {} order(s)",
                     request.consumer,
-                    summary.purged,
                     summary.partitions.len(),
                     summary.partitions.join(", "),
                     summary.republished,

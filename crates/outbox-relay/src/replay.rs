@@ -4,7 +4,8 @@
 //! The consumer `<name>` owns (see DESIGN.md section 7) the consistent-hash
 //! exchange `<name>.events` and the partition queues `<name>.p0` ..
 //! `<name>.p{P-1}`. Replay discovers P (passive declares until the first
-//! NOT_FOUND), purges the partitions, then walks the published rows in
+//! NOT_FOUND), purges the partitions (a replay of everything only, see
+//! [`ReplayRequest::purges`]), then walks the published rows in
 //! range in `(aggregate_type, aggregate_id, aggregate_sequence)` order
 //! (keyset pages over the unique index: no sort, bounded memory, no long
 //! transaction) and publishes them to `<name>.events` with the `replayed`
@@ -42,9 +43,28 @@ pub struct ReplayRequest {
     pub confirm_timeout: std::time::Duration,
 }
 
+impl ReplayRequest {
+    /// Whether this replay purges the consumer's queues first: only when it
+    /// re-publishes every retained event. A purge drops every message
+    /// waiting in the partitions, of every order and tenant; those already
+    /// marked published are sent again only if the replay covers them, so a
+    /// filtered replay (`--since`, `--until`, `--order`, `--tenant`) that
+    /// purged would lose the ones outside its filter. A filtered replay
+    /// queues its events behind the waiting ones instead; the consumer's
+    /// inbox and progress row make every stale copy a no-op.
+    pub fn purges(&self) -> bool {
+        self.since.is_none()
+            && self.until.is_none()
+            && self.order.is_none()
+            && self.only_tenant.is_empty()
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct ReplaySummary {
     pub partitions: Vec<String>,
+    /// Whether the partitions were purged ([`ReplayRequest::purges`]).
+    pub purged_queues: bool,
     pub purged: u64,
     pub republished: u64,
     pub orders: u64,
@@ -119,12 +139,21 @@ pub async fn replay(
         partitions: partitions.clone(),
         ..ReplaySummary::default()
     };
-    for queue in &partitions {
-        let purged = channel
-            .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
-            .await?;
-        println!("purged {queue}: {purged} message(s)");
-        summary.purged += u64::from(purged);
+    if request.purges() {
+        for queue in &partitions {
+            let purged = channel
+                .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+                .await?;
+            println!("purged {queue}: {purged} message(s)");
+            summary.purged += u64::from(purged);
+        }
+        summary.purged_queues = true;
+        // Crash window: the queues are empty and nothing is re-published
+        // yet. The replay exits non-zero; running it again re-publishes
+        // everything (the consumers de-duplicate).
+        kit::failpoint::crash_point("replay.after_purge");
+    } else {
+        println!("a filtered replay: the queues are not purged");
     }
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -147,7 +176,14 @@ pub async fn replay(
                         occurred_at, attempt_count
                  FROM outbox_events
                  WHERE (aggregate_type, aggregate_id, aggregate_sequence) > ($1, $2, $3)
-                   AND published_at IS NOT NULL
+                   -- Published, or in flight: leased by a relay that has
+                   -- not marked it yet (its message may have been confirmed
+                   -- and then purged above, and once marked nothing would
+                   -- send it again), or whose relay died before marking it.
+                   -- (A failed publish clears the lease; quarantined rows
+                   -- were never published.)
+                   AND (published_at IS NOT NULL
+                        OR (claimed_by IS NOT NULL AND quarantined_at IS NULL))
                    AND ($4::timestamptz IS NULL OR occurred_at >= $4)
                    AND ($5::timestamptz IS NULL OR occurred_at < $5)
                    AND ($6::text IS NULL OR aggregate_id = $6)
