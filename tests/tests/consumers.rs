@@ -973,6 +973,71 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
     );
 }
 
+/// An event the database refuses to store (here an order id too long for the
+/// progress row's index: SQLSTATE 54000) fails like a handler error: retried
+/// through the tiers, then dead-lettered with the database's reason (its
+/// order cannot be parked either). It is never retried in place, which held
+/// its partition forever: the good order behind it on the same partition is
+/// applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_the_database_refuses_is_dead_lettered_and_the_partition_flows() {
+    let tenant = unique("t5-refused");
+    let name = unique("t5-refused-inv");
+    let inventory = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            partitions: 1,
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+
+    // 8,000 characters of random hex: no compression brings the index
+    // entry under B-tree's 2,704-byte limit.
+    let huge: String = (0..250)
+        .map(|_| Uuid::new_v4().simple().to_string())
+        .collect();
+    let mut refused = message(
+        &tenant,
+        Uuid::now_v7(),
+        1,
+        "OrderGiftWrapped",
+        1,
+        json!({"paper": "red"}),
+    );
+    let mut envelope: Value = serde_json::from_slice(&refused.body).expect("json");
+    envelope["aggregate_id"] = json!(huge);
+    refused.body = serde_json::to_vec(&envelope).expect("json");
+    refused.aggregate_id = huge.clone();
+
+    let good = Uuid::now_v7();
+    let placed = order_placed(&tenant, good, 1, "77", 2);
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
+    publisher.to_consumer(&name, &refused).await;
+    publisher.to_consumer(&name, &placed).await;
+
+    wait_sequence(Database::Inventory, &name, good, 1).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    assert!(
+        inventory.metric("consumer_retried_total", "").await >= 4.0,
+        "retried through the tiers first"
+    );
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].body, refused.body, "byte for byte");
+    assert!(
+        letters[0].reason.contains("54000") && letters[0].reason.contains("failed 5 times"),
+        "{}",
+        letters[0].reason
+    );
+    let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
+    assert_eq!(kinds, vec!["receipt", "reserve"]);
+}
+
 /// (8) Two instances of one consumer: kill -9 the active one mid-stream; the
 /// other takes over its partitions; nothing lost, nothing doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

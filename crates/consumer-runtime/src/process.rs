@@ -289,7 +289,15 @@ impl<D: Domain> Processor<D> {
     ) -> Result<Outcome, Infra> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        let opened = open_message(&tx, self.name(), raw).await?;
+        let opened = match open_message(&tx, self.name(), raw).await {
+            Ok(opened) => opened,
+            Err(error) => {
+                let reason = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
+                rollback(tx).await;
+                drop(client);
+                return self.failed(publisher, incoming, raw, &reason).await;
+            }
+        };
         if !opened.new {
             tx.rollback().await?;
             self.metrics.duplicates.inc();
@@ -392,7 +400,13 @@ impl<D: Domain> Processor<D> {
                 .failed(publisher, incoming, raw, &error.to_string())
                 .await;
         }
-        tx.commit().await?;
+        if let Err(error) = tx.commit().await {
+            // A deferred check (the ledger's balanced-entry trigger) fails
+            // here, at COMMIT, for this event's rows.
+            let reason = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
+            drop(client);
+            return self.failed(publisher, incoming, raw, &reason).await;
+        }
         kit::failpoint::crash_point("consumer.after_commit_before_ack");
 
         let event_type = match event {
@@ -499,7 +513,7 @@ impl<D: Domain> Processor<D> {
     ) -> Result<(), Infra> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        tx.execute(
+        let parked = tx.execute(
             "INSERT INTO order_progress \
                (consumer_name, aggregate_id, tenant_id, parked_at, parked_event_id, parked_reason) \
              VALUES ($1, $2, $3, now(), $4, $5) \
@@ -516,11 +530,51 @@ impl<D: Domain> Processor<D> {
                 &reason,
             ],
         )
-        .await?;
+        .await;
+        if let Err(error) = parked {
+            // The order cannot even be recorded (its id or tenant is not
+            // storable): dead-letter the event alone. Its order's later
+            // events fail the same way and follow it to the DLQ.
+            let why = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
+            rollback(tx).await;
+            drop(client);
+            tracing::error!(event_id = %raw.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
+            return self.dead_letter(publisher, incoming, reason).await;
+        }
         self.dead_letter(publisher, incoming, reason).await?;
         tx.commit().await?;
         self.metrics.parked_orders.inc();
         Ok(())
+    }
+}
+
+/// Whether a failed runtime statement (inbox, progress, park, COMMIT) is
+/// the event's own fault, and why: SQLSTATE classes 22 (data exception: a
+/// NUL byte, a value out of range), 23 (integrity violation: a deferred
+/// check at COMMIT) and 54 (program limit: an id too long to index). Such
+/// an event fails like a handler error (retry tiers, then the DLQ), never
+/// retried in place, which would hold its partition forever. Anything else
+/// (the connection, resources, a missing table) is the infrastructure's:
+/// `None`, retried in place.
+fn the_event_s_own(error: &tokio_postgres::Error) -> Option<String> {
+    let db = error.as_db_error()?;
+    let code = db.code().code();
+    ["22", "23", "54"]
+        .iter()
+        .any(|class| code.starts_with(class))
+        .then(|| {
+            format!(
+                "database rejected the event's data ({code}): {}",
+                db.message()
+            )
+        })
+}
+
+/// Roll back after a failed statement; the connection is dropped anyway if
+/// that fails too.
+async fn rollback(tx: kit::db::Transaction<'_>) {
+    if let Err(error) = tx.rollback().await {
+        tracing::warn!(%error, "rollback after a rejected statement");
     }
 }
 
