@@ -131,7 +131,8 @@ impl RawEnvelope {
     /// Fails with [`DecodeError::Malformed`] when the bytes are not a JSON
     /// object, an envelope field is missing or has the wrong type, or a
     /// header field is invalid (`event_type`, `tenant_id`, `aggregate_type`
-    /// or `aggregate_id` empty; `aggregate_sequence` below 1). A malformed
+    /// or `aggregate_id` empty; `aggregate_sequence` below 1; `occurred_at`
+    /// whose UTC value is outside the years `time` supports). A malformed
     /// message is poison.
     /// The payload is not looked at: see [`RawEnvelope::decode`].
     pub fn parse_raw(bytes: &[u8]) -> Result<RawEnvelope, DecodeError> {
@@ -173,6 +174,21 @@ impl RawEnvelope {
             return Err(DecodeError::Malformed(format!(
                 "aggregate_sequence must be 1 or more, got {}",
                 self.aggregate_sequence
+            )));
+        }
+        // `time` parses e.g. "9999-12-31T23:59:59-01:00", whose UTC value is
+        // in year 10000, outside the range `time` supports; converting it to
+        // UTC (as binding it to PostgreSQL does) would panic.
+        if self
+            .occurred_at
+            .checked_to_offset(time::UtcOffset::UTC)
+            .is_none()
+        {
+            return Err(DecodeError::Malformed(format!(
+                "occurred_at {} is out of range: its UTC value is not in years {} to {}",
+                self.occurred_at,
+                time::Date::MIN.year(),
+                time::Date::MAX.year()
             )));
         }
         Ok(())
@@ -426,5 +442,46 @@ impl fmt::Display for EncodeError {
 impl std::error::Error for EncodeError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn envelope_with_occurred_at(occurred_at: &str) -> String {
+        format!(
+            r#"{{"event_id":"6f1c2a4e-8b3d-4c5e-9f7a-0123456789ab","event_type":"OrderPlaced","schema_version":1,"tenant_id":"acme","aggregate_type":"order","aggregate_id":"6f1c2a4e-8b3d-4c5e-9f7a-0123456789ab","aggregate_sequence":1,"occurred_at":"{occurred_at}","payload":{{}}}}"#
+        )
+    }
+
+    #[test]
+    fn occurred_at_whose_utc_value_is_out_of_range_is_malformed() {
+        for occurred_at in ["9999-12-31T23:59:59-01:00", "9999-12-31T23:30:00-00:45"] {
+            let bytes = envelope_with_occurred_at(occurred_at);
+            match RawEnvelope::parse_raw(bytes.as_bytes()) {
+                Err(e @ DecodeError::Malformed(_)) => {
+                    assert!(e.is_poison());
+                    let text = e.to_string();
+                    assert!(text.contains("occurred_at"), "{text}");
+                    assert!(text.contains("out of range"), "{text}");
+                }
+                other => panic!("{occurred_at}: expected Malformed, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn occurred_at_at_the_edges_of_the_utc_range_is_accepted() {
+        for (occurred_at, year) in [
+            ("9999-12-31T23:59:59Z", 9999),
+            ("9999-12-31T22:59:59-01:00", 9999),
+            ("0000-01-01T00:00:00+01:00", -1),
+        ] {
+            let bytes = envelope_with_occurred_at(occurred_at);
+            let raw = RawEnvelope::parse_raw(bytes.as_bytes())
+                .unwrap_or_else(|e| panic!("{occurred_at}: {e}"));
+            assert_eq!(raw.occurred_at.to_offset(time::UtcOffset::UTC).year(), year);
+        }
     }
 }

@@ -164,6 +164,9 @@ impl CreateOrderRequest {
             ));
         }
         let mut merchandise = Money::ZERO;
+        // Not stored here, but consumers compute it (the ledger's cost of
+        // goods): an order whose cost sum overflows must not be accepted.
+        let mut cost_of_goods = Money::ZERO;
         let mut lines = Vec::with_capacity(self.lines.len());
         for (i, line) in self.lines.into_iter().enumerate() {
             text(&format!("lines[{i}].sku"), &line.sku)?;
@@ -179,11 +182,15 @@ impl CreateOrderRequest {
                 .unit_price
                 .checked_mul(i64::from(line.qty))
                 .ok_or_else(|| overflow(&format!("lines[{i}]")))?;
-            line.unit_cost
+            let line_cost = line
+                .unit_cost
                 .checked_mul(i64::from(line.qty))
                 .ok_or_else(|| overflow(&format!("lines[{i}]")))?;
             merchandise = merchandise
                 .checked_add(line_total)
+                .ok_or_else(|| overflow("lines"))?;
+            cost_of_goods = cost_of_goods
+                .checked_add(line_cost)
                 .ok_or_else(|| overflow("lines"))?;
             lines.push(events::OrderLineV1 {
                 sku: line.sku,
@@ -434,6 +441,49 @@ mod tests {
                 "{body}: field {got}, want {field}"
             );
         }
+    }
+
+    /// Two lines whose amounts each fit but whose sum does not.
+    fn two_lines(unit_price: &str, unit_cost: &str) -> String {
+        let line = format!(
+            r#"{{"sku":"JKT-M","qty":1,"unit_price":"{unit_price}","unit_cost":"{unit_cost}"}}"#
+        );
+        format!(
+            r#"{{"customer_id":"77","lines":[{line},{line}],"shipping":"0.00","tax":"0.00","currency":"USD","location":"WH-1"}}"#
+        )
+    }
+
+    /// Validates `body` (which must parse) and checks that it is rejected as
+    /// an overflow: 422, "amount overflows"; returns the error.
+    fn overflow_error(body: &str) -> ApiError {
+        let error = parse::<CreateOrderRequest>(body.as_bytes())
+            .expect("parse")
+            .validate()
+            .expect_err(body);
+        assert_eq!(
+            actix_web::ResponseError::status_code(&error),
+            actix_web::http::StatusCode::UNPROCESSABLE_ENTITY,
+            "{body}"
+        );
+        assert!(
+            matches!(&error, ApiError::Validation { message, .. } if message == "amount overflows"),
+            "{body}: {error:?}"
+        );
+        error
+    }
+
+    #[test]
+    fn a_cost_sum_that_overflows_is_rejected() {
+        let body = two_lines("1.00", "50000000000000000.00");
+        assert_eq!(overflow_error(&body).field(), Some("lines"), "{body}");
+    }
+
+    #[test]
+    fn merchandise_and_total_sums_that_overflow_are_rejected() {
+        let body = two_lines("50000000000000000.00", "1.00");
+        assert_eq!(overflow_error(&body).field(), Some("lines"), "{body}");
+        let body = SEED.replace("\"5.00\"", &format!("\"{}\"", Money::MAX));
+        assert_eq!(overflow_error(&body).field(), Some("total"), "{body}");
     }
 
     #[test]
