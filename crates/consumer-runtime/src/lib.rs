@@ -206,7 +206,7 @@ impl<D: Domain> Application<D> {
         settings.validate()?;
         let topology = topology_of(&settings)?;
         let token = settings.service_token()?;
-        let pool = kit::db::pool(&settings.database)?;
+        let pool = kit::db::pool_with_options(&settings.database, Some(kit::db::SESSION_LIMITS))?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
         kit::migrations::run(&pool, D::DATABASE).await?;
         let registry = kit::metrics::registry(D::SERVICE);

@@ -23,6 +23,14 @@ pub enum DbError {
     Cancelled,
 }
 
+/// The server-side bounds of a service's sessions: no statement runs longer
+/// than 30 s, and a transaction left idle for 60 s (a client that hangs or
+/// lost its network mid-transaction) is ended by the server, releasing its
+/// row locks (claimed outbox rows, an order's progress row, stock levels)
+/// for the other instances.
+pub const SESSION_LIMITS: &str =
+    "-c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000";
+
 /// Build a pool. Connections are opened lazily, so this never touches the
 /// network; use [`wait_until_ready`] to wait for the server.
 pub fn pool(settings: &DatabaseSettings) -> Result<Pool, DbError> {

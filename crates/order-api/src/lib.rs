@@ -52,8 +52,9 @@ impl AppState {
 /// the key's owner at most `lock_timeout_ms`; nothing waits unboundedly.
 pub fn pool(settings: &Settings) -> anyhow::Result<Pool> {
     let options = format!(
-        "-c lock_timeout={} -c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000",
-        settings.idempotency.lock_timeout_ms
+        "-c lock_timeout={} {}",
+        settings.idempotency.lock_timeout_ms,
+        kit::db::SESSION_LIMITS
     );
     Ok(kit::db::pool_with_options(
         &settings.database,

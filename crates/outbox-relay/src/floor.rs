@@ -144,9 +144,30 @@ fn lag_seconds(floor: Floor) -> f64 {
     }
 }
 
+/// The floor a claim starts from now: the last one refreshed, or
+/// `-infinity` (the walk from the start: slower, never a row left behind)
+/// once the refresh task has ended (at shutdown, or after a bug). A floor
+/// frozen by a dead task would keep every row that falls below it waiting.
+pub fn current(floor: &watch::Receiver<Floor>) -> Floor {
+    if floor.has_changed().is_err() {
+        return Timestamp::NegInfinity;
+    }
+    *floor.borrow()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_floor_whose_refresh_task_has_ended_is_minus_infinity() {
+        let at = Timestamp::Value(OffsetDateTime::from_unix_timestamp(100).unwrap());
+        let (tx, rx) = watch::channel(Timestamp::NegInfinity);
+        tx.send(at).expect("a receiver");
+        assert_eq!(current(&rx), at);
+        drop(tx);
+        assert_eq!(current(&rx), Timestamp::NegInfinity);
+    }
 
     /// The floor counts exactly the rows the claim treats as next in their
     /// order: its hold-back condition is the claim's, word for word.

@@ -67,7 +67,7 @@ pub struct Application {
 
 impl Application {
     pub async fn build(settings: Settings, shutdown: &CancellationToken) -> anyhow::Result<Self> {
-        let pool = kit::db::pool(&settings.database)?;
+        let pool = kit::db::pool_with_options(&settings.database, Some(kit::db::SESSION_LIMITS))?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
         // The outbox table belongs to the orders schema; migrating here too (under
         // the advisory lock) means the relay does not depend on start order.

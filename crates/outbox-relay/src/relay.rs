@@ -112,7 +112,7 @@ impl Relay {
             // the claim statement), so the time the claim itself takes (a
             // slow commit) is already spent: the deadline starts here.
             let lease_deadline = tokio::time::Instant::now() + self.settings.lease();
-            let floor = *self.floor.borrow();
+            let floor = crate::floor::current(&self.floor);
             let claimed = match claim::claim(
                 &self.pool,
                 &self.instance,
