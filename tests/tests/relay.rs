@@ -977,6 +977,62 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// Quarantine counts the message's own failures only: an event that already
+/// failed ten times for the infrastructure's reasons (broker timeouts during
+/// an outage, simulated by its `attempt_count`) and is then returned as
+/// unroutable is quarantined after `max_attempts` returns, not at the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_of_the_infrastructure_do_not_count_towards_quarantine() {
+    let (tenant, _routed, db, connection, channel, _collector) =
+        subscribed("RelayTestOwnRouted").await;
+    let unroutable = format!("RelayTestOwnUnroutable{}", short_id());
+    insert(&db, &tenant, &orders_with_events(1, 1, &unroutable)).await;
+    db.execute(
+        "UPDATE outbox_events SET attempt_count = 10 WHERE tenant_id = $1",
+        &[&tenant],
+    )
+    .await
+    .expect("ten earlier failures");
+    let relay = Relay::start(
+        &tenant,
+        &[
+            ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "3".to_owned()),
+            ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "50".to_owned()),
+            ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "200".to_owned()),
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let row = db
+            .query_one(
+                "SELECT own_failure_count, attempt_count, quarantined_at IS NOT NULL
+                 FROM outbox_events WHERE tenant_id = $1",
+                &[&tenant],
+            )
+            .await
+            .expect("state");
+        let (own, attempts, quarantined): (i32, i32, bool) = (row.get(0), row.get(1), row.get(2));
+        assert_eq!(
+            attempts,
+            10 + own,
+            "every failure here is the message's own"
+        );
+        if quarantined {
+            assert_eq!(own, 3, "quarantined after three returns, not before");
+            break;
+        }
+        assert!(own < 3, "three returns and not quarantined");
+        assert!(
+            Instant::now() < deadline,
+            "never quarantined ({own} returns)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Issue 4, test 4: an unroutable event (mandatory, no queue bound for its
 /// type) fails with a growing backoff and `last_error`; the later events of
 /// its order are held back while other orders flow; after the maximum

@@ -233,9 +233,11 @@ pub struct Failure {
     pub quarantinable: bool,
 }
 
-/// Record failed attempts in one statement: `attempt_count + 1`,
-/// `last_error`, `available_at = now() + delay`, lease released; rows that
-/// reach `max_attempts` with a failure of their own are quarantined.
+/// Record failed attempts in one statement: `attempt_count + 1` (every
+/// failure: it sets the backoff), `own_failure_count + 1` for a failure of
+/// the message's own, `last_error`, `available_at = now() + delay`, lease
+/// released; rows whose own failures reach `max_attempts` are quarantined
+/// (infrastructure failures before them do not count).
 /// Returns the event ids quarantined.
 pub async fn mark_failed(
     pool: &PgPool,
@@ -255,9 +257,10 @@ pub async fn mark_failed(
         .query(
             "UPDATE outbox_events o
              SET attempt_count = o.attempt_count + 1,
+                 own_failure_count = o.own_failure_count + f.quarantinable::int,
                  last_error = f.error,
                  available_at = now() + f.delay_ms * interval '1 millisecond',
-                 quarantined_at = CASE WHEN f.quarantinable AND o.attempt_count + 1 >= $4
+                 quarantined_at = CASE WHEN f.quarantinable AND o.own_failure_count + 1 >= $4
                                        THEN now() END,
                  claimed_by = NULL,
                  claim_until = NULL

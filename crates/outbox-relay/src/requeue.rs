@@ -1,7 +1,8 @@
 //! `outbox-relay requeue`: release quarantined rows after a repair.
 //!
-//! Clears `quarantined_at`, resets `attempt_count` and makes the row due now
-//! (`last_error` is kept for the record until the next attempt), then
+//! Clears `quarantined_at`, resets `attempt_count` and `own_failure_count`
+//! and makes the row due now (`last_error` is kept for the record until the
+//! next attempt), then
 //! notifies the relays. The order's held-back events follow in sequence.
 
 use kit::db::PgPool;
@@ -45,7 +46,8 @@ pub async fn requeue(pool: &PgPool, target: &Target) -> anyhow::Result<(Vec<Rele
                    AND (event_id = $1 OR aggregate_id = $2)
                  FOR UPDATE)
              UPDATE outbox_events o
-             SET quarantined_at = NULL, attempt_count = 0, available_at = now(),
+             SET quarantined_at = NULL, attempt_count = 0, own_failure_count = 0,
+                 available_at = now(),
                  claimed_by = NULL, claim_until = NULL
              FROM target
              WHERE o.event_id = target.event_id
