@@ -292,7 +292,8 @@ impl<D: Domain> Application<D> {
             let prefetch = self.settings.consumer.prefetch;
             // Named after the consumer, so an operator sees which one it is.
             let connection_name = format!("{}:{}", D::SERVICE, self.settings.consumer.name);
-            tokio::spawn(async move {
+            let loop_ends = shutdown.clone();
+            let broker = tokio::spawn(async move {
                 kit::amqp::supervise(
                     &settings,
                     &connection_name,
@@ -308,7 +309,11 @@ impl<D: Domain> Application<D> {
                     },
                 )
                 .await;
-            })
+            });
+            // A panic outside a partition worker (they are watched by
+            // `worker::run_connection`) stops the service instead of leaving
+            // it answering /readyz while it consumes nothing.
+            tokio::spawn(kit::shutdown::essential("consumer loop", broker, loop_ends))
         };
         let cleanup = tokio::spawn(cleanup::run(
             self.processor.pool.clone(),
@@ -324,7 +329,7 @@ impl<D: Domain> Application<D> {
         // The workers finish their in-flight messages before this returns
         // (bounded, so a stuck dependency cannot keep the process alive).
         match tokio::time::timeout(SHUTDOWN_GRACE, broker).await {
-            Ok(joined) => joined?,
+            Ok(joined) => joined??,
             Err(_) => tracing::error!("the broker side did not stop in time; exiting anyway"),
         }
         tracing::info!("consumer stopped");

@@ -31,3 +31,23 @@ pub fn on_signals() -> std::io::Result<CancellationToken> {
     });
     Ok(token)
 }
+
+/// Await `task`, a part of the service that runs until shutdown. If it ends
+/// before (a panic: a bug), cancel `shutdown`, so the whole service stops
+/// with an error and is restarted, instead of answering /readyz with that
+/// part gone. Yields the task's result (its panic as an error).
+pub async fn essential<T>(
+    name: &'static str,
+    task: tokio::task::JoinHandle<T>,
+    shutdown: CancellationToken,
+) -> Result<T, tokio::task::JoinError> {
+    let joined = task.await;
+    if !shutdown.is_cancelled() {
+        tracing::error!(
+            task = name,
+            "a part of the service ended before shutdown: stopping the service"
+        );
+        shutdown.cancel();
+    }
+    joined
+}

@@ -172,32 +172,32 @@ impl Application {
                 .await;
             })
         };
-        // The broker side ends only on shutdown, unless a worker panicked (a
-        // bug): then the whole service stops with an error, so that it is
-        // restarted and seen, instead of answering /readyz while relaying
-        // nothing.
-        let broker = {
-            let shutdown = shutdown.clone();
-            async move {
-                let joined = broker.await;
-                if !shutdown.is_cancelled() {
-                    tracing::error!("the relay loop ended before shutdown: stopping the service");
-                    shutdown.cancel();
-                }
-                joined
+        // Each part ends only on shutdown, unless it panicked (a bug): then
+        // the whole service stops with an error, so that it is restarted and
+        // seen, instead of answering /readyz while relaying nothing (or with
+        // a frozen floor, silent gauges, no cleanup).
+        let essential = |name, task| kit::shutdown::essential(name, task, shutdown.clone());
+        let cleanup = async {
+            match cleanup {
+                Some(cleanup) => essential("outbox cleanup", cleanup).await,
+                None => Ok(()),
             }
         };
         let server = kit::http::run_until_stopped(self.server, shutdown.clone());
-        let (served, broker) = tokio::join!(server, broker);
+        let (served, broker, floor, gauges, cleanup) = tokio::join!(
+            server,
+            essential("relay loop", broker),
+            essential("claim floor", floor),
+            essential("gauges", gauges),
+            cleanup
+        );
         listener.abort();
-        let _ = floor.await;
-        let _ = gauges.await;
-        if let Some(cleanup) = cleanup {
-            let _ = cleanup.await;
-        }
         drop(wake_tx);
         served?;
         broker?;
+        floor?;
+        gauges?;
+        cleanup?;
         tracing::info!("relay stopped");
         Ok(())
     }

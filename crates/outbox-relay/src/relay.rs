@@ -44,17 +44,31 @@ enum ChannelEnd {
 
 impl Relay {
     /// Run `workers` workers on `connection` until shutdown (`Ok`) or the
-    /// connection fails (`Err`: the supervisor reconnects).
+    /// connection fails (`Err`: the supervisor reconnects). When one worker
+    /// fails, the others stop as at a shutdown: after settling the batch
+    /// they hold (publish, confirms, mark), never dropped half way, which
+    /// would leave confirmed rows unmarked until their leases expire.
     pub async fn run_on(
         &self,
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> Result<(), lapin::Error> {
+        let stop = shutdown.child_token();
         let workers = (0..self.settings.workers.max(1)).map(|worker| {
             let relay = self.clone();
-            async move { relay.worker(worker, connection, shutdown).await }
+            let stop = &stop;
+            async move {
+                let result = relay.worker(worker, connection, stop).await;
+                if result.is_err() {
+                    stop.cancel();
+                }
+                result
+            }
         });
-        futures_util::future::try_join_all(workers).await?;
+        futures_util::future::join_all(workers)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<()>, _>>()?;
         Ok(())
     }
 
