@@ -1038,6 +1038,43 @@ async fn an_event_the_database_refuses_is_dead_lettered_and_the_partition_flows(
     assert_eq!(kinds, vec!["receipt", "reserve"]);
 }
 
+/// The dead-letter depth gauge never freezes: a deleted dead-letter queue
+/// (its depth can no longer be read) makes the consumer rebuild its
+/// connection, which declares the queue again, and the gauge follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_dead_letter_queue_is_declared_again_and_counted() {
+    let tenant = unique("t5-dlq-gone");
+    let name = unique("t5-dlq-gone-inv");
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::default()).await;
+    let dlq = format!("{name}.dlq");
+    let connection = system_tests::consumers::connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .queue_delete(
+            dlq.as_str().into(),
+            kit::amqp::lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the dead-letter queue");
+    eventually("the dead-letter queue declared again", WAIT, || async {
+        management(&format!("/api/queues/%2f/{dlq}"))
+            .await
+            .get("durable")
+            .and_then(Value::as_bool)
+    })
+    .await;
+
+    let mut malformed = order_placed(&tenant, Uuid::now_v7(), 1, "9", 1);
+    malformed.body = b"not json".to_vec();
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &malformed).await;
+    inventory
+        .wait_metric("consumer_dlq_messages", "", 1.0)
+        .await;
+    assert_eq!(drain_dead_letters(&name).await.len(), 1);
+    let _ = connection.close(200, "done".into()).await;
+}
+
 /// (8) Two instances of one consumer: kill -9 the active one mid-stream; the
 /// other takes over its partitions; nothing lost, nothing doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -118,7 +118,7 @@ async fn consume<D: Domain>(
         partitions = processor.topology.partitions,
         "consuming"
     );
-    let monitor = tokio::spawn(watch_dead_letters(
+    let mut monitor = tokio::spawn(watch_dead_letters(
         connection.create_channel().await?,
         processor.topology.dead_letter_queue(),
         processor.metrics.dlq_depth.clone(),
@@ -126,8 +126,20 @@ async fn consume<D: Domain>(
     ));
 
     let mut failure = None;
+    let mut monitor_ended = false;
     loop {
         tokio::select! {
+            ended = &mut monitor, if !monitor_ended => {
+                monitor_ended = true;
+                if !stop.is_cancelled() {
+                    // The depth gauge must not freeze (the dead-letter alert
+                    // reads it): rebuild the connection, which declares the
+                    // queue again (an operator may have deleted it).
+                    tracing::warn!(?ended, "the dead-letter queue depth cannot be read: reconnecting");
+                    failure.get_or_insert(lost("the dead-letter queue depth cannot be read"));
+                    stop.cancel();
+                }
+            }
             joined = workers.join_next() => match joined {
                 None => break,
                 Some(Ok(Ok(()))) => {}
@@ -149,9 +161,10 @@ async fn consume<D: Domain>(
     }
     // Let it finish a request in flight rather than cancel it half-way
     // (bounded), then stop it.
-    let mut monitor = monitor;
-    let _ = tokio::time::timeout(Duration::from_secs(2), &mut monitor).await;
-    monitor.abort();
+    if !monitor_ended {
+        let _ = tokio::time::timeout(Duration::from_secs(2), &mut monitor).await;
+        monitor.abort();
+    }
     tracing::info!(failed = failure.is_some(), "partition workers stopped");
     match failure {
         Some(error) if !shutdown.is_cancelled() => Err(error),
@@ -284,6 +297,8 @@ async fn watch_dead_letters(
         {
             Ok(declared) => gauge.set(i64::from(declared.message_count())),
             Err(error) => {
+                // Ends the connection's workers unless they are stopping
+                // anyway (`run_connection`).
                 tracing::debug!(%error, "reading the dead-letter queue depth");
                 return;
             }

@@ -266,6 +266,23 @@ fn money(minor: i64) -> String {
     Money::from_minor(minor).to_string()
 }
 
+/// A total of amounts, as a decimal string with two places like [`money`].
+/// Totals are summed in i128: every amount fits in i64 minor units, their
+/// sum need not (one order's total and cost of goods on one entry already).
+fn money_total(minor: i128) -> String {
+    let sign = if minor < 0 { "-" } else { "" };
+    let magnitude = minor.unsigned_abs();
+    format!("{sign}{}.{:02}", magnitude / 100, magnitude % 100)
+}
+
+/// A `sum()` of bigint amounts, selected as `::text` (PostgreSQL sums bigint
+/// into numeric, which a `::bigint` cast would overflow).
+fn sum_column(row: &tokio_postgres::Row, index: usize) -> Result<i128, Problem> {
+    let text: String = row.get(index);
+    text.parse()
+        .map_err(|e| database_problem(format!("sum {text:?}: {e}")))
+}
+
 #[derive(Debug, Deserialize)]
 struct JournalQuery {
     order_id: Option<String>,
@@ -321,7 +338,7 @@ async fn get_journal(
         )
         .await
         .map_err(database_problem)?;
-    let mut entries: Vec<(EntryView, i64, i64)> = Vec::new();
+    let mut entries: Vec<(EntryView, i128, i128)> = Vec::new();
     for row in &rows {
         let entry_id: Uuid = row.get(0);
         if entries
@@ -341,14 +358,14 @@ async fn get_journal(
                     total_credit: String::new(),
                     lines: Vec::new(),
                 },
-                0,
-                0,
+                0_i128,
+                0_i128,
             ));
         }
         if let Some((entry, debits, credits)) = entries.last_mut() {
             let (debit, credit): (i64, i64) = (row.get(10), row.get(11));
-            *debits += debit;
-            *credits += credit;
+            *debits += i128::from(debit);
+            *credits += i128::from(credit);
             entry.lines.push(LineView {
                 line_no: row.get(7),
                 account_code: row.get(8),
@@ -361,8 +378,8 @@ async fn get_journal(
     let entries: Vec<EntryView> = entries
         .into_iter()
         .map(|(mut entry, debits, credits)| {
-            entry.total_debit = money(debits);
-            entry.total_credit = money(credits);
+            entry.total_debit = money_total(debits);
+            entry.total_credit = money_total(credits);
             entry
         })
         .collect();
@@ -383,7 +400,7 @@ async fn get_trial_balance(
     let rows = client
         .query(
             "SELECT e.currency, l.account_code, a.name, a.kind, \
-                    sum(l.debit)::bigint, sum(l.credit)::bigint \
+                    sum(l.debit)::text, sum(l.credit)::text \
              FROM journal_lines l \
              JOIN journal_entries e ON e.entry_id = l.entry_id \
              JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
@@ -395,14 +412,14 @@ async fn get_trial_balance(
         .await
         .map_err(database_problem)?;
     let mut currencies: Vec<serde_json::Value> = Vec::new();
-    let mut current: Option<(String, Vec<serde_json::Value>, i64, i64)> = None;
-    let flush = |c: (String, Vec<serde_json::Value>, i64, i64)| {
+    let mut current: Option<(String, Vec<serde_json::Value>, i128, i128)> = None;
+    let flush = |c: (String, Vec<serde_json::Value>, i128, i128)| {
         serde_json::json!({
             "currency": c.0,
             "accounts": c.1,
-            "total_debit": money(c.2),
-            "total_credit": money(c.3),
-            "balance": money(c.2 - c.3),
+            "total_debit": money_total(c.2),
+            "total_credit": money_total(c.3),
+            "balance": money_total(c.2 - c.3),
         })
     };
     for row in &rows {
@@ -413,16 +430,16 @@ async fn get_trial_balance(
             }
         }
         let entry = current.get_or_insert_with(|| (currency.clone(), Vec::new(), 0, 0));
-        let (debit, credit): (i64, i64) = (row.get(4), row.get(5));
+        let (debit, credit) = (sum_column(row, 4)?, sum_column(row, 5)?);
         entry.2 += debit;
         entry.3 += credit;
         entry.1.push(serde_json::json!({
             "account_code": row.get::<_, String>(1),
             "account": row.get::<_, String>(2),
             "kind": row.get::<_, String>(3),
-            "debit": money(debit),
-            "credit": money(credit),
-            "balance": money(debit - credit),
+            "debit": money_total(debit),
+            "credit": money_total(credit),
+            "balance": money_total(debit - credit),
         }));
     }
     if let Some(done) = current.take() {
@@ -437,6 +454,16 @@ async fn get_trial_balance(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn totals_are_written_like_amounts_and_may_exceed_one_amount() {
+        for minor in [0, 5, 9300, -9300, -5, i64::MAX, i64::MIN] {
+            assert_eq!(money_total(i128::from(minor)), money(minor), "{minor}");
+        }
+        let two_max = 2 * i128::from(i64::MAX);
+        assert_eq!(money_total(two_max), "184467440737095516.14");
+        assert_eq!(money_total(-two_max), "-184467440737095516.14");
+    }
 
     #[test]
     fn clearing_accounts_per_method() {

@@ -177,7 +177,8 @@ async fn get_loyalty(
             recorded_at: row.get(6),
         })
         .collect();
-    let balance: i64 = entries.iter().map(|e| e.points).sum();
+    // i128: each entry's points fit in i64, their sum need not.
+    let balance: i128 = entries.iter().map(|e| i128::from(e.points)).sum();
     Ok(HttpResponse::Ok().json(serde_json::json!({
         "tenant": scope.tenant,
         "customer_id": customer,

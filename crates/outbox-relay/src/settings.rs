@@ -139,6 +139,12 @@ impl Settings {
         anyhow::ensure!(r.batch_size >= 1, "relay.batch_size must be at least 1");
         anyhow::ensure!(r.workers >= 1, "relay.workers must be at least 1");
         anyhow::ensure!(r.max_attempts >= 1, "relay.max_attempts must be at least 1");
+        // Bounded so that deadlines (now + lease) and the SQL interval of the
+        // lease cannot overflow: a day is far beyond any sane lease.
+        anyhow::ensure!(
+            r.lease_ms <= 86_400_000,
+            "relay.lease_ms must be at most a day (86400000)"
+        );
         anyhow::ensure!(
             r.lease_ms > r.confirm_timeout_ms,
             "relay.lease_ms ({}) must exceed relay.confirm_timeout_ms ({})",
@@ -146,8 +152,10 @@ impl Settings {
             r.confirm_timeout_ms
         );
         anyhow::ensure!(
-            r.backoff_base_ms >= 1 && r.backoff_cap_ms >= r.backoff_base_ms,
-            "need 1 <= relay.backoff_base_ms <= relay.backoff_cap_ms"
+            r.backoff_base_ms >= 1
+                && r.backoff_cap_ms >= r.backoff_base_ms
+                && r.backoff_cap_ms <= 86_400_000,
+            "need 1 <= relay.backoff_base_ms <= relay.backoff_cap_ms <= 86400000 (a day)"
         );
         anyhow::ensure!(
             r.claim_floor_refresh_ms >= 1,
@@ -246,5 +254,31 @@ mod tests {
             ..RelaySettings::default()
         };
         assert_eq!(named.resolved_instance_id(), "relay-a");
+    }
+
+    #[test]
+    fn durations_that_would_overflow_a_deadline_are_rejected() {
+        let with = |relay: RelaySettings| Settings {
+            relay,
+            ..Settings::default()
+        };
+        for relay in [
+            RelaySettings {
+                lease_ms: u64::MAX,
+                ..RelaySettings::default()
+            },
+            RelaySettings {
+                backoff_cap_ms: u64::MAX,
+                ..RelaySettings::default()
+            },
+        ] {
+            assert!(with(relay).validate().is_err());
+        }
+        let day = RelaySettings {
+            lease_ms: 86_400_000,
+            backoff_cap_ms: 86_400_000,
+            ..RelaySettings::default()
+        };
+        with(day).validate().expect("a day is allowed");
     }
 }
