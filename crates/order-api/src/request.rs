@@ -205,6 +205,15 @@ impl CreateOrderRequest {
             .checked_add(self.shipping)
             .and_then(|t| t.checked_add(self.tax))
             .ok_or_else(|| overflow("total"))?;
+        // An order is delivered only once paid, and a payment is a positive
+        // amount equal to the total: an order of total 0.00 could never be
+        // paid nor delivered (and the ledger books no zero amounts).
+        if total == Money::ZERO {
+            return Err(ApiError::validation(
+                "total",
+                "must be greater than 0.00: an order is paid before it is delivered",
+            ));
+        }
         if let Some(given) = self.total {
             if given != total {
                 return Err(ApiError::validation(
@@ -470,6 +479,26 @@ mod tests {
             "{body}: {error:?}"
         );
         error
+    }
+
+    #[test]
+    fn an_order_with_nothing_to_pay_is_rejected() {
+        let body = two_lines("0.00", "1.00");
+        let error = parse::<CreateOrderRequest>(body.as_bytes())
+            .expect("parse")
+            .validate()
+            .expect_err(&body);
+        assert_eq!(
+            actix_web::ResponseError::status_code(&error),
+            actix_web::http::StatusCode::UNPROCESSABLE_ENTITY
+        );
+        assert_eq!(error.field(), Some("total"));
+        let paid_shipping = body.replacen("\"shipping\":\"0.00\"", "\"shipping\":\"0.01\"", 1);
+        assert_ne!(paid_shipping, body);
+        parse::<CreateOrderRequest>(paid_shipping.as_bytes())
+            .expect("parse")
+            .validate()
+            .expect("free goods with a shipping charge are an order");
     }
 
     #[test]
