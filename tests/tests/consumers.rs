@@ -1075,6 +1075,38 @@ async fn a_deleted_dead_letter_queue_is_declared_again_and_counted() {
     let _ = connection.close(200, "done".into()).await;
 }
 
+/// Parameters no tenant or stock row can have (a NUL byte, an invalid tenant
+/// id) are a 400 naming the field, not a 503 "database unavailable" that
+/// tells the client to retry a request that can never succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impossible_read_parameters_are_a_400_naming_the_field() {
+    let tenant = unique("t5-params");
+    let inventory = Consumer::start(Kind::Inventory, &unique("t5-params-inv"), Options::default()).await;
+    for (path, field) in [
+        (format!("/stock/JKT-M?tenant={tenant}%00"), "tenant"),
+        ("/stock/JKT-M?tenant=Upper".to_owned(), "tenant"),
+        (format!("/stock/JKT%00M?tenant={tenant}"), "sku"),
+        (format!("/stock/JKT-M?tenant={tenant}&location=WH%001"), "location"),
+        (format!("/stock/JKT-M/movements?tenant={tenant}&location=WH%001"), "location"),
+    ] {
+        let (status, body) = inventory.get(&path).await;
+        assert_eq!(status, 400, "{path}: {body}");
+        assert_eq!(body["field"], json!(field), "{path}: {body}");
+    }
+    let response = reqwest::Client::new()
+        .post(format!("{}/stock/receipts?tenant={tenant}", inventory.base_url()))
+        .bearer_auth(TEST_TOKEN)
+        .json(&json!({"receipt_id": "R-1", "sku": "JKT\u{0}M", "location": "WH-1", "qty": 1}))
+        .send()
+        .await
+        .expect("POST /stock/receipts");
+    assert_eq!(response.status().as_u16(), 400);
+    let body: Value = response.json().await.expect("problem");
+    assert_eq!(body["field"], json!("sku"), "{body}");
+    // A valid request still works.
+    assert_eq!(receipt(&inventory, &tenant, "R-2", 5).await.0, 201);
+}
+
 /// (8) Two instances of one consumer: kill -9 the active one mid-stream; the
 /// other takes over its partitions; nothing lost, nothing doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

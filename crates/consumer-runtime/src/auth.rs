@@ -68,6 +68,11 @@ fn authorize(req: &HttpRequest) -> Result<TenantScope, Problem> {
         .map(|t| t.trim().to_owned())
         .filter(|t| !t.is_empty());
     match tenant {
+        Some(tenant) if !valid_tenant(&tenant) => Err(bad_request(
+            "tenant",
+            "a tenant id is 1-63 characters: lowercase letters, digits, '_' and '-', \
+             starting with a letter or digit",
+        )),
         Some(tenant) => Ok(TenantScope { tenant }),
         None => Err(Problem::new(
             StatusCode::BAD_REQUEST,
@@ -76,6 +81,30 @@ fn authorize(req: &HttpRequest) -> Result<TenantScope, Problem> {
         )
         .field("tenant")),
     }
+}
+
+/// The tenant id rule of the orders database (`tenants.tenant_id`'s CHECK):
+/// anything else names no tenant, and must not reach a query (a NUL byte is
+/// a database error, not an empty result).
+fn valid_tenant(tenant: &str) -> bool {
+    let mut chars = tenant.chars();
+    tenant.len() <= 63
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
+}
+
+/// A text parameter (a sku, a location, an id): 1-200 characters, no
+/// control characters (PostgreSQL rejects a NUL byte with an error).
+pub fn text_param(field: &str, value: &str) -> Result<(), Problem> {
+    if value.trim().is_empty() || value.len() > 200 || value.chars().any(char::is_control) {
+        return Err(bad_request(
+            field,
+            format!("{field} must be 1..200 characters, none of them control characters"),
+        ));
+    }
+    Ok(())
 }
 
 impl FromRequest for TenantScope {

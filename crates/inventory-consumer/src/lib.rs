@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 
 use actix_web::{http::StatusCode, web, HttpResponse};
 use consumer_runtime::{
-    auth::{bad_request, database_problem, not_found},
+    auth::{bad_request, database_problem, not_found, text_param},
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, RawEnvelope};
@@ -346,12 +346,7 @@ async fn post_receipt(
         ("sku", &r.sku),
         ("location", &r.location),
     ] {
-        if value.trim().is_empty() || value.len() > 200 {
-            return Err(bad_request(
-                field,
-                format!("{field} must be 1..200 characters"),
-            ));
-        }
+        text_param(field, value)?;
     }
     if r.qty <= 0 || r.qty > 1_000_000_000 {
         return Err(bad_request("qty", "qty must be a positive whole number"));
@@ -475,8 +470,10 @@ async fn get_stock(
     query: web::Query<LocationQuery>,
 ) -> Result<HttpResponse, Problem> {
     let sku = sku.into_inner();
+    text_param("sku", &sku)?;
     match query.location.as_deref() {
         Some(location) => {
+            text_param("location", location)?;
             let level = level(&pool, &scope.tenant, &sku, location).await?;
             let movements = movements(&pool, &scope.tenant, &sku, location).await?;
             Ok(HttpResponse::Ok().json(serde_json::json!({
@@ -510,6 +507,8 @@ async fn get_movements(
     let Some(location) = query.location.as_deref() else {
         return Err(bad_request("location", "location is required"));
     };
+    text_param("sku", &sku)?;
+    text_param("location", location)?;
     let movements = movements(&pool, &scope.tenant, &sku, location).await?;
     Ok(HttpResponse::Ok().json(movements))
 }
