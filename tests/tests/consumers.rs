@@ -1081,20 +1081,34 @@ async fn a_deleted_dead_letter_queue_is_declared_again_and_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn impossible_read_parameters_are_a_400_naming_the_field() {
     let tenant = unique("t5-params");
-    let inventory = Consumer::start(Kind::Inventory, &unique("t5-params-inv"), Options::default()).await;
+    let inventory = Consumer::start(
+        Kind::Inventory,
+        &unique("t5-params-inv"),
+        Options::default(),
+    )
+    .await;
     for (path, field) in [
         (format!("/stock/JKT-M?tenant={tenant}%00"), "tenant"),
         ("/stock/JKT-M?tenant=Upper".to_owned(), "tenant"),
         (format!("/stock/JKT%00M?tenant={tenant}"), "sku"),
-        (format!("/stock/JKT-M?tenant={tenant}&location=WH%001"), "location"),
-        (format!("/stock/JKT-M/movements?tenant={tenant}&location=WH%001"), "location"),
+        (
+            format!("/stock/JKT-M?tenant={tenant}&location=WH%001"),
+            "location",
+        ),
+        (
+            format!("/stock/JKT-M/movements?tenant={tenant}&location=WH%001"),
+            "location",
+        ),
     ] {
         let (status, body) = inventory.get(&path).await;
         assert_eq!(status, 400, "{path}: {body}");
         assert_eq!(body["field"], json!(field), "{path}: {body}");
     }
     let response = reqwest::Client::new()
-        .post(format!("{}/stock/receipts?tenant={tenant}", inventory.base_url()))
+        .post(format!(
+            "{}/stock/receipts?tenant={tenant}",
+            inventory.base_url()
+        ))
         .bearer_auth(TEST_TOKEN)
         .json(&json!({"receipt_id": "R-1", "sku": "JKT\u{0}M", "location": "WH-1", "qty": 1}))
         .send()
