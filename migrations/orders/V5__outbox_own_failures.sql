@@ -6,6 +6,7 @@
 -- when quarantine was decided on attempt_count, ten timeouts during an outage
 -- followed by one unroutable return quarantined the order at once. The
 -- decision now uses this count of failures of the message's own (returned,
--- nacked, not encodable). A constant default: no table rewrite.
-ALTER TABLE outbox_events ADD COLUMN own_failure_count integer NOT NULL DEFAULT 0
-    CHECK (own_failure_count >= 0);
+-- nacked, not encodable). A constant default and no CHECK: the column is
+-- added in the catalog only (no rewrite, no scan of the table under its
+-- exclusive lock, which would hold up order-api's inserts).
+ALTER TABLE outbox_events ADD COLUMN own_failure_count integer NOT NULL DEFAULT 0;

@@ -993,14 +993,15 @@ async fn failures_of_the_infrastructure_do_not_count_towards_quarantine() {
     )
     .await
     .expect("ten earlier failures");
-    let relay = Relay::start(
-        &tenant,
-        &[
-            ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "3".to_owned()),
-            ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "50".to_owned()),
-            ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "200".to_owned()),
-        ],
-    );
+    // Patient (no confirm timeout on a slow machine: that would be a failure
+    // of the infrastructure's, not counted, and this test counts exactly).
+    let mut settings = patient();
+    settings.extend([
+        ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "3".to_owned()),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "50".to_owned()),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "200".to_owned()),
+    ]);
+    let relay = Relay::start(&tenant, &settings);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let row = db
@@ -1307,7 +1308,7 @@ async fn a_payload_too_deep_for_a_json_tree_is_published_as_stored() {
     }
     events[0].payload = deep;
     insert(&db, &tenant, &events).await;
-    let relay = Relay::start(&tenant, &[]);
+    let relay = Relay::start(&tenant, &patient());
     collector.wait_distinct(2, Duration::from_secs(30)).await;
 
     let received = collector.snapshot();

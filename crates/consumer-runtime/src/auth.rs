@@ -95,13 +95,27 @@ fn valid_tenant(tenant: &str) -> bool {
         && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
 }
 
-/// A text parameter (a sku, a location, an id): 1-200 characters, no
-/// control characters (PostgreSQL rejects a NUL byte with an error).
+/// A text field of a write (a receipt's sku, location, id): 1-200
+/// characters, none of them control characters.
 pub fn text_param(field: &str, value: &str) -> Result<(), Problem> {
-    if value.trim().is_empty() || value.len() > 200 || value.chars().any(char::is_control) {
+    if value.trim().is_empty() || value.len() > 200 {
         return Err(bad_request(
             field,
-            format!("{field} must be 1..200 characters, none of them control characters"),
+            format!("{field} must be 1..200 characters"),
+        ));
+    }
+    no_control_characters(field, value)
+}
+
+/// A text parameter of a read (a sku, a location, a customer id, as order-api
+/// accepted them): anything but control characters, which no stored value
+/// has and PostgreSQL may reject outright (a NUL byte is an error, not an
+/// empty result).
+pub fn no_control_characters(field: &str, value: &str) -> Result<(), Problem> {
+    if value.chars().any(char::is_control) {
+        return Err(bad_request(
+            field,
+            format!("{field} must not contain control characters"),
         ));
     }
     Ok(())

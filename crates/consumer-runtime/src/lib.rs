@@ -122,6 +122,9 @@ fn transient_sqlstate(code: &str) -> bool {
         || code.starts_with("57P") // admin / crash shutdown, cannot connect now
         || code == "40001" // serialization failure
         || code == "40P01" // deadlock detected
+        || code == "57014" // statement timeout (a lock held by a hung session)
+        || code == "55P03" // lock not available (lock_timeout)
+        || code == "25P03" // idle-in-transaction timeout
 }
 
 impl From<tokio_postgres::Error> for HandlerError {
@@ -437,6 +440,10 @@ mod tests {
         assert!(transient_sqlstate("40001"));
         assert!(transient_sqlstate("57P01"));
         assert!(transient_sqlstate("53300"));
+        // Timeouts: a lock held by a hung session, not the event's fault.
+        assert!(transient_sqlstate("57014")); // statement timeout
+        assert!(transient_sqlstate("55P03")); // lock timeout
+        assert!(transient_sqlstate("25P03")); // idle-in-transaction timeout
         assert!(!transient_sqlstate("23514")); // check violation
         assert!(!transient_sqlstate("23505")); // unique violation
         assert!(!transient_sqlstate("P0001")); // raise exception

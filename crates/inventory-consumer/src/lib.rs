@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 
 use actix_web::{http::StatusCode, web, HttpResponse};
 use consumer_runtime::{
-    auth::{bad_request, database_problem, not_found, text_param},
+    auth::{bad_request, database_problem, no_control_characters, not_found, text_param},
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, RawEnvelope};
@@ -470,10 +470,10 @@ async fn get_stock(
     query: web::Query<LocationQuery>,
 ) -> Result<HttpResponse, Problem> {
     let sku = sku.into_inner();
-    text_param("sku", &sku)?;
+    no_control_characters("sku", &sku)?;
     match query.location.as_deref() {
         Some(location) => {
-            text_param("location", location)?;
+            no_control_characters("location", location)?;
             let level = level(&pool, &scope.tenant, &sku, location).await?;
             let movements = movements(&pool, &scope.tenant, &sku, location).await?;
             Ok(HttpResponse::Ok().json(serde_json::json!({
@@ -507,8 +507,8 @@ async fn get_movements(
     let Some(location) = query.location.as_deref() else {
         return Err(bad_request("location", "location is required"));
     };
-    text_param("sku", &sku)?;
-    text_param("location", location)?;
+    no_control_characters("sku", &sku)?;
+    no_control_characters("location", location)?;
     let movements = movements(&pool, &scope.tenant, &sku, location).await?;
     Ok(HttpResponse::Ok().json(movements))
 }

@@ -155,6 +155,7 @@ async fn get_loyalty(
     customer: web::Path<String>,
 ) -> Result<HttpResponse, Problem> {
     let customer = customer.into_inner();
+    consumer_runtime::auth::no_control_characters("customer_id", &customer)?;
     let client = pool.get().await.map_err(database_problem)?;
     let rows = client
         .query(
@@ -177,14 +178,24 @@ async fn get_loyalty(
             recorded_at: row.get(6),
         })
         .collect();
-    // i128: each entry's points fit in i64, their sum need not.
+    // i128: each entry's points fit in i64, their sum need not (written as
+    // a JSON number by the serializer; `json!` would go through a `Value`,
+    // which cannot hold it).
     let balance: i128 = entries.iter().map(|e| i128::from(e.points)).sum();
-    Ok(HttpResponse::Ok().json(serde_json::json!({
-        "tenant": scope.tenant,
-        "customer_id": customer,
-        "balance": balance,
-        "entries": entries,
-    })))
+    Ok(HttpResponse::Ok().json(LoyaltyView {
+        tenant: scope.tenant,
+        customer_id: customer,
+        balance,
+        entries,
+    }))
+}
+
+#[derive(Debug, Serialize)]
+struct LoyaltyView {
+    tenant: String,
+    customer_id: String,
+    balance: i128,
+    entries: Vec<EntryView>,
 }
 
 #[cfg(test)]
