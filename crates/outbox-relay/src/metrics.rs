@@ -156,10 +156,18 @@ impl Metrics {
     /// scanned the whole table (70 ms on the bench's database, every
     /// `metrics_interval_ms`, per relay), growing with the retention.
     /// `only_tenant` (empty: all) scopes them like the relay's claim.
+    ///
+    /// The count reads every pending row, so it gets more time than the
+    /// sessions' 30 s statement bound (`kit::db::SESSION_LIMITS`): under a
+    /// backlog of tens of millions it would otherwise be cancelled on every
+    /// refresh and the backlog gauges would freeze; the pacing of
+    /// `refresh_periodically` keeps it to a small share of the database
+    /// whatever it takes.
     pub async fn refresh(&self, pool: &PgPool, only_tenant: &str) -> anyhow::Result<()> {
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
-        tx.batch_execute("SET LOCAL enable_seqscan = off").await?;
+        tx.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL statement_timeout = '10min'")
+            .await?;
         let row = tx.query_one(GAUGES_SQL, &[&only_tenant]).await?;
         tx.commit().await?;
         self.pending.set(row.get(0));
