@@ -1826,6 +1826,87 @@ async fn replay_redelivers_a_range_to_one_consumer_only_in_order() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// Messages waiting in the partition queues of `queues`.
+async fn waiting(channel: &Channel, queues: &[String]) -> u32 {
+    let mut total = 0;
+    for queue in queues {
+        let declared = channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("passive declare");
+        total += declared.message_count();
+    }
+    total
+}
+
+/// A replay of everything purges the consumer's partitions first. A crash
+/// right after the purge (fail point `replay.after_purge`) leaves them
+/// empty, and running the replay again re-publishes every retained event:
+/// nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_running_it_again() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestPurge{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let target = format!("relaytest{}", short_id());
+    let queues = fake_consumer(&channel, &tenant, &target, 2).await;
+    let events = orders_with_events(3, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+    let relay = Relay::start(&tenant, &patient());
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    relay.stop();
+    // Nobody consumes: the relay's six messages wait in the partitions.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiting(&channel, &queues).await < 6 {
+        assert!(Instant::now() < deadline, "the relay's messages queued");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let (ok, output) = admin(
+        &["replay", "--consumer", &target],
+        &[("FAILPOINTS", "replay.after_purge=return".to_owned())],
+    )
+    .await;
+    assert!(!ok, "the fail point aborts the replay: {output}");
+    assert!(output.contains("purged"), "{output}");
+    assert_eq!(
+        waiting(&channel, &queues).await,
+        0,
+        "purged, nothing re-published"
+    );
+
+    let (ok, output) = admin(&["replay", "--consumer", &target], &[]).await;
+    assert!(ok, "{output}");
+    assert!(
+        output.contains("purged 0 message(s) from 2 partition(s)"),
+        "{output}"
+    );
+    // Every retained event of the shared database went to the partitions;
+    // ours are all there, once each, in per-order order.
+    let collector = Collector::start(&channel, &queues, &tenant).await;
+    collector
+        .wait_distinct(events.len(), Duration::from_secs(60))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let received = collector.snapshot();
+    assert_eq!(received.len(), events.len(), "each event once");
+    assert!(received.iter().all(|r| r.replayed));
+    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
+    assert_in_sequence_order(&received, &expect);
+
+    drop_fake_consumer(&channel, &target, &queues).await;
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// The claim query uses the partial indexes and never scans the table, with
 /// a large published history and a backlog: measured on a session-private
 /// copy of the outbox (a temporary table of the same name shadows the real
