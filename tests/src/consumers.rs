@@ -89,6 +89,14 @@ impl Default for Options {
 }
 
 impl Options {
+    /// The defaults with one partition: every event of the test shares it.
+    pub fn one_partition() -> Self {
+        Self {
+            partitions: 1,
+            ..Self::default()
+        }
+    }
+
     pub fn tier_count(&self) -> usize {
         self.tiers_ms.split(',').count()
     }

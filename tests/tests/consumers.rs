@@ -889,15 +889,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
     let tenant = unique("t5-poison");
     let name = unique("t5-poison-inv");
     // One partition: the poison and the good events share it.
-    let inventory = Consumer::start(
-        Kind::Inventory,
-        &name,
-        Options {
-            partitions: 1,
-            ..Options::default()
-        },
-    )
-    .await;
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     let publisher = Publisher::connect().await;
 
     let malformed_order = Uuid::now_v7();
@@ -983,15 +975,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
 async fn an_event_the_database_refuses_is_dead_lettered_and_the_partition_flows() {
     let tenant = unique("t5-refused");
     let name = unique("t5-refused-inv");
-    let inventory = Consumer::start(
-        Kind::Inventory,
-        &name,
-        Options {
-            partitions: 1,
-            ..Options::default()
-        },
-    )
-    .await;
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     let publisher = Publisher::connect().await;
 
     // 8,000 characters of random hex: no compression brings the index
@@ -1360,15 +1344,7 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
         Some((1, false)),
         "the in-flight event was applied"
     );
-    let restarted = Consumer::start(
-        Kind::Inventory,
-        &name,
-        Options {
-            partitions: 1,
-            ..Options::default()
-        },
-    )
-    .await;
+    let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     publisher.to_consumer(&name, &s.paid).await;
     wait_sequence(Database::Inventory, &name, s.order, 2).await;
     assert_eq!(

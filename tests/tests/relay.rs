@@ -1827,21 +1827,10 @@ async fn replay_redelivers_a_range_to_one_consumer_only_in_order() {
 }
 
 /// Messages waiting in the partition queues of `queues`.
-async fn waiting(channel: &Channel, queues: &[String]) -> u32 {
+async fn waiting(queues: &[String]) -> u32 {
     let mut total = 0;
     for queue in queues {
-        let declared = channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("passive declare");
-        total += declared.message_count();
+        total += system_tests::consumers::queue_depth(queue).await;
     }
     total
 }
@@ -1865,7 +1854,7 @@ async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_
     relay.stop();
     // Nobody consumes: the relay's six messages wait in the partitions.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while waiting(&channel, &queues).await < 6 {
+    while waiting(&queues).await < 6 {
         assert!(Instant::now() < deadline, "the relay's messages queued");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1877,11 +1866,7 @@ async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_
     .await;
     assert!(!ok, "the fail point aborts the replay: {output}");
     assert!(output.contains("purged"), "{output}");
-    assert_eq!(
-        waiting(&channel, &queues).await,
-        0,
-        "purged, nothing re-published"
-    );
+    assert_eq!(waiting(&queues).await, 0, "purged, nothing re-published");
 
     let (ok, output) = admin(&["replay", "--consumer", &target], &[]).await;
     assert!(ok, "{output}");
