@@ -1034,6 +1034,72 @@ async fn failures_of_the_infrastructure_do_not_count_towards_quarantine() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A relay killed right before it records a failed publish (fail point
+/// `relay.before_mark_failed`) leaves the row leased and the attempt
+/// unrecorded; after the lease another relay takes it over, records the
+/// failure, and once the route exists publishes it: nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_a_failure_is_recorded_loses_nothing() {
+    let (tenant, _routed, db, connection, channel, _collector) =
+        subscribed("RelayTestFailCrashRouted").await;
+    let unroutable = format!("RelayTestFailCrash{}", short_id());
+    let events = orders_with_events(1, 1, &unroutable);
+    insert(&db, &tenant, &events).await;
+
+    let mut crashing = Relay::start(
+        &tenant,
+        &[("FAILPOINTS", "relay.before_mark_failed=return".to_owned())],
+    );
+    let status = crashing
+        .service
+        .wait_exit(Duration::from_secs(60))
+        .expect("the fail point aborts the relay");
+    assert!(!status.success(), "aborted: {status:?}");
+    let row = db
+        .query_one(
+            "SELECT claimed_by IS NOT NULL, attempt_count, own_failure_count, last_error IS NULL,
+                    published_at IS NULL
+             FROM outbox_events WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("state");
+    assert_eq!(
+        (
+            row.get::<_, bool>(0),
+            row.get::<_, i32>(1),
+            row.get::<_, i32>(2),
+            row.get::<_, bool>(3),
+            row.get::<_, bool>(4)
+        ),
+        (true, 0, 0, true, true),
+        "still leased, the failed attempt unrecorded, unpublished"
+    );
+
+    let relay = Relay::start(&tenant, &[]);
+    wait_db(
+        &db,
+        "the failure recorded by the relay that took the row over",
+        Duration::from_secs(60),
+        "SELECT count(*) FROM outbox_events
+         WHERE tenant_id = $1 AND own_failure_count >= 1 AND last_error IS NOT NULL",
+        &tenant,
+        1,
+    )
+    .await;
+    let queue = bound_queue(&channel, &tenant, &[&unroutable]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(1, Duration::from_secs(30)).await;
+    assert_eq!(
+        collector.snapshot()[0].event_id,
+        events[0].event_id.to_string()
+    );
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Issue 4, test 4: an unroutable event (mandatory, no queue bound for its
 /// type) fails with a growing backoff and `last_error`; the later events of
 /// its order are held back while other orders flow; after the maximum

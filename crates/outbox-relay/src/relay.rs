@@ -314,6 +314,11 @@ impl Relay {
             let instance = self.instance.as_str();
             let failures_ref = &failures;
             let max_attempts = self.settings.max_attempts;
+            // Crash window: the rows stay leased with the attempt unrecorded
+            // (no backoff, no count, no last_error); after the lease another
+            // instance takes them over and tries again. After the write the
+            // failure is recorded and the lease released: nothing is pending.
+            kit::failpoint::crash_point("relay.before_mark_failed");
             if let Some(quarantined) = retry_until("record failures", lease_deadline, || {
                 claim::mark_failed(pool, instance, failures_ref, max_attempts)
             })
