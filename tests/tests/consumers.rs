@@ -1105,6 +1105,87 @@ async fn impossible_read_parameters_are_a_400_naming_the_field() {
     assert_eq!(receipt(&inventory, &tenant, "R-2", 5).await.0, 201);
 }
 
+/// Every amount fits in i64 minor units, their totals need not: an entry
+/// whose debits add up beyond i64, and a points balance beyond it, are
+/// reported exactly (they overflowed: a panic in a debug build, a 503 from a
+/// bigint cast in the trial balance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn totals_beyond_one_amount_are_reported_exactly() {
+    let tenant = unique("t5-totals");
+    let ledger = Consumer::start(Kind::Ledger, &unique("t5-totals-led"), Options::default()).await;
+    let loyalty =
+        Consumer::start(Kind::Loyalty, &unique("t5-totals-loy"), Options::default()).await;
+    let half = 5_000_000_000_000_000_000_i64; // two of them exceed i64::MAX
+    let order = Uuid::now_v7();
+
+    let db = pg(Database::Ledger).await;
+    db.execute(
+        "INSERT INTO ledger_accounts (tenant_id, code, name, kind)
+         VALUES ($1, 'cash', 'Cash', 'asset'), ($1, 'deposits', 'Deposits', 'liability')",
+        &[&tenant],
+    )
+    .await
+    .expect("accounts");
+    let entry = Uuid::now_v7();
+    db.batch_execute("BEGIN").await.expect("begin");
+    db.execute(
+        "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, description, currency)
+         VALUES ($1, $2, $3, $4, 'PaymentReceived', 'large', 'USD')",
+        &[&entry, &tenant, &order, &Uuid::now_v7()],
+    )
+    .await
+    .expect("entry");
+    db.execute(
+        "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit)
+         VALUES ($1, 1, $2, 'cash', $3, 0), ($1, 2, $2, 'cash', $3, 0),
+                ($1, 3, $2, 'deposits', 0, $3), ($1, 4, $2, 'deposits', 0, $3)",
+        &[&entry, &tenant, &half],
+    )
+    .await
+    .expect("lines");
+    db.batch_execute("COMMIT").await.expect("balanced");
+
+    let (status, journal) = ledger
+        .get(&format!("/journal?tenant={tenant}&order_id={order}"))
+        .await;
+    assert_eq!(status, 200, "{journal}");
+    assert_eq!(
+        journal["entries"][0]["total_debit"],
+        json!("100000000000000000.00")
+    );
+    assert_eq!(
+        journal["entries"][0]["total_credit"],
+        json!("100000000000000000.00")
+    );
+    let (status, tb) = ledger.get(&format!("/trial-balance?tenant={tenant}")).await;
+    assert_eq!(status, 200, "{tb}");
+    assert_eq!(
+        tb["currencies"][0]["accounts"][0]["debit"],
+        json!("100000000000000000.00")
+    );
+    assert_eq!(
+        tb["currencies"][0]["total_debit"],
+        json!("100000000000000000.00")
+    );
+    assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
+
+    let db = pg(Database::Loyalty).await;
+    for _ in 0..2 {
+        db.execute(
+            "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, event_type, reason, occurred_at)
+             VALUES ($1, '77', $2, $3, $4, 'ParcelDelivered', 'large', now())",
+            &[&tenant, &order, &half, &Uuid::now_v7()],
+        )
+        .await
+        .expect("loyalty entry");
+    }
+    let (status, points) = loyalty
+        .get(&format!("/customers/77/loyalty?tenant={tenant}"))
+        .await;
+    assert_eq!(status, 200, "{points}");
+    assert_eq!(points["balance"].as_u64(), Some(10_000_000_000_000_000_000));
+}
+
 /// (8) Two instances of one consumer: kill -9 the active one mid-stream; the
 /// other takes over its partitions; nothing lost, nothing doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
