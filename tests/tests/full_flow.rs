@@ -159,7 +159,35 @@ async fn the_seed_003_story_produces_exactly_the_seeds_rows() {
         &json!({"delivery_id": "311", "lines": [{"sku": "JKT-M", "qty": 2}]}),
     )
     .await;
-    wait_applied(&system, 3).await;
+    // A second order of merchandise under one whole unit (0.50 + 5.00
+    // shipping): delivered, it earns 0 points, so no loyalty entry, and the
+    // drift and invariant checks expect none.
+    system.receive("PIN-S", 10).await;
+    let small = post_twice(
+            &system,
+            "/orders",
+            "order-1043",
+            &json!({"customer_id": "78",
+                    "lines": [{"sku": "PIN-S", "qty": 1, "unit_price": "0.50", "unit_cost": "0.20"}],
+                    "shipping": "5.00", "tax": "0.00", "total": "5.50", "currency": "USD", "location": "WH-1"}),
+        )
+        .await;
+    let small = small["order_id"].as_str().expect("id").to_owned();
+    post_twice(
+        &system,
+        &format!("/orders/{small}/payments"),
+        "payment-9002",
+        &json!({"payment_id": "9002", "amount": "5.50", "method": "card"}),
+    )
+    .await;
+    post_twice(
+        &system,
+        &format!("/orders/{small}/deliveries"),
+        "delivery-312",
+        &json!({"delivery_id": "312", "lines": [{"sku": "PIN-S", "qty": 1}]}),
+    )
+    .await;
+    wait_applied(&system, 6).await;
     let order_id: uuid::Uuid = id.parse().expect("uuid");
     let t = &system.tenant;
 
@@ -268,10 +296,13 @@ async fn the_seed_003_story_produces_exactly_the_seeds_rows() {
         .collect();
     assert_eq!(
         entries,
-        vec![("77".to_owned(), 80, order_id, delivered_event)]
+        vec![("77".to_owned(), 80, order_id, delivered_event)],
+        "customer 77's 80 points, and no entry of 0 points for customer 78"
     );
 
     drift(&system).await;
+    let report = system.assert_invariants(Duration::from_secs(120)).await;
+    assert_eq!((report.orders, report.events), (2, 6));
 }
 
 #[tokio::test]

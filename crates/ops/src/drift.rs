@@ -263,7 +263,10 @@ pub async fn check(
             );
         }
         let loyalty = points.get(key);
-        let expected_points = delivered.then_some((1, order.merchandise / 100));
+        // One entry of the merchandise's whole units; none when that is 0
+        // (the consumer writes no entry of 0 points).
+        let points = crate::invariants::loyalty_points(order.merchandise);
+        let expected_points = (delivered && points > 0).then_some((1, points));
         match (expected_points, loyalty) {
             (None, None) => {}
             (Some((n, p)), Some((got_n, got_p, customers)))

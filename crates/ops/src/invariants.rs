@@ -439,9 +439,30 @@ async fn read_consumer(
     })
 }
 
+/// What of an order decides the effects its events have.
+#[derive(Clone, Copy, Debug, Default)]
+struct OrderShape {
+    /// Distinct SKUs of its lines.
+    skus: i64,
+    /// Whether its delivery earns loyalty points: a merchandise of at least
+    /// one whole unit (seed 003: one point per whole unit; no entry of 0).
+    earns_points: bool,
+}
+
+fn earns_points(merchandise_minor: i64) -> bool {
+    loyalty_points(merchandise_minor) > 0
+}
+
+/// Seed 003's points for a merchandise: its whole units, as the loyalty
+/// consumer computes them (`loyalty_consumer::points_for`).
+pub(crate) fn loyalty_points(merchandise_minor: i64) -> i64 {
+    events::Money::from_minor(merchandise_minor).whole_units()
+}
+
 /// The effects (name, rows) consumer `kind` writes for an event of type
-/// `event_type` of an order with `skus` distinct SKUs.
-fn expected_effects(kind: Kind, event_type: &str, skus: i64) -> Vec<(&'static str, i64)> {
+/// `event_type` of an order of shape `order`.
+fn expected_effects(kind: Kind, event_type: &str, order: OrderShape) -> Vec<(&'static str, i64)> {
+    let skus = order.skus;
     match (kind, event_type) {
         (Kind::Inventory, "OrderPlaced") => vec![("order", 1), ("reserve", skus)],
         (Kind::Inventory, "ParcelDelivered") => vec![("sale", skus)],
@@ -449,7 +470,7 @@ fn expected_effects(kind: Kind, event_type: &str, skus: i64) -> Vec<(&'static st
         (Kind::Ledger, "PaymentReceived") => vec![("payment entry", 1)],
         (Kind::Ledger, "ParcelDelivered") => vec![("delivery entry", 1)],
         (Kind::Loyalty, "OrderPlaced") => vec![("order", 1)],
-        (Kind::Loyalty, "ParcelDelivered") => vec![("points entry", 1)],
+        (Kind::Loyalty, "ParcelDelivered") if order.earns_points => vec![("points entry", 1)],
         _ => vec![],
     }
 }
@@ -478,14 +499,16 @@ pub async fn check(dbs: &Databases, scope: &Scope) -> anyhow::Result<Report> {
         })
     };
 
-    // order id -> (tenant, status, last_event_sequence, payments, deliveries, distinct skus)
-    let mut orders: HashMap<String, (String, String, i64, i64, i64, i64)> = HashMap::new();
+    // order id -> (tenant, status, last_event_sequence, payments, deliveries,
+    // its shape: distinct skus, whether it earns points)
+    let mut orders: HashMap<String, (String, String, i64, i64, i64, OrderShape)> = HashMap::new();
     for row in orders_db
         .query(
             "SELECT o.order_id::text, o.tenant_id, o.status, o.last_event_sequence, \
                     (SELECT count(*) FROM payments p WHERE p.order_id = o.order_id), \
                     (SELECT count(*) FROM deliveries d WHERE d.order_id = o.order_id), \
-                    (SELECT count(DISTINCT sku) FROM order_lines l WHERE l.order_id = o.order_id) \
+                    (SELECT count(DISTINCT sku) FROM order_lines l WHERE l.order_id = o.order_id), \
+                    o.merchandise_minor \
                FROM orders o WHERE $1::text IS NULL OR o.tenant_id = $1",
             &[&tenant],
         )
@@ -499,7 +522,10 @@ pub async fn check(dbs: &Databases, scope: &Scope) -> anyhow::Result<Report> {
                 row.get(3),
                 row.get(4),
                 row.get(5),
-                row.get(6),
+                OrderShape {
+                    skus: row.get(6),
+                    earns_points: earns_points(row.get(7)),
+                },
             ),
         );
     }
@@ -730,9 +756,9 @@ pub async fn check(dbs: &Databases, scope: &Scope) -> anyhow::Result<Report> {
         // Invariant 4: effects per event, exactly as expected, with their inbox rows.
         let mut seen: BTreeSet<(Uuid, &'static str)> = BTreeSet::new();
         for event in &events {
-            let skus = orders.get(&event.order).map_or(0, |o| o.5);
+            let shape = orders.get(&event.order).map(|o| o.5).unwrap_or_default();
             let inboxed = view.inbox.contains_key(&event.event_id);
-            for (effect, rows) in expected_effects(consumer.kind, &event.event_type, skus) {
+            for (effect, rows) in expected_effects(consumer.kind, &event.event_type, shape) {
                 seen.insert((event.event_id, effect));
                 let found = view
                     .effects
@@ -900,14 +926,28 @@ mod tests {
 
     #[test]
     fn expected_effects_follow_the_design_table() {
+        let order = OrderShape {
+            skus: 2,
+            earns_points: earns_points(100),
+        };
         assert_eq!(
-            expected_effects(Kind::Inventory, "OrderPlaced", 2),
+            expected_effects(Kind::Inventory, "OrderPlaced", order),
             vec![("order", 1), ("reserve", 2)]
         );
-        assert!(expected_effects(Kind::Inventory, "PaymentReceived", 2).is_empty());
+        assert!(expected_effects(Kind::Inventory, "PaymentReceived", order).is_empty());
         assert_eq!(
-            expected_effects(Kind::Loyalty, "ParcelDelivered", 2),
+            expected_effects(Kind::Loyalty, "ParcelDelivered", order),
             vec![("points entry", 1)]
+        );
+        // Merchandise under one whole unit: 0 points, no entry.
+        let small = OrderShape {
+            skus: 1,
+            earns_points: earns_points(99),
+        };
+        assert!(expected_effects(Kind::Loyalty, "ParcelDelivered", small).is_empty());
+        assert_eq!(
+            expected_effects(Kind::Ledger, "ParcelDelivered", small),
+            vec![("delivery entry", 1)]
         );
         assert_eq!(expected_events("delivered"), 3);
     }
