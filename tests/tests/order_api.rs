@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{json, Value};
-use system_tests::{api_key, pg, unique_tenant, Database, OrderApi};
+use system_tests::{
+    api_key, free_port, pg, unique_tenant, wait_for_ok, Database, OrderApi, Service,
+};
 
 const SEED_ORDER: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","total":"93.00","currency":"USD","location":"WH-1"}"#;
 
@@ -474,6 +476,23 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     let replay = caller.post(&pay_url, "p", payment).await;
     assert!(is_replay(&replay));
     assert_eq!(replay.bytes().await.expect("body"), first_body);
+    // The retry spells out the default currency (the order's): the same
+    // request, replayed, not 409 idempotency_key_reused.
+    let explicit = payment.replace("\"method\"", "\"currency\":\"USD\",\"method\"");
+    let replay = caller.post(&pay_url, "p", &explicit).await;
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert!(is_replay(&replay));
+    assert_eq!(replay.bytes().await.expect("body"), first_body);
+    let (status, problem) = json_of(
+        caller
+            .post(&pay_url, "p", &payment.replace("card", "cash"))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::CONFLICT, Some("idempotency_key_reused"))
+    );
     let (status, problem) = json_of(caller.post(&pay_url, "p-second", payment).await).await;
     assert_eq!(
         (status, problem["code"].as_str()),
@@ -500,6 +519,14 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     );
     let delivered = caller.post(&deliver_url, "d", delivery).await;
     assert_eq!(delivered.status(), StatusCode::CREATED);
+    let delivered_body = delivered.bytes().await.expect("body");
+    // The retry splits the SKU over two lines: the same delivery, replayed.
+    let split =
+        r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":1},{"sku":"JKT-M","qty":1}]}"#;
+    let replay = caller.post(&deliver_url, "d", split).await;
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert!(is_replay(&replay));
+    assert_eq!(replay.bytes().await.expect("body"), delivered_body);
     let (status, problem) = json_of(caller.post(&deliver_url, "d-again", delivery).await).await;
     assert_eq!(
         (status, problem["code"].as_str()),
@@ -944,4 +971,67 @@ async fn a_verified_key_is_remembered_and_a_refused_one_is_not() {
         StatusCode::NOT_FOUND,
         "a refusal is not remembered"
     );
+}
+
+/// A start-up while another instance migrates waits for it: the migration
+/// session is not bound by the request pool's 2 s `lock_timeout`. (It was:
+/// order-api exited with "advisory lock: ... lock timeout" after 2 s, and
+/// in production restarted in a loop behind a slow migration.)
+#[tokio::test]
+async fn a_start_up_waits_for_another_instance_s_migration() {
+    let key = kit::migrations::MIGRATION_LOCK_KEY;
+    let holder = pg(Database::Orders).await;
+    holder
+        .execute("SELECT pg_advisory_lock($1)", &[&key])
+        .await
+        .expect("lock");
+    let port = free_port();
+    let mut service = Service::start(
+        "order-api",
+        &[],
+        &[
+            ("ORDER_API__HTTP__PORT", port.to_string()),
+            ("RUST_LOG", "warn".to_owned()),
+        ],
+    );
+    // Until the new instance waits for the lock (pg_locks splits the key).
+    let waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                   AND classid = ($1::bigint >> 32)::oid AND objid = ($1::bigint & 4294967295)::oid";
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let n: i64 = holder
+            .query_one(waiting, &[&key])
+            .await
+            .expect("pg_locks")
+            .get(0);
+        if n > 0 {
+            break;
+        }
+        assert!(
+            service.wait_exit(Duration::ZERO).is_none(),
+            "order-api exited before it waited for the migration lock"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "order-api never waited for the migration lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Longer than the pool's lock_timeout (2 s): the instance still waits.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        service.wait_exit(Duration::from_millis(100)),
+        None,
+        "order-api gave up waiting for the other instance's migration"
+    );
+    holder
+        .execute("SELECT pg_advisory_unlock($1)", &[&key])
+        .await
+        .expect("unlock");
+    wait_for_ok(
+        &format!("http://127.0.0.1:{port}/readyz"),
+        Duration::from_secs(60),
+    )
+    .await
+    .expect("order-api ready once the migration lock is free");
 }

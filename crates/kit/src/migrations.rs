@@ -96,11 +96,44 @@ pub enum MigrationError {
 }
 
 /// Arbitrary constant shared by every service: the advisory lock key for migrations.
-const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
+pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
 
 /// Apply every pending migration of `database`; returns the names applied.
+///
+/// The migration session waits as long as it takes, for another instance's
+/// migration (the advisory lock) and for the locks its DDL needs: the
+/// pool's bounds on a session (order-api's 2 s `lock_timeout`, the 30 s
+/// `statement_timeout` of [`crate::db::SESSION_LIMITS`]) are for requests,
+/// and made a start-up fail (and the service restart in a loop) behind
+/// another instance's migration or a busy table. The other sessions'
+/// transactions are bounded by those limits, so a DDL lock is not waited
+/// for forever.
 pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, MigrationError> {
     let mut client = pool.get().await?;
+    let result = migrate(&mut client, database).await;
+    // The connection goes back to the pool only with the pool's own bounds.
+    if result.is_err()
+        || client
+            .batch_execute("RESET lock_timeout; RESET statement_timeout")
+            .await
+            .is_err()
+    {
+        drop(deadpool_postgres::Object::take(client));
+    }
+    let applied = result?;
+    if !applied.is_empty() {
+        tracing::info!(database = database.name(), ?applied, "migrations applied");
+    }
+    Ok(applied)
+}
+
+async fn migrate(
+    client: &mut deadpool_postgres::Object,
+    database: Database,
+) -> Result<Vec<String>, MigrationError> {
+    client
+        .batch_execute("SET lock_timeout = 0; SET statement_timeout = 0")
+        .await?;
     // Session-level lock on this connection; released explicitly below, or by the
     // server when the connection dies (a crash mid-migration releases it too, and
     // refinery's per-migration transactions leave no half-applied migration).
@@ -110,7 +143,7 @@ pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, Migrati
     let mut applied = Vec::new();
     let mut result = Ok(());
     for runner in database.runners() {
-        match runner.run_async(&mut **client).await {
+        match runner.run_async(&mut ***client).await {
             Ok(report) => applied.extend(report.applied_migrations().iter().map(|m| m.to_string())),
             Err(source) => {
                 result = Err(MigrationError::Refinery {
@@ -126,8 +159,5 @@ pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, Migrati
         .await;
     result?;
     unlock?;
-    if !applied.is_empty() {
-        tracing::info!(database = database.name(), ?applied, "migrations applied");
-    }
     Ok(applied)
 }

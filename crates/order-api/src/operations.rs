@@ -243,6 +243,22 @@ async fn lock_order(
         }))
 }
 
+/// The currency of `order_id` in `tenant` (`None`: no such order, or a
+/// currency this build does not support any more).
+pub async fn order_currency(
+    client: &deadpool_postgres::Client,
+    tenant: &str,
+    order_id: Uuid,
+) -> Result<Option<events::Currency>, ApiError> {
+    let statement = client
+        .prepare_cached("SELECT currency FROM orders WHERE order_id = $1 AND tenant_id = $2")
+        .await?;
+    Ok(client
+        .query_opt(&statement, &[&order_id, &tenant])
+        .await?
+        .and_then(|row| events::Currency::parse(row.get::<_, &str>(0)).ok()))
+}
+
 async fn advance(
     tx: &Transaction<'_>,
     order_id: Uuid,

@@ -345,14 +345,21 @@ impl DeliveryRequest {
         Ok(())
     }
 
+    /// Over the quantity per SKU, in SKU order: what the delivery means
+    /// (it must equal the order's quantity per SKU), so lines sent in
+    /// another order, or one SKU split over two lines, are the same
+    /// request. (Distinct SKUs already in order encode as before.)
     pub fn fingerprint(&self, order_id: Uuid) -> String {
+        let mut per_sku: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+        for line in &self.lines {
+            *per_sku.entry(line.sku.as_str()).or_default() += u64::from(line.qty);
+        }
         let mut c = Canonical::new("POST /orders/{id}/deliveries v1");
         c.field("order_id", &order_id.to_string())
             .field("delivery_id", &self.delivery_id)
-            .field("lines", &self.lines.len().to_string());
-        for line in &self.lines {
-            c.field("sku", &line.sku)
-                .field("qty", &line.qty.to_string());
+            .field("lines", &per_sku.len().to_string());
+        for (sku, qty) in per_sku {
+            c.field("sku", sku).field("qty", &qty.to_string());
         }
         c.finish()
     }
@@ -405,6 +412,79 @@ mod tests {
         ] {
             assert_ne!(order(&changed).fingerprint(), base, "{changed}");
         }
+    }
+
+    fn delivery(lines: &[(&str, u32)]) -> DeliveryRequest {
+        DeliveryRequest {
+            delivery_id: "311".to_owned(),
+            lines: lines
+                .iter()
+                .map(|(sku, qty)| DeliveryLineRequest {
+                    sku: (*sku).to_owned(),
+                    qty: *qty,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_delivery_s_fingerprint_is_its_quantity_per_sku() {
+        let order_id = Uuid::nil();
+        let base = delivery(&[("A", 2), ("B", 1)]).fingerprint(order_id);
+        // The same delivery: lines in another order, a SKU split in two.
+        assert_eq!(delivery(&[("B", 1), ("A", 2)]).fingerprint(order_id), base);
+        assert_eq!(
+            delivery(&[("A", 1), ("B", 1), ("A", 1)]).fingerprint(order_id),
+            base
+        );
+        // Another delivery.
+        for other in [
+            delivery(&[("A", 2)]),
+            delivery(&[("A", 2), ("B", 2)]),
+            delivery(&[("A", 2), ("C", 1)]),
+        ] {
+            assert_ne!(other.fingerprint(order_id), base);
+        }
+        // Distinct SKUs in order: the encoding of before (a retry sent
+        // across an upgrade is still the same request).
+        let mut before = Canonical::new("POST /orders/{id}/deliveries v1");
+        before
+            .field("order_id", &order_id.to_string())
+            .field("delivery_id", "311")
+            .field("lines", "2")
+            .field("sku", "A")
+            .field("qty", "2")
+            .field("sku", "B")
+            .field("qty", "1");
+        assert_eq!(before.finish(), base);
+    }
+
+    #[test]
+    fn a_payment_s_currency_default_is_the_same_request_as_its_value() {
+        let payment = |currency: Option<&str>| {
+            parse::<PaymentRequest>(
+                match currency {
+                    Some(c) => format!(
+                        r#"{{"payment_id":"9001","amount":"93.00","currency":"{c}","method":"card"}}"#
+                    ),
+                    None => r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#.to_owned(),
+                }
+                .as_bytes(),
+            )
+            .expect("parse")
+        };
+        let order_id = Uuid::nil();
+        let usd = Currency::parse("USD").expect("usd");
+        let mut defaulted = payment(None);
+        defaulted.currency.get_or_insert(usd.clone());
+        assert_eq!(
+            defaulted.fingerprint(order_id),
+            payment(Some("USD")).fingerprint(order_id)
+        );
+        assert_ne!(
+            payment(Some("EUR")).fingerprint(order_id),
+            payment(Some("USD")).fingerprint(order_id)
+        );
     }
 
     #[test]

@@ -131,6 +131,14 @@ pub trait OrderCommand: serde::de::DeserializeOwned {
     const ENDPOINT: &'static str;
     const SPAN: &'static str;
     fn validate(&self) -> Result<(), ApiError>;
+    /// Whether a default of the request comes from the order (read before
+    /// the fingerprint, so that leaving out a default and giving its value
+    /// are the same request: DESIGN.md section 5).
+    fn defaults_from_order(&self) -> bool {
+        false
+    }
+    /// Fill those defaults in from the order's currency.
+    fn fill_defaults(&mut self, _order_currency: events::Currency) {}
     fn fingerprint(&self, order_id: Uuid) -> String;
     fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation;
 }
@@ -140,6 +148,12 @@ impl OrderCommand for PaymentRequest {
     const SPAN: &'static str = "receive_payment";
     fn validate(&self) -> Result<(), ApiError> {
         PaymentRequest::validate(self)
+    }
+    fn defaults_from_order(&self) -> bool {
+        self.currency.is_none()
+    }
+    fn fill_defaults(&mut self, order_currency: events::Currency) {
+        self.currency.get_or_insert(order_currency);
     }
     fn fingerprint(&self, order_id: Uuid) -> String {
         PaymentRequest::fingerprint(self, order_id)
@@ -173,8 +187,17 @@ async fn order_command<C: OrderCommand>(
     let key = idempotency::key(&request)?;
     let order_id = order_id(&path)?;
     let body = body(&state, &request, payload).await?;
-    let command = request::parse::<C>(&body)?;
+    let mut command = request::parse::<C>(&body)?;
     command.validate()?;
+    if command.defaults_from_order() {
+        // An order's currency never changes. No order (or a currency this
+        // build no longer knows): the default stays absent, and the
+        // operation answers for the order.
+        let client = state.pool.get().await?;
+        if let Some(currency) = operations::order_currency(&client, &tenant, order_id).await? {
+            command.fill_defaults(currency);
+        }
+    }
     let fingerprint = command.fingerprint(order_id);
     let (span, trace) = operation_span(&request, C::SPAN);
     idempotency::execute(
