@@ -10,11 +10,11 @@ use serde_json::{json, Value};
 use system_tests::{
     bin,
     consumers::{
-        drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
-        payment_received, queue_consumers, queue_depth, story, unique, Consumer, Kind, Options,
-        Publisher, TopologyGuard, TEST_TOKEN,
+        consumer_env, drain_dead_letters, eventually, management, message, order_placed,
+        parcel_delivered, payment_received, queue_consumers, queue_depth, story, unique, Consumer,
+        Kind, Options, Publisher, TopologyGuard, TEST_TOKEN,
     },
-    pg, pool, Database,
+    free_port, pg, pool, Database, Service,
 };
 use uuid::Uuid;
 
@@ -2139,4 +2139,50 @@ async fn a_clean_stop_logs_no_error() {
         errors.is_empty(),
         "error lines on a clean stop: {errors:#?}"
     );
+}
+
+/// A consumer refuses to run on a topology of another shape (a
+/// configuration error no reconnect repairs): fewer partitions than the
+/// broker has, whose extra queues the hash exchange still feeds and nobody
+/// would consume; a retry tier the broker holds with another TTL, whose
+/// declaration it refuses for good. Before, the first consumed part of the
+/// orders and left the rest unconsumed without an alert, the second
+/// reconnected forever without consuming anything.
+#[tokio::test]
+async fn a_consumer_refuses_a_topology_of_another_shape() {
+    let name = unique("t5-shape-loy");
+    let mut running = Consumer::start(Kind::Loyalty, &name, Options::default()).await;
+    running.service.signal("TERM");
+    assert!(
+        running
+            .service
+            .wait_exit(Duration::from_secs(60))
+            .is_some_and(|s| s.success()),
+        "a clean stop"
+    );
+    let refused = |options: Options, what: &str| {
+        let env = consumer_env(Kind::Loyalty, &name, free_port(), &options);
+        let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let mut service = Service::start(Kind::Loyalty.binary(), &[], &env);
+        let status = service.wait_exit(Duration::from_secs(60));
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "{what}: the consumer must stop with an error, got {status:?}"
+        );
+    };
+    refused(
+        Options::one_partition(),
+        "one partition where the broker has two",
+    );
+    refused(
+        Options {
+            tiers_ms: "100,200,300,400,600".to_owned(),
+            ..Options::default()
+        },
+        "a retry tier of another TTL",
+    );
+    // The configuration the topology was made with still runs.
+    let again = Consumer::start(Kind::Loyalty, &name, Options::default()).await;
+    drop(again);
+    drop(running);
 }

@@ -296,6 +296,7 @@ impl<D: Domain> Application<D> {
             // Named after the consumer, so an operator sees which one it is.
             let connection_name = format!("{}:{}", D::SERVICE, self.settings.consumer.name);
             let loop_ends = shutdown.clone();
+            let fatal = Arc::new(std::sync::OnceLock::new());
             let broker = tokio::spawn(async move {
                 kit::amqp::supervise(
                     &settings,
@@ -308,10 +309,15 @@ impl<D: Domain> Application<D> {
                             processor.clone(),
                             prefetch,
                             shutdown.clone(),
+                            fatal.clone(),
                         )
                     },
                 )
                 .await;
+                match fatal.get() {
+                    Some(why) => Err(anyhow::anyhow!("consumer topology conflict: {why}")),
+                    None => Ok(()),
+                }
             });
             // A panic outside a partition worker (they are watched by
             // `worker::run_connection`) stops the service instead of leaving
@@ -332,7 +338,7 @@ impl<D: Domain> Application<D> {
         // The workers finish their in-flight messages before this returns
         // (bounded, so a stuck dependency cannot keep the process alive).
         match tokio::time::timeout(SHUTDOWN_GRACE, broker).await {
-            Ok(joined) => joined??,
+            Ok(joined) => joined???,
             Err(_) => tracing::error!("the broker side did not stop in time; exiting anyway"),
         }
         tracing::info!("consumer stopped");

@@ -110,8 +110,8 @@ pub async fn redrive(
     let shutdown = CancellationToken::new();
     let connection =
         kit::amqp::connect(amqp, &format!("{}-redrive", topology.name), &shutdown).await?;
+    topology.check_and_declare(&connection).await?;
     let channel = connection.create_channel().await?;
-    topology.declare(&channel).await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;

@@ -13,9 +13,12 @@
 use std::time::Duration;
 
 use lapin::{
-    options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
+    options::{
+        ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+        QueueDeleteOptions,
+    },
     types::{AMQPValue, FieldTable, LongString, ShortString},
-    Channel, ExchangeKind,
+    Channel, Connection, ExchangeKind,
 };
 
 /// Names and shape of one consumer's topology.
@@ -63,6 +66,88 @@ impl Topology {
 
     pub fn dead_letter_queue(&self) -> String {
         format!("{}.dlq", self.name)
+    }
+
+    /// Check the broker's topology against this configuration, then declare
+    /// everything (idempotent). A topology in another shape is a
+    /// [`DeclareError::Conflict`]: the service refuses to run on it (see
+    /// deploy/README.md, "Changing partitions, retry tiers or the delivery
+    /// limit") instead of retrying a declaration the broker will never
+    /// accept, or consuming while part of the orders go unconsumed.
+    pub async fn check_and_declare(&self, connection: &Connection) -> Result<(), DeclareError> {
+        self.check_partitions(connection).await?;
+        let channel = connection.create_channel().await?;
+        match self.declare(&channel).await {
+            Err(error) if amqp_reply_code(&error) == Some(PRECONDITION_FAILED) => {
+                Err(DeclareError::Conflict(format!(
+                    "the broker holds this consumer's topology with other arguments \
+                     (a retry tier, the delivery limit or a queue type changed): {error}. \
+                     Restore the setting, or drain and delete the queue named there first"
+                )))
+            }
+            Err(error) => Err(error.into()),
+            Ok(()) => {
+                let _ = channel.close(200, "declared".into()).await;
+                Ok(())
+            }
+        }
+    }
+
+    /// A partition queue past the configured count (`<name>.p{P}`) means the
+    /// consumer had more partitions: the hash exchange still routes part of
+    /// the orders to it, and no instance of this configuration would ever
+    /// consume them.
+    async fn check_partitions(&self, connection: &Connection) -> Result<(), DeclareError> {
+        let queue = self.partition_queue(self.partitions);
+        // AMQP asks "does it exist" only with a passive declaration, which
+        // the broker answers with a 404 that closes the channel (and lapin
+        // logs at ERROR, on every start). Instead: declare the name as an
+        // exclusive queue of this connection and delete it again; a
+        // partition queue of that name (durable, shared) makes the broker
+        // refuse the declaration. (Crashing in between, the exclusive queue
+        // goes with the connection.) Another instance probing the same name
+        // at the same moment is refused the same way: a refusal counts only
+        // once it has lasted over a few tries.
+        let exclusive = QueueDeclareOptions {
+            exclusive: true,
+            auto_delete: true,
+            ..QueueDeclareOptions::default()
+        };
+        let mut tries = 0;
+        loop {
+            let probe = connection.create_channel().await?;
+            match probe
+                .queue_declare(queue.as_str().into(), exclusive, FieldTable::default())
+                .await
+            {
+                Ok(_) => {
+                    probe
+                        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                        .await?;
+                    let _ = probe.close(200, "probed".into()).await;
+                    return Ok(());
+                }
+                Err(error)
+                    if matches!(
+                        amqp_reply_code(&error),
+                        Some(RESOURCE_LOCKED | PRECONDITION_FAILED)
+                    ) =>
+                {
+                    tries += 1;
+                    if tries == PROBE_TRIES {
+                        return Err(DeclareError::Conflict(format!(
+                            "queue {queue} exists but partitions = {}: the consumer had more \
+                             partitions, and the events its hash exchange routes there would \
+                             never be consumed. Set the partitions back, or drain the queues \
+                             from {queue} on and delete them first ({error})",
+                            self.partitions
+                        )));
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
     }
 
     /// Declare everything (idempotent; the arguments never change for a name).
@@ -146,6 +231,31 @@ impl Topology {
                 .await?;
         }
         Ok(())
+    }
+}
+
+/// Why the topology could not be declared.
+#[derive(Debug, thiserror::Error)]
+pub enum DeclareError {
+    /// The broker holds the topology in a shape this configuration cannot
+    /// use: a configuration error, not retried.
+    #[error("consumer topology conflict: {0}")]
+    Conflict(String),
+    /// The connection or a channel failed: reconnect and try again.
+    #[error(transparent)]
+    Broker(#[from] lapin::Error),
+}
+
+const RESOURCE_LOCKED: u16 = 405;
+/// Refusals of the partition probe that make a conflict (200 ms apart).
+const PROBE_TRIES: u32 = 5;
+const PRECONDITION_FAILED: u16 = 406;
+
+/// The AMQP reply code a broker closed a channel or connection with.
+fn amqp_reply_code(error: &lapin::Error) -> Option<u16> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
     }
 }
 

@@ -14,7 +14,7 @@
 //! quorum queue each acknowledgement is a Raft command, so one per batch
 //! instead of one per message takes most of the broker's work off the path.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
@@ -31,19 +31,31 @@ use tracing::Instrument;
 
 use crate::{
     process::{Infra, Processor},
+    topology::DeclareError,
     Domain,
 };
 use kit::CancellationToken;
 
 /// Work on one broker connection until shutdown (`Ok`) or a failure (`Err`:
-/// the supervisor reconnects).
+/// the supervisor reconnects). A topology conflict (a configuration error,
+/// which no reconnect repairs) is written to `fatal` and ends the
+/// supervisor with `Ok`: the service then stops with that error.
 pub(crate) async fn run_connection<D: Domain>(
     connection: Connection,
     processor: Arc<Processor<D>>,
     prefetch: u16,
     shutdown: CancellationToken,
+    fatal: Arc<OnceLock<String>>,
 ) -> Result<(), lapin::Error> {
-    let result = consume(&connection, processor, prefetch, &shutdown).await;
+    let result = match processor.topology.check_and_declare(&connection).await {
+        Ok(()) => consume(&connection, processor, prefetch, &shutdown).await,
+        Err(DeclareError::Broker(error)) => Err(error),
+        Err(DeclareError::Conflict(why)) => {
+            tracing::error!(%why, "refusing to consume: consumer topology conflict");
+            let _ = fatal.set(why);
+            Ok(())
+        }
+    };
     if connection.status().connected() {
         // Bounded: a broker that does not answer must not hold up a shutdown
         // (unacknowledged messages are requeued when the socket goes anyway).
@@ -64,10 +76,6 @@ async fn consume<D: Domain>(
     prefetch: u16,
     shutdown: &CancellationToken,
 ) -> Result<(), lapin::Error> {
-    let setup = connection.create_channel().await?;
-    processor.topology.declare(&setup).await?;
-    let _ = setup.close(200, "declared".into()).await;
-
     // A token of this connection's workers: cancelled on shutdown or when one
     // of them fails (then all stop and the connection is rebuilt).
     let stop = shutdown.child_token();
