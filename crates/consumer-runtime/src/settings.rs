@@ -46,7 +46,9 @@ pub struct ConsumerSettings {
     /// `<name>.retry.<i>` per tier). Default 10 s, 1 min, 5 min, 30 min, 2 h.
     pub retry_tiers_ms: String,
     /// Failed attempts after which an event is dead-lettered (and its order
-    /// parked).
+    /// parked). Attempt n+1 follows tier n: the default 5 attempts wait in
+    /// the first four tiers (about 36 min in all), and the 2 h tier is used
+    /// from a 6th attempt on; past the last tier, the last is used again.
     pub max_attempts: u32,
     /// How many times an event that arrives ahead of a missing predecessor is
     /// deferred (through retry tier 0, not counted as a failure) before it
