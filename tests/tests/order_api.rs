@@ -1035,3 +1035,102 @@ async fn a_start_up_waits_for_another_instance_s_migration() {
     .await
     .expect("order-api ready once the migration lock is free");
 }
+
+/// A replay reads the stored record without locking it (seed 004's `ON
+/// CONFLICT DO NOTHING`): a transaction holding a share lock on the
+/// committed key's row (another replay, the cleanup looking at it) does not
+/// hold the replay up. The claim used to be `DO UPDATE ... WHERE expired`,
+/// which locks the conflicting row even when nothing is updated: replays of
+/// one key took turns, and past the lock timeout answered 409
+/// idempotency_in_progress for work long done.
+#[tokio::test]
+async fn a_replay_takes_no_lock_on_the_stored_record() {
+    let api =
+        OrderApi::start(&[("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned())]).await;
+    let caller = Caller::new("replaylock");
+    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first_body = first.bytes().await.expect("body");
+
+    let mut holder = pg(Database::Orders).await;
+    let tx = holder.transaction().await.expect("begin");
+    let locked = tx
+        .execute(
+            "SELECT 1 FROM idempotency_requests WHERE tenant_id = $1 AND idempotency_key = 'k' FOR SHARE",
+            &[&caller.tenant],
+        )
+        .await
+        .expect("share lock");
+    assert_eq!(locked, 1);
+    let replay = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(
+        replay.status(),
+        StatusCode::CREATED,
+        "not held up by the lock"
+    );
+    assert!(is_replay(&replay));
+    assert_eq!(replay.bytes().await.expect("body"), first_body);
+    let (status, problem) = json_of(
+        caller
+            .post(
+                &api.url("/orders"),
+                "k",
+                &SEED_ORDER.replace("\"77\"", "\"78\""),
+            )
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::CONFLICT, Some("idempotency_key_reused"))
+    );
+    tx.rollback().await.expect("rollback");
+    assert_eq!(counts(&caller.tenant).await.orders, 1);
+}
+
+/// An expired record the cleanup has not deleted yet is taken over: the key
+/// is a new operation (another body is no longer 409). Ten concurrent
+/// requests taking it over make exactly one order; the others replay it.
+#[tokio::test]
+async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
+    let api = OrderApi::start(&[(
+        "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+        "3600".to_owned(),
+    )])
+    .await;
+    let caller = Caller::new("takeover");
+    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let expire = "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' \
+                  WHERE tenant_id = $1 AND idempotency_key = 'k'";
+    let orders_db = pg(Database::Orders).await;
+    assert_eq!(
+        orders_db
+            .execute(expire, &[&caller.tenant])
+            .await
+            .expect("expire"),
+        1
+    );
+    let other = SEED_ORDER.replace("\"77\"", "\"78\"");
+    let url = api.url("/orders");
+    let responses = futures_util::future::join_all(
+        (0..10).map(|_| async { caller.post(&url, "k", &other).await }),
+    )
+    .await;
+    let mut bodies = Vec::new();
+    let mut replays = 0;
+    for response in responses {
+        assert_eq!(response.status(), StatusCode::CREATED);
+        replays += usize::from(is_replay(&response));
+        bodies.push(response.bytes().await.expect("body"));
+    }
+    assert_eq!(replays, 9, "one owner, nine replays");
+    assert!(
+        bodies.windows(2).all(|w| w[0] == w[1]),
+        "one stored response"
+    );
+    let order: Value = serde_json::from_slice(&bodies[0]).expect("json");
+    assert_eq!(order["customer_id"], "78");
+    let c = counts(&caller.tenant).await;
+    assert_eq!((c.orders, c.keys), (2, 1));
+}

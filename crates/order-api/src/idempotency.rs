@@ -1,8 +1,9 @@
 //! The idempotency contract of seed 004.
 //!
 //! One short transaction per request: claim `(tenant, endpoint, key)` with an
-//! `INSERT ... ON CONFLICT` (the unique primary key picks exactly one owner;
-//! no SELECT-then-INSERT race); the owner runs the operation, stores status +
+//! `INSERT ... ON CONFLICT DO NOTHING` (the unique primary key picks exactly
+//! one owner; no SELECT-then-INSERT race; an expired record is taken over by
+//! a conditional UPDATE); the owner runs the operation, stores status +
 //! body + resource id in the same row and commits once; the response is sent
 //! only after that commit. A loser waits on the owner's uncommitted row, at
 //! most `lock_timeout` (set on every pooled session), then reads the committed
@@ -125,17 +126,28 @@ impl Drop for InFlightGuard {
     }
 }
 
-/// Claim the key (or take over an expired record). Waiting on an in-flight
-/// owner is bounded by the session's `lock_timeout`.
+/// Claim a new key (DESIGN.md section 5, seed 004: `INSERT ... ON CONFLICT
+/// DO NOTHING RETURNING`). A key whose owner is in flight makes the insert
+/// wait for that owner, at most the session's `lock_timeout`; a committed
+/// key is left alone (not even locked: replays of one key run side by side).
 pub const CLAIM: &str = "\
-INSERT INTO idempotency_requests AS r
+INSERT INTO idempotency_requests
     (tenant_id, endpoint, idempotency_key, request_fingerprint, expires_at)
 VALUES ($1, $2, $3, $4, now() + ($5::bigint || ' seconds')::interval)
-ON CONFLICT (tenant_id, endpoint, idempotency_key) DO UPDATE
-    SET request_fingerprint = EXCLUDED.request_fingerprint,
-        response_status = NULL, response_body = NULL, resource_id = NULL,
-        created_at = now(), expires_at = EXCLUDED.expires_at
-    WHERE r.expires_at <= now()
+ON CONFLICT (tenant_id, endpoint, idempotency_key) DO NOTHING
+RETURNING 1";
+
+/// Take over an expired record the cleanup has not deleted yet (after expiry
+/// a key is a new operation). Of concurrent takers, one updates the row; the
+/// others wait for it (bounded by `lock_timeout`), find it no longer expired
+/// and read what it stored.
+pub const TAKE_OVER: &str = "\
+UPDATE idempotency_requests
+   SET request_fingerprint = $4, response_status = NULL, response_body = NULL,
+       resource_id = NULL, created_at = now(),
+       expires_at = now() + ($5::bigint || ' seconds')::interval
+ WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3
+   AND expires_at <= now()
 RETURNING 1";
 
 /// Store the outcome with the key (same transaction as the operation).
@@ -145,7 +157,8 @@ UPDATE idempotency_requests
  WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
 
 const READ: &str = "\
-SELECT request_fingerprint, response_status, response_body, resource_id
+SELECT request_fingerprint, response_status, response_body, resource_id,
+       expires_at <= now()
   FROM idempotency_requests
  WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
 
@@ -166,25 +179,40 @@ pub async fn execute(
 
     let mut client = state.pool.get().await?;
     let tx = client.transaction().await?;
+    let in_progress = || {
+        metrics.in_progress.with_label_values(&[endpoint]).inc();
+        tracing::info!(endpoint, key_hash, "idempotency key in progress");
+        ApiError::InProgress
+    };
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+        [&tenant, &endpoint, &key, &fingerprint, &ttl];
     let claim = tx.prepare_cached(CLAIM).await?;
-    let claimed = match tx
-        .query_opt(&claim, &[&tenant, &endpoint, &key, &fingerprint, &ttl])
-        .await
-    {
+    let mut claimed = match tx.query_opt(&claim, &params).await {
         Ok(row) => row.is_some(),
-        Err(error) if ApiError::is_lock_timeout(&error) => {
-            metrics.in_progress.with_label_values(&[endpoint]).inc();
-            tracing::info!(endpoint, key_hash, "idempotency key in progress");
-            return Err(ApiError::InProgress);
-        }
+        Err(error) if ApiError::is_lock_timeout(&error) => return Err(in_progress()),
         Err(error) => return Err(error.into()),
     };
-
+    let mut existing = None;
     if !claimed {
         let read = tx.prepare_cached(READ).await?;
-        let row = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+        existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+        if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
+            let take_over = tx.prepare_cached(TAKE_OVER).await?;
+            claimed = match tx.query_opt(&take_over, &params).await {
+                Ok(row) => row.is_some(),
+                Err(error) if ApiError::is_lock_timeout(&error) => return Err(in_progress()),
+                Err(error) => return Err(error.into()),
+            };
+            if !claimed {
+                // Another request took it over (and committed): its record.
+                existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+            }
+        }
+    }
+
+    if !claimed {
         drop(tx); // read-only: rolled back
-        let Some(row) = row else {
+        let Some(row) = existing else {
             // Deleted by cleanup between the two statements: ask for a retry.
             return Err(ApiError::InProgress);
         };
