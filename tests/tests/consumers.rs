@@ -2186,3 +2186,80 @@ async fn a_consumer_refuses_a_topology_of_another_shape() {
     drop(again);
     drop(running);
 }
+
+/// Parking holds an order from its dead-lettered event on, not before it:
+/// an earlier event arriving after a later one turned out to be poison
+/// (the earlier one was waiting in a retry tier, say) still applies. An
+/// undecodable copy of an event applied already (a replay read by a binary
+/// that cannot decode it) is acknowledged as stale: it parks nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
+    let tenant = unique("t5-park-from");
+    let name = unique("t5-park-from-inv");
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+    let publisher = Publisher::connect().await;
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
+    let v99 = |mut m: system_tests::consumers::Message| {
+        let mut raw: Value = serde_json::from_slice(&m.body).expect("json");
+        raw["schema_version"] = json!(99);
+        m.body = serde_json::to_vec(&raw).expect("json");
+        m.schema_version = 99;
+        m
+    };
+    let order = Uuid::now_v7();
+    publisher
+        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
+        .await;
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+
+    for m in [
+        // An undecodable copy of sequence 1: stale, nothing parked.
+        v99(order_placed(&tenant, order, 1, "77", 2)),
+        // Sequence 3 is poison: the order is parked from 3 on.
+        v99(parcel_delivered(&tenant, order, 3, 2)),
+        // Sequence 2 comes after it, and is applied.
+        payment_received(&tenant, order, 2, "93.00"),
+        // Sequence 4: held behind 3.
+        message(
+            &tenant,
+            order,
+            4,
+            "OrderGiftWrapped",
+            1,
+            json!({"order_id": order, "paper": "red"}),
+        ),
+    ] {
+        publisher.to_consumer(&name, &m).await;
+    }
+    wait_sequence(Database::Inventory, &name, order, 2).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 2.0)
+        .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((2, true)),
+        "applied up to 2, parked from 3"
+    );
+    assert_eq!(
+        inventory.metric("consumer_stale_total", "").await,
+        1.0,
+        "the undecodable copy of 1"
+    );
+    let letters = drain_dead_letters(&name).await;
+    let mut reasons: Vec<(i64, bool)> = letters
+        .iter()
+        .map(|l| {
+            let body: Value = serde_json::from_slice(&l.body).expect("json");
+            (
+                body["aggregate_sequence"].as_i64().expect("sequence"),
+                l.reason.contains("parked"),
+            )
+        })
+        .collect();
+    reasons.sort_unstable();
+    assert_eq!(
+        reasons,
+        vec![(3, false), (4, true)],
+        "3 dead-lettered as poison, 4 as parked behind it: {letters:?}"
+    );
+}

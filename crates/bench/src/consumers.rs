@@ -177,7 +177,7 @@ async fn sequential_open(
     anyhow::ensure!(inserted.is_some(), "raw events are new");
     let progress_args: [&(dyn ToSql + Sync); 3] = [&name, &raw.aggregate_id, &raw.tenant_id];
     tx.execute(INSERT_PROGRESS, &progress_args).await?;
-    let lock_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.aggregate_id];
+    let lock_args: [&(dyn ToSql + Sync); 3] = [&name, &raw.aggregate_id, &raw.aggregate_sequence];
     let progress = tx.query_one(LOCK_PROGRESS, &lock_args).await?;
     let last: i64 = progress.get(0);
     anyhow::ensure!(raw.aggregate_sequence == last + 1, "in order");

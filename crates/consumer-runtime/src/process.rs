@@ -116,15 +116,19 @@ pub const INSERT_INBOX: &str = "INSERT INTO processed_events (consumer_name, eve
 /// The order's progress row, created on its first event.
 pub const INSERT_PROGRESS: &str = "INSERT INTO order_progress (consumer_name, aggregate_id, \
      tenant_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
-/// The order's progress, locked for the transaction.
-pub const LOCK_PROGRESS: &str = "SELECT last_sequence, parked_at IS NOT NULL, parked_event_id, \
-     parked_reason FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE";
+/// The order's progress, locked for the transaction; whether the order is
+/// parked for sequence `$3` (at or after its lowest dead-lettered event;
+/// a row parked without a sequence holds the whole order).
+pub const LOCK_PROGRESS: &str = "SELECT last_sequence, parked_at IS NOT NULL \
+     AND $3::bigint >= COALESCE(parked_sequence, 0), parked_event_id, parked_reason \
+     FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE";
 /// The last applied sequence moves on, only if `$3` is the next one and the
-/// order is not parked (it runs before the runtime has seen the progress
-/// row: see [`open_message`]).
+/// order is not parked for it (it runs before the runtime has seen the
+/// progress row: see [`open_message`]).
 pub const ADVANCE_PROGRESS: &str = "UPDATE order_progress SET last_sequence = $3, \
      updated_at = now() WHERE consumer_name = $1 AND aggregate_id = $2 \
-     AND last_sequence = $3::bigint - 1 AND parked_at IS NULL";
+     AND last_sequence = $3::bigint - 1 \
+     AND (parked_at IS NULL OR $3::bigint < COALESCE(parked_sequence, 0))";
 
 /// What the first four statements of a message's transaction found.
 #[derive(Debug)]
@@ -170,7 +174,7 @@ pub async fn open_message(
             &insert_progress,
             &[&name, &raw.aggregate_id, &raw.tenant_id],
         ),
-        tx.query_one(&lock_progress, &[&name, &raw.aggregate_id]),
+        tx.query_one(&lock_progress, &[&name, &raw.aggregate_id, &sequence]),
         tx.execute(&advance, &[&name, &raw.aggregate_id, &sequence]),
     )
     .await;
@@ -266,6 +270,13 @@ impl<D: Domain> Processor<D> {
                 Ok(Outcome::DeadLettered { reason })
             }
             Decoded::PoisonPayload(raw, error) => {
+                if self.applied_already(&raw).await? {
+                    // A copy of an event applied here before (a replay read
+                    // by a binary that cannot decode it): nothing to hold.
+                    self.metrics.stale.inc();
+                    tracing::info!(event_id = %raw.event_id, sequence = raw.aggregate_sequence, "undecodable copy of an applied event acknowledged");
+                    return Ok(Outcome::Stale);
+                }
                 let reason = format!("poison: {error}");
                 tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettering and parking the order");
                 self.dead_letter_and_park(publisher, &incoming, &raw, &reason)
@@ -502,6 +513,24 @@ impl<D: Domain> Processor<D> {
         .await
     }
 
+    /// Whether the order's progress is at or past `raw`'s sequence here.
+    async fn applied_already(&self, raw: &RawEnvelope) -> Result<bool, Infra> {
+        let client = self.pool.get().await?;
+        match client
+            .query_opt(
+                "SELECT last_sequence >= $3 FROM order_progress \
+                 WHERE consumer_name = $1 AND aggregate_id = $2",
+                &[&self.name(), &raw.aggregate_id, &raw.aggregate_sequence],
+            )
+            .await
+        {
+            Ok(row) => Ok(row.is_some_and(|row| row.get(0))),
+            // Ids the database cannot even compare: never applied here.
+            Err(error) if the_event_s_own(&error).is_some() => Ok(false),
+            Err(error) => Err(error.into()),
+        }
+    }
+
     /// Park the order and publish to the DLQ in one database transaction: the
     /// park commits only once the broker confirmed the dead letter.
     async fn dead_letter_and_park(
@@ -513,24 +542,19 @@ impl<D: Domain> Processor<D> {
     ) -> Result<(), Infra> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        let parked = tx.execute(
-            "INSERT INTO order_progress \
-               (consumer_name, aggregate_id, tenant_id, parked_at, parked_event_id, parked_reason) \
-             VALUES ($1, $2, $3, now(), $4, $5) \
-             ON CONFLICT (consumer_name, aggregate_id) DO UPDATE SET \
-               parked_at = COALESCE(order_progress.parked_at, EXCLUDED.parked_at), \
-               parked_event_id = COALESCE(order_progress.parked_event_id, EXCLUDED.parked_event_id), \
-               parked_reason = COALESCE(order_progress.parked_reason, EXCLUDED.parked_reason), \
-               updated_at = now()",
-            &[
-                &self.name(),
-                &raw.aggregate_id,
-                &raw.tenant_id,
-                &raw.event_id,
-                &reason,
-            ],
-        )
-        .await;
+        let parked = tx
+            .execute(
+                PARK,
+                &[
+                    &self.name(),
+                    &raw.aggregate_id,
+                    &raw.tenant_id,
+                    &raw.event_id,
+                    &reason,
+                    &raw.aggregate_sequence,
+                ],
+            )
+            .await;
         if let Err(error) = parked {
             // The order cannot even be recorded (its id or tenant is not
             // storable): dead-letter the event alone. Its order's later
@@ -547,6 +571,28 @@ impl<D: Domain> Processor<D> {
         Ok(())
     }
 }
+
+/// Park the order at sequence `$6` (its event `$4`, for reason `$5`), or, if
+/// it is parked already, at the lower of the two sequences, naming the
+/// lower one's event. A row parked before `parked_sequence` existed (NULL)
+/// holds the whole order and stays so.
+const PARK: &str = "INSERT INTO order_progress \
+       (consumer_name, aggregate_id, tenant_id, parked_at, parked_event_id, parked_reason, \
+        parked_sequence) \
+     VALUES ($1, $2, $3, now(), $4, $5, $6) \
+     ON CONFLICT (consumer_name, aggregate_id) DO UPDATE SET \
+       parked_at = COALESCE(order_progress.parked_at, EXCLUDED.parked_at), \
+       parked_event_id = CASE WHEN order_progress.parked_at IS NULL \
+           OR EXCLUDED.parked_sequence < order_progress.parked_sequence \
+           THEN EXCLUDED.parked_event_id ELSE order_progress.parked_event_id END, \
+       parked_reason = CASE WHEN order_progress.parked_at IS NULL \
+           OR EXCLUDED.parked_sequence < order_progress.parked_sequence \
+           THEN EXCLUDED.parked_reason ELSE order_progress.parked_reason END, \
+       parked_sequence = CASE WHEN order_progress.parked_at IS NULL \
+           THEN EXCLUDED.parked_sequence \
+           WHEN order_progress.parked_sequence IS NULL THEN NULL \
+           ELSE LEAST(order_progress.parked_sequence, EXCLUDED.parked_sequence) END, \
+       updated_at = now()";
 
 /// Whether a failed runtime statement (inbox, progress, park, COMMIT) is
 /// the event's own fault, and why: SQLSTATE classes 22 (data exception: a

@@ -89,7 +89,7 @@ async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bo
     let client = pool.get().await?;
     let updated = client
         .execute(
-            "UPDATE order_progress SET parked_at = NULL, parked_event_id = NULL, \
+            "UPDATE order_progress SET parked_at = NULL, parked_event_id = NULL, parked_sequence = NULL, \
              parked_reason = NULL, updated_at = now() \
              WHERE consumer_name = $1 AND aggregate_id = $2 AND parked_at IS NOT NULL",
             &[&consumer, &order],
