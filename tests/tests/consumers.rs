@@ -410,6 +410,118 @@ async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
     );
     assert_eq!(points["entries"][0]["event_type"], json!("ParcelDelivered"));
 
+    // Lists come in pages: `limit` items, then `after` the last id of a
+    // full page (`next_after`); a short page is the last.
+    assert_eq!(
+        j["next_after"],
+        Value::Null,
+        "the whole journal in one page"
+    );
+    let journal_page = |after: Option<String>| {
+        let path = format!(
+            "/journal?tenant={tenant}&order_id={}&limit=1{}",
+            s.order,
+            after.map(|a| format!("&after={a}")).unwrap_or_default()
+        );
+        let ledger = &ledger;
+        async move {
+            let (status, page) = ledger.get(&path).await;
+            assert_eq!(status, 200, "{page}");
+            page
+        }
+    };
+    let first = journal_page(None).await;
+    assert_eq!(first["entries"][0]["event_id"], json!(s.paid.event_id));
+    assert_eq!(first["next_after"], first["entries"][0]["entry_id"]);
+    let second = journal_page(first["next_after"].as_str().map(str::to_owned)).await;
+    assert_eq!(
+        second["entries"][0]["event_id"],
+        json!(s.delivered.event_id)
+    );
+    let third = journal_page(second["next_after"].as_str().map(str::to_owned)).await;
+    assert_eq!(
+        (&third["entries"], &third["next_after"]),
+        (&json!([]), &Value::Null)
+    );
+
+    let (status, moves) = inventory
+        .get(&format!(
+            "/stock/JKT-M?tenant={tenant}&location=WH-1&limit=2"
+        ))
+        .await;
+    assert_eq!(status, 200, "{moves}");
+    assert_eq!(moves["movements"].as_array().map(Vec::len), Some(2));
+    let after = moves["next_after"]
+        .as_i64()
+        .expect("a full page names the next");
+    let (status, rest) = inventory
+        .get(&format!(
+            "/stock/JKT-M/movements?tenant={tenant}&location=WH-1&limit=2&after={after}"
+        ))
+        .await;
+    assert_eq!(status, 200, "{rest}");
+    assert_eq!(rest.as_array().map(Vec::len), Some(1));
+    assert_eq!(rest[0]["movement_type"], json!("sale"));
+    // The array endpoint links a full page to the next (RFC 8288).
+    let http = reqwest::Client::new();
+    let response = http
+        .get(format!(
+            "{}/stock/JKT-M/movements?tenant={tenant}&location=WH-1&limit=1",
+            inventory.base_url()
+        ))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .expect("GET");
+    let link = response
+        .headers()
+        .get("link")
+        .and_then(|v| v.to_str().ok())
+        .expect("a Link header on a full page")
+        .to_owned();
+    let next = link
+        .strip_prefix('<')
+        .and_then(|l| l.split_once(">; rel=\"next\""))
+        .map(|(url, _)| url.to_owned())
+        .unwrap_or_else(|| panic!("{link}"));
+    let followed: Value = http
+        .get(format!("{}{next}", inventory.base_url()))
+        .bearer_auth(TEST_TOKEN)
+        .send()
+        .await
+        .expect("GET next")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(followed[0]["movement_type"], json!("reserve"), "{next}");
+
+    let (status, page) = loyalty_c
+        .get(&format!("/customers/77/loyalty?tenant={tenant}&limit=1"))
+        .await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["next_after"], page["entries"][0]["entry_id"]);
+    let (_, last) = loyalty_c
+        .get(&format!(
+            "/customers/77/loyalty?tenant={tenant}&limit=1&after={}",
+            page["next_after"]
+        ))
+        .await;
+    assert_eq!(
+        (&last["balance"], &last["entries"], &last["next_after"]),
+        (&json!(80), &json!([]), &Value::Null),
+        "the balance is over every entry, not the page"
+    );
+    for (query, field) in [
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("after=x", "after"),
+    ] {
+        let (status, problem) = ledger
+            .get(&format!("/journal?tenant={tenant}&{query}"))
+            .await;
+        assert_eq!((status, &problem["field"]), (400, &json!(field)), "{query}");
+    }
+
     // Read endpoints are internal: token and tenant required, problem+json.
     let anonymous = reqwest::get(format!(
         "{}/customers/77/loyalty?tenant={tenant}",

@@ -156,3 +156,86 @@ pub fn bad_request(field: &str, detail: impl Into<String>) -> Problem {
 pub fn not_found(what: impl Into<String>) -> Problem {
     Problem::new(StatusCode::NOT_FOUND, "not_found", "Not found").detail(what)
 }
+
+/// Keyset pagination of a list in a read endpoint: `after` is the id of the
+/// last item of the previous page (exclusive), `limit` the page size
+/// (1..=[`MAX_PAGE`], default [`MAX_PAGE`]). A full page names the cursor of
+/// the next one (`next_after`); a shorter page is the last. Lists were cut
+/// at a fixed size, oldest first, so the newest items of a long list could
+/// not be read at all.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct PageQuery {
+    after: Option<String>,
+    limit: Option<String>,
+}
+
+/// The largest (and default) page of a read endpoint's list.
+pub const MAX_PAGE: i64 = 1000;
+
+impl PageQuery {
+    /// The page size, or a 400 naming `limit`.
+    pub fn limit(&self) -> Result<i64, Problem> {
+        match self.limit.as_deref() {
+            None => Ok(MAX_PAGE),
+            Some(text) => text
+                .parse::<i64>()
+                .ok()
+                .filter(|n| (1..=MAX_PAGE).contains(n))
+                .ok_or_else(|| {
+                    bad_request(
+                        "limit",
+                        format!("limit must be an integer from 1 to {MAX_PAGE}"),
+                    )
+                }),
+        }
+    }
+
+    /// The cursor, parsed as `T` (`what` names its form in the 400).
+    pub fn after<T: std::str::FromStr>(&self, what: &str) -> Result<Option<T>, Problem> {
+        self.after
+            .as_deref()
+            .map(|text| {
+                text.parse::<T>()
+                    .map_err(|_| bad_request("after", format!("after must be {what}")))
+            })
+            .transpose()
+    }
+}
+
+/// The cursor of the page after one of `len` items of at most `limit`
+/// whose last item has id `last`: none once a page is short.
+pub fn next_after<T>(len: usize, limit: i64, last: Option<T>) -> Option<T> {
+    (i64::try_from(len).unwrap_or(i64::MAX) >= limit)
+        .then_some(last)
+        .flatten()
+}
+
+#[cfg(test)]
+mod page_tests {
+    use super::*;
+
+    fn page(after: Option<&str>, limit: Option<&str>) -> PageQuery {
+        PageQuery {
+            after: after.map(str::to_owned),
+            limit: limit.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn limits_and_cursors_are_checked_and_full_pages_name_the_next() {
+        assert_eq!(page(None, None).limit().ok(), Some(MAX_PAGE));
+        assert_eq!(page(None, Some("1")).limit().ok(), Some(1));
+        for bad in ["0", "-1", "1001", "ten", ""] {
+            assert!(page(None, Some(bad)).limit().is_err(), "{bad}");
+        }
+        assert_eq!(
+            page(Some("42"), None).after::<i64>("an id").ok(),
+            Some(Some(42))
+        );
+        assert_eq!(page(None, None).after::<i64>("an id").ok(), Some(None));
+        assert!(page(Some("x"), None).after::<i64>("an id").is_err());
+        assert_eq!(next_after(2, 2, Some(7)), Some(7));
+        assert_eq!(next_after(1, 2, Some(7)), None);
+        assert_eq!(next_after::<i64>(0, 2, None), None);
+    }
+}

@@ -19,7 +19,10 @@ use std::collections::BTreeMap;
 
 use actix_web::{http::StatusCode, web, HttpResponse};
 use consumer_runtime::{
-    auth::{bad_request, database_problem, no_control_characters, not_found, text_param},
+    auth::{
+        bad_request, database_problem, next_after, no_control_characters, not_found, text_param,
+        PageQuery,
+    },
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, RawEnvelope};
@@ -459,10 +462,13 @@ async fn levels(
 #[derive(Debug, Deserialize)]
 struct LocationQuery {
     location: Option<String>,
+    #[serde(flatten)]
+    page: PageQuery,
 }
 
 /// `GET /stock/{sku}?tenant=&location=`: the level(s) of one sku, with the
-/// movements when a location is given.
+/// movements when a location is given (a page of them: `after`, `limit`,
+/// `next_after`).
 async fn get_stock(
     scope: TenantScope,
     pool: web::Data<kit::db::PgPool>,
@@ -475,7 +481,8 @@ async fn get_stock(
         Some(location) => {
             no_control_characters("location", location)?;
             let level = level(&pool, &scope.tenant, &sku, location).await?;
-            let movements = movements(&pool, &scope.tenant, &sku, location).await?;
+            let (movements, next_after) =
+                movements(&pool, &scope.tenant, &sku, location, &query.page).await?;
             Ok(HttpResponse::Ok().json(serde_json::json!({
                 "tenant": scope.tenant,
                 "sku": level.sku,
@@ -484,6 +491,7 @@ async fn get_stock(
                 "reserved": level.reserved,
                 "available": level.available,
                 "movements": movements,
+                "next_after": next_after,
             })))
         }
         None => {
@@ -497,9 +505,12 @@ async fn get_stock(
     }
 }
 
-/// `GET /stock/{sku}/movements?tenant=&location=`.
+/// `GET /stock/{sku}/movements?tenant=&location=&after=&limit=`: a page of
+/// movements, oldest first; a full page has a `Link: <...>; rel="next"`
+/// header (RFC 8288) to the next one.
 async fn get_movements(
     scope: TenantScope,
+    request: actix_web::HttpRequest,
     pool: web::Data<kit::db::PgPool>,
     sku: web::Path<String>,
     query: web::Query<LocationQuery>,
@@ -509,28 +520,45 @@ async fn get_movements(
     };
     no_control_characters("sku", &sku)?;
     no_control_characters("location", location)?;
-    let movements = movements(&pool, &scope.tenant, &sku, location).await?;
-    Ok(HttpResponse::Ok().json(movements))
+    let (movements, next_after) =
+        movements(&pool, &scope.tenant, &sku, location, &query.page).await?;
+    let mut response = HttpResponse::Ok();
+    if let Some(after) = next_after {
+        let next = serde_urlencoded::to_string([
+            ("tenant", scope.tenant.as_str()),
+            ("location", location),
+            ("after", &after.to_string()),
+            ("limit", &query.page.limit()?.to_string()),
+        ])
+        .map_err(|e| bad_request("location", e.to_string()))?;
+        response.insert_header(("Link", format!("<{}?{next}>; rel=\"next\"", request.path())));
+    }
+    Ok(response.json(movements))
 }
 
+/// A page of the movements of one stock level, and the cursor of the next.
 async fn movements(
     pool: &kit::db::PgPool,
     tenant: &str,
     sku: &str,
     location: &str,
-) -> Result<Vec<MovementView>, Problem> {
+    page: &PageQuery,
+) -> Result<(Vec<MovementView>, Option<i64>), Problem> {
+    let limit = page.limit()?;
+    let after: Option<i64> = page.after("a movement_id (an integer)")?;
     let client = pool.get().await.map_err(database_problem)?;
     let rows = client
         .query(
             "SELECT movement_id, movement_type, qty, on_hand_delta, reserved_delta, shortage, \
                     order_id, receipt_id, event_id, created_at \
              FROM stock_movements WHERE tenant_id = $1 AND sku = $2 AND location = $3 \
-             ORDER BY movement_id LIMIT 1000",
-            &[&tenant, &sku, &location],
+               AND ($4::bigint IS NULL OR movement_id > $4) \
+             ORDER BY movement_id LIMIT $5",
+            &[&tenant, &sku, &location, &after, &limit],
         )
         .await
         .map_err(database_problem)?;
-    Ok(rows
+    let views: Vec<MovementView> = rows
         .iter()
         .map(|row| MovementView {
             movement_id: row.get(0),
@@ -544,5 +572,7 @@ async fn movements(
             event_id: row.get(8),
             created_at: row.get(9),
         })
-        .collect())
+        .collect();
+    let next = next_after(views.len(), limit, views.last().map(|m| m.movement_id));
+    Ok((views, next))
 }

@@ -17,7 +17,7 @@
 
 use actix_web::{web, HttpResponse};
 use consumer_runtime::{
-    auth::{bad_request, database_problem},
+    auth::{bad_request, database_problem, next_after, PageQuery},
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, Money, RawEnvelope};
@@ -286,6 +286,8 @@ fn sum_column(row: &tokio_postgres::Row, index: usize) -> Result<i128, Problem> 
 #[derive(Debug, Deserialize)]
 struct JournalQuery {
     order_id: Option<String>,
+    #[serde(flatten)]
+    page: PageQuery,
 }
 
 #[derive(Debug, Serialize)]
@@ -312,7 +314,8 @@ struct EntryView {
     lines: Vec<LineView>,
 }
 
-/// `GET /journal?tenant=&order_id=`: entries with their lines, oldest first.
+/// `GET /journal?tenant=&order_id=&after=&limit=`: entries with their lines,
+/// oldest first, `limit` entries a page from the one after entry `after`.
 async fn get_journal(
     scope: TenantScope,
     pool: web::Data<kit::db::PgPool>,
@@ -324,17 +327,26 @@ async fn get_journal(
             Uuid::parse_str(id).map_err(|_| bad_request("order_id", "order_id must be a UUID"))?,
         ),
     };
+    let limit = query.page.limit()?;
+    let after: Option<Uuid> = query.page.after("an entry_id (a UUID)")?;
     let client = pool.get().await.map_err(database_problem)?;
     let rows = client
         .query(
-            "SELECT e.entry_id, e.order_id, e.event_id, e.event_type, e.description, e.currency, \
+            "WITH page AS ( \
+                 SELECT e.entry_id, e.posted_at FROM journal_entries e \
+                 WHERE e.tenant_id = $1 AND ($2::uuid IS NULL OR e.order_id = $2) \
+                   AND ($3::uuid IS NULL OR (e.posted_at, e.entry_id) > \
+                        (SELECT c.posted_at, c.entry_id FROM journal_entries c \
+                         WHERE c.tenant_id = $1 AND c.entry_id = $3)) \
+                 ORDER BY e.posted_at, e.entry_id LIMIT $4) \
+             SELECT e.entry_id, e.order_id, e.event_id, e.event_type, e.description, e.currency, \
                     e.posted_at, l.line_no, l.account_code, a.name, l.debit, l.credit \
-             FROM journal_entries e \
+             FROM page p \
+             JOIN journal_entries e ON e.entry_id = p.entry_id \
              JOIN journal_lines l ON l.entry_id = e.entry_id \
              JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
-             WHERE e.tenant_id = $1 AND ($2::uuid IS NULL OR e.order_id = $2) \
-             ORDER BY e.posted_at, e.entry_id, l.line_no LIMIT 5000",
-            &[&scope.tenant, &order_id],
+             ORDER BY p.posted_at, p.entry_id, l.line_no",
+            &[&scope.tenant, &order_id, &after, &limit],
         )
         .await
         .map_err(database_problem)?;
@@ -383,10 +395,12 @@ async fn get_journal(
             entry
         })
         .collect();
+    let next = next_after(entries.len(), limit, entries.last().map(|e| e.entry_id));
     Ok(HttpResponse::Ok().json(serde_json::json!({
         "tenant": scope.tenant,
         "order_id": order_id,
         "entries": entries,
+        "next_after": next,
     })))
 }
 

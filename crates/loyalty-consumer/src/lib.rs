@@ -12,7 +12,10 @@
 #![allow(clippy::result_large_err)]
 
 use actix_web::{web, HttpResponse};
-use consumer_runtime::{auth::database_problem, HandlerError, TenantScope, Transaction};
+use consumer_runtime::{
+    auth::{database_problem, next_after, PageQuery},
+    HandlerError, TenantScope, Transaction,
+};
 use events::{Event, Money, RawEnvelope};
 use kit::{http::Problem, metrics::prometheus::Registry, migrations::Database};
 use serde::Serialize;
@@ -136,6 +139,7 @@ impl consumer_runtime::Domain for Loyalty {
 
 #[derive(Debug, Serialize)]
 struct EntryView {
+    entry_id: i64,
     points: i64,
     order_id: Uuid,
     event_id: Uuid,
@@ -147,46 +151,65 @@ struct EntryView {
     recorded_at: time::OffsetDateTime,
 }
 
-/// `GET /customers/{id}/loyalty?tenant=`: the balance and every entry with the
-/// event that caused it.
+/// `GET /customers/{id}/loyalty?tenant=&after=&limit=`: the balance (of
+/// every entry) and the entries with the event that caused each, oldest
+/// first, `limit` a page from the one after entry `after`.
 async fn get_loyalty(
     scope: TenantScope,
     pool: web::Data<kit::db::PgPool>,
     customer: web::Path<String>,
+    page: web::Query<PageQuery>,
 ) -> Result<HttpResponse, Problem> {
     let customer = customer.into_inner();
     consumer_runtime::auth::no_control_characters("customer_id", &customer)?;
+    let limit = page.limit()?;
+    let after: Option<i64> = page.after("an entry_id (an integer)")?;
     let client = pool.get().await.map_err(database_problem)?;
     let rows = client
         .query(
-            "SELECT points, order_id, event_id, event_type, reason, occurred_at, recorded_at \
+            "SELECT entry_id, points, order_id, event_id, event_type, reason, occurred_at, \
+                    recorded_at \
              FROM loyalty_entries WHERE tenant_id = $1 AND customer_id = $2 \
-             ORDER BY entry_id",
-            &[&scope.tenant, &customer],
+               AND ($3::bigint IS NULL OR entry_id > $3) \
+             ORDER BY entry_id LIMIT $4",
+            &[&scope.tenant, &customer, &after, &limit],
         )
         .await
         .map_err(database_problem)?;
     let entries: Vec<EntryView> = rows
         .iter()
         .map(|row| EntryView {
-            points: row.get(0),
-            order_id: row.get(1),
-            event_id: row.get(2),
-            event_type: row.get(3),
-            reason: row.get(4),
-            occurred_at: row.get(5),
-            recorded_at: row.get(6),
+            entry_id: row.get(0),
+            points: row.get(1),
+            order_id: row.get(2),
+            event_id: row.get(3),
+            event_type: row.get(4),
+            reason: row.get(5),
+            occurred_at: row.get(6),
+            recorded_at: row.get(7),
         })
         .collect();
-    // i128: each entry's points fit in i64, their sum need not (written as
-    // a JSON number by the serializer; `json!` would go through a `Value`,
-    // which cannot hold it).
-    let balance: i128 = entries.iter().map(|e| i128::from(e.points)).sum();
+    // Over every entry, not the page. As text, then i128: each entry's
+    // points fit in i64, their sum need not (written as a JSON number by
+    // the serializer; `json!` would go through a `Value`, which cannot
+    // hold it).
+    let total: String = client
+        .query_one(
+            "SELECT COALESCE(sum(points), 0)::text FROM loyalty_entries \
+             WHERE tenant_id = $1 AND customer_id = $2",
+            &[&scope.tenant, &customer],
+        )
+        .await
+        .map_err(database_problem)?
+        .get(0);
+    let balance: i128 = total.parse().map_err(database_problem)?;
+    let next_after = next_after(entries.len(), limit, entries.last().map(|e| e.entry_id));
     Ok(HttpResponse::Ok().json(LoyaltyView {
         tenant: scope.tenant,
         customer_id: customer,
         balance,
         entries,
+        next_after,
     }))
 }
 
@@ -196,6 +219,7 @@ struct LoyaltyView {
     customer_id: String,
     balance: i128,
     entries: Vec<EntryView>,
+    next_after: Option<i64>,
 }
 
 #[cfg(test)]
