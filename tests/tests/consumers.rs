@@ -2375,3 +2375,57 @@ async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
         "3 dead-lettered as poison, 4 as parked behind it: {letters:?}"
     );
 }
+
+/// `redrive --order X --max N` that reads N letters, none of X's, and not
+/// the whole queue leaves X parked (its letters may lie past the N): an
+/// order un-parked with its letters left in the DLQ only waits at the gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
+    let tenant = unique("t5-redrive-max");
+    let name = unique("t5-redrive-max-inv");
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+    let publisher = Publisher::connect().await;
+    let v99 = |order: Uuid| {
+        let mut m = order_placed(&tenant, order, 1, "77", 1);
+        let mut raw: Value = serde_json::from_slice(&m.body).expect("json");
+        raw["schema_version"] = json!(99);
+        m.body = serde_json::to_vec(&raw).expect("json");
+        m.schema_version = 99;
+        m
+    };
+    let (first, second) = (Uuid::now_v7(), Uuid::now_v7());
+    publisher.to_consumer(&name, &v99(first)).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    publisher.to_consumer(&name, &v99(second)).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 2.0)
+        .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, second).await,
+        Some((0, true))
+    );
+
+    let second_id = second.to_string();
+    let output = run_redrive(
+        Kind::Inventory,
+        &name,
+        &["--order", &second_id, "--max", "1"],
+        &Options::one_partition(),
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("not un-parked"), "{stdout}");
+    assert_eq!(
+        progress(Database::Inventory, &name, second).await,
+        Some((0, true)),
+        "still parked: {stdout}"
+    );
+    assert_eq!(
+        drain_dead_letters(&name).await.len(),
+        2,
+        "both letters kept"
+    );
+}

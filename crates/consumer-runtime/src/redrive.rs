@@ -128,6 +128,7 @@ async fn move_letters(
     max: usize,
 ) -> anyhow::Result<Report> {
     let mut letters = Vec::new();
+    let mut drained = false;
     while letters.len() < max.max(1) {
         let Some(message) = channel
             .basic_get(
@@ -136,6 +137,7 @@ async fn move_letters(
             )
             .await?
         else {
+            drained = true;
             break;
         };
         letters.push(letter(message.delivery));
@@ -159,8 +161,18 @@ async fn move_letters(
     }
 
     if let Some(order) = only_order {
-        if !selected.contains_key(order) && unpark(pool, &topology.name, order).await? {
-            report.unparked.push(order.to_owned());
+        // No letter of the order among those read: un-park it only if that
+        // was the whole queue (its letters may lie past `max`, and an order
+        // un-parked with its letters left behind would only wait at the gap
+        // and be parked again).
+        if !selected.contains_key(order) {
+            if !drained {
+                report.kept.push(format!(
+                    "order {order}: no letter among the first {max}; not un-parked (raise --max)"
+                ));
+            } else if unpark(pool, &topology.name, order).await? {
+                report.unparked.push(order.to_owned());
+            }
         }
     }
     let mut failure = None;
