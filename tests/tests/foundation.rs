@@ -115,6 +115,105 @@ async fn outbox_rows_enforce_the_seed_000_contract() {
         .expect("clean up");
 }
 
+/// DESIGN.md section 3: every row of the orders database carries its
+/// tenant (a line written without it, by a binary from before it did, gets
+/// its order's); one payment and one delivery per order, held by the
+/// database as well as by order-api's status check.
+#[tokio::test]
+async fn every_orders_row_carries_its_tenant_and_an_order_is_paid_and_delivered_once() {
+    kit::migrations::run(&pool(Database::Orders), Database::Orders)
+        .await
+        .expect("migrate");
+    let client = pg(Database::Orders).await;
+    let without: Vec<String> = client
+        .query(
+            "SELECT t.table_name::text FROM information_schema.tables t \
+             WHERE t.table_schema = 'public' AND t.table_type = 'BASE TABLE' \
+               AND t.table_name NOT IN ('tenants', 'refinery_schema_history') \
+               AND NOT EXISTS (SELECT 1 FROM information_schema.columns c \
+                   WHERE c.table_schema = 'public' AND c.table_name = t.table_name \
+                     AND c.column_name = 'tenant_id' AND c.is_nullable = 'NO') \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("columns")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert!(
+        without.is_empty(),
+        "tables without a NOT NULL tenant_id: {without:?}"
+    );
+
+    let tenant = system_tests::unique_tenant("rows");
+    let order = uuid::Uuid::now_v7();
+    client
+        .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
+        .await
+        .expect("tenant");
+    client
+        .execute(
+            "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
+             merchandise_minor, shipping_minor, tax_minor, total_minor) \
+             VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300)",
+            &[&order, &tenant],
+        )
+        .await
+        .expect("order");
+    client
+        .execute(
+            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
+             VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
+            &[&order],
+        )
+        .await
+        .expect("a line without its tenant");
+    let line_tenant: String = client
+        .query_one(
+            "SELECT tenant_id FROM order_lines WHERE order_id = $1",
+            &[&order],
+        )
+        .await
+        .expect("line")
+        .get(0);
+    assert_eq!(line_tenant, tenant);
+    for (table, extra) in [
+        (
+            "payments",
+            "payment_id, amount_minor, method) VALUES ($1, $2, $3, 9300, 'card')",
+        ),
+        (
+            "deliveries",
+            "delivery_id, delivered_at) VALUES ($1, $2, $3, now())",
+        ),
+    ] {
+        let insert = format!("INSERT INTO {table} (order_id, tenant_id, {extra}");
+        client
+            .execute(&insert, &[&order, &tenant, &"first"])
+            .await
+            .unwrap_or_else(|e| panic!("{table}: {e}"));
+        let second = client
+            .execute(&insert, &[&order, &tenant, &"second"])
+            .await
+            .expect_err("a second one for the same order");
+        assert_eq!(
+            second.code(),
+            Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION),
+            "{table}"
+        );
+    }
+    for table in ["payments", "deliveries", "order_lines", "orders"] {
+        client
+            .execute(
+                &format!("DELETE FROM {table} WHERE order_id = $1"),
+                &[&order],
+            )
+            .await
+            .expect("clean up");
+    }
+}
+
 #[tokio::test]
 async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
     let shutdown = kit::CancellationToken::new();

@@ -247,7 +247,7 @@ async fn raw_order(
     let costs: Vec<i64> = lines.iter().map(|l| minor(&l["unit_cost"])).collect();
     tx.execute(
         &statements[2],
-        &[&order_id, &line_nos, &skus, &qtys, &prices, &costs],
+        &[&order_id, &line_nos, &skus, &qtys, &prices, &costs, &tenant],
     )
     .await?;
     let mut payload = body.clone();

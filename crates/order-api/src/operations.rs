@@ -120,10 +120,10 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1)
 ON CONFLICT (tenant_id, checkout_id) WHERE checkout_id IS NOT NULL DO NOTHING
 RETURNING created_at";
 
-/// All the order's lines in one statement.
+/// All the order's lines in one statement (`$7`: the tenant).
 pub const INSERT_LINES: &str = "\
-INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor)
-SELECT $1, line_no, sku, qty, price, cost
+INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor, tenant_id)
+SELECT $1, line_no, sku, qty, price, cost, $7
   FROM unnest($2::int[], $3::text[], $4::int[], $5::bigint[], $6::bigint[])
        AS l(line_no, sku, qty, price, cost)";
 
@@ -173,7 +173,7 @@ async fn create_order(
     let lines = tx.prepare_cached(INSERT_LINES).await?;
     tx.execute(
         &lines,
-        &[&order_id, &line_nos, &skus, &qtys, &prices, &costs],
+        &[&order_id, &line_nos, &skus, &qtys, &prices, &costs, &tenant],
     )
     .await?;
 
