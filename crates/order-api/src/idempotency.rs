@@ -286,7 +286,16 @@ pub async fn execute(
     .await
     .map_err(|e| rollback(e.into()))?;
     crash_point("order_api.before_commit");
-    tx.commit().await.map_err(|e| rollback(e.into()))?;
+    tx.commit().await.map_err(|e| {
+        // The one lock COMMIT waits for is the NOTIFY queue's (the outbox
+        // trigger's notification: each committing writer holds it through
+        // its WAL flush). Past lock_timeout the database is slow, not the
+        // order busy: a 503 unavailable, not order_busy.
+        let error = ApiError::from(e);
+        metrics.rollbacks.with_label_values(&[endpoint]).inc();
+        tracing::warn!(endpoint, key_hash, %error, "commit failed (a retry under the same key replays it if it committed)");
+        error
+    })?;
     crash_point("order_api.after_commit");
     metrics.claims.with_label_values(&[endpoint]).inc();
     tracing::info!(
