@@ -95,19 +95,24 @@ pub enum MigrationError {
     },
 }
 
+/// The longest a migration's statement waits for a table lock.
+pub const DDL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Arbitrary constant shared by every service: the advisory lock key for migrations.
 pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
 
 /// Apply every pending migration of `database`; returns the names applied.
 ///
-/// The migration session waits as long as it takes, for another instance's
-/// migration (the advisory lock) and for the locks its DDL needs: the
-/// pool's bounds on a session (order-api's 2 s `lock_timeout`, the 30 s
-/// `statement_timeout` of [`crate::db::SESSION_LIMITS`]) are for requests,
-/// and made a start-up fail (and the service restart in a loop) behind
-/// another instance's migration or a busy table. The other sessions'
-/// transactions are bounded by those limits, so a DDL lock is not waited
-/// for forever.
+/// The migration session waits as long as it takes for another instance's
+/// migration (the advisory lock; the request pool's 2 s `lock_timeout` made
+/// a start-up fail, and the service restart in a loop, behind it), and runs
+/// without a statement timeout (a backfill may take long). Its DDL waits for
+/// a table lock at most [`DDL_LOCK_TIMEOUT`]: every write to that table
+/// queues behind a waiting DDL statement, so a long transaction elsewhere
+/// fails the migration (and the start-up, retried by the restart) instead
+/// of stalling the table's writers. Migrations are written to take their
+/// exclusive locks only for instants (expand in one, backfill and validate
+/// in the next: orders V6 and V7).
 pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, MigrationError> {
     let mut client = pool.get().await?;
     let result = migrate(&mut client, database).await;
@@ -139,6 +144,12 @@ async fn migrate(
     // refinery's per-migration transactions leave no half-applied migration).
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
+        .await?;
+    client
+        .batch_execute(&format!(
+            "SET lock_timeout = {}",
+            DDL_LOCK_TIMEOUT.as_millis()
+        ))
         .await?;
     let mut applied = Vec::new();
     let mut result = Ok(());
