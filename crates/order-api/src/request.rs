@@ -473,18 +473,15 @@ mod tests {
             )
             .expect("parse")
         };
+        // The route leaves out a currency equal to the order's
+        // (`OrderCommand::omit_defaults`); another one stays, and differs.
         let order_id = Uuid::nil();
-        let usd = Currency::parse("USD").expect("usd");
-        let mut defaulted = payment(None);
-        defaulted.currency.get_or_insert(usd.clone());
-        assert_eq!(
-            defaulted.fingerprint(order_id),
-            payment(Some("USD")).fingerprint(order_id)
-        );
-        assert_ne!(
-            payment(Some("EUR")).fingerprint(order_id),
-            payment(Some("USD")).fingerprint(order_id)
-        );
+        let absent = payment(None).fingerprint(order_id);
+        let mut spelled_out = payment(Some("USD"));
+        assert_ne!(spelled_out.fingerprint(order_id), absent);
+        spelled_out.currency = None;
+        assert_eq!(spelled_out.fingerprint(order_id), absent);
+        assert_ne!(payment(Some("EUR")).fingerprint(order_id), absent);
     }
 
     #[test]

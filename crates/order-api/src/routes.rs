@@ -131,14 +131,16 @@ pub trait OrderCommand: serde::de::DeserializeOwned {
     const ENDPOINT: &'static str;
     const SPAN: &'static str;
     fn validate(&self) -> Result<(), ApiError>;
-    /// Whether a default of the request comes from the order (read before
-    /// the fingerprint, so that leaving out a default and giving its value
-    /// are the same request: DESIGN.md section 5).
+    /// Whether the request gives a value whose default comes from the order
+    /// (read before the fingerprint, so that leaving a default out and
+    /// giving its value are the same request: DESIGN.md section 5).
     fn defaults_from_order(&self) -> bool {
         false
     }
-    /// Fill those defaults in from the order's currency.
-    fn fill_defaults(&mut self, _order_currency: events::Currency) {}
+    /// Leave out what equals the order's default: the fingerprint is over
+    /// the request without it (the seed's payment has no currency; a retry
+    /// stored by a binary from before this rule keeps its fingerprint).
+    fn omit_defaults(&mut self, _order_currency: &events::Currency) {}
     fn fingerprint(&self, order_id: Uuid) -> String;
     fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation;
 }
@@ -150,10 +152,12 @@ impl OrderCommand for PaymentRequest {
         PaymentRequest::validate(self)
     }
     fn defaults_from_order(&self) -> bool {
-        self.currency.is_none()
+        self.currency.is_some()
     }
-    fn fill_defaults(&mut self, order_currency: events::Currency) {
-        self.currency.get_or_insert(order_currency);
+    fn omit_defaults(&mut self, order_currency: &events::Currency) {
+        if self.currency.as_ref() == Some(order_currency) {
+            self.currency = None;
+        }
     }
     fn fingerprint(&self, order_id: Uuid) -> String {
         PaymentRequest::fingerprint(self, order_id)
@@ -191,11 +195,11 @@ async fn order_command<C: OrderCommand>(
     command.validate()?;
     if command.defaults_from_order() {
         // An order's currency never changes. No order (or a currency this
-        // build no longer knows): the default stays absent, and the
-        // operation answers for the order.
+        // build no longer knows): the value stays, and the operation
+        // answers for the order.
         let client = state.pool.get().await?;
         if let Some(currency) = operations::order_currency(&client, &tenant, order_id).await? {
-            command.fill_defaults(currency);
+            command.omit_defaults(&currency);
         }
     }
     let fingerprint = command.fingerprint(order_id);
