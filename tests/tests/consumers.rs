@@ -511,10 +511,12 @@ async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
         (&json!(80), &json!([]), &Value::Null),
         "the balance is over every entry, not the page"
     );
+    let unknown = format!("after={}", Uuid::now_v7());
     for (query, field) in [
         ("limit=0", "limit"),
         ("limit=1001", "limit"),
         ("after=x", "after"),
+        (unknown.as_str(), "after"),
     ] {
         let (status, problem) = ledger
             .get(&format!("/journal?tenant={tenant}&{query}"))
@@ -2292,6 +2294,27 @@ async fn a_consumer_refuses_a_topology_of_another_shape() {
             ..Options::default()
         },
         "a retry tier of another TTL",
+    );
+    // A redrive configured with more partitions than the consumer has
+    // would add queues to its hash ring that nobody consumes: refused, and
+    // none declared.
+    let output = run_redrive(
+        Kind::Loyalty,
+        &name,
+        &[],
+        &Options {
+            partitions: 3,
+            ..Options::default()
+        },
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("fewer partitions"), "{stderr}");
+    assert_eq!(
+        management(&format!("/api/queues/%2f/{name}.p2")).await["error"],
+        json!("Object Not Found"),
+        "no queue p2"
     );
     // The configuration the topology was made with still runs.
     let again = Consumer::start(Kind::Loyalty, &name, Options::default()).await;

@@ -986,21 +986,35 @@ async fn a_start_up_waits_for_another_instance_s_migration() {
         .await
         .expect("lock");
     let port = free_port();
+    // Its sessions named, to find this instance's wait among other tests'.
+    let application = format!("startup-{}", uuid::Uuid::new_v4().simple());
+    let url = format!(
+        "{}{}application_name={application}",
+        system_tests::pg_url(Database::Orders),
+        if system_tests::pg_url(Database::Orders).contains('?') {
+            '&'
+        } else {
+            '?'
+        }
+    );
     let mut service = Service::start(
         "order-api",
         &[],
         &[
             ("ORDER_API__HTTP__PORT", port.to_string()),
+            ("ORDER_API__DATABASE__URL", url),
             ("RUST_LOG", "warn".to_owned()),
         ],
     );
     // Until the new instance waits for the lock (pg_locks splits the key).
-    let waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-                   AND classid = ($1::bigint >> 32)::oid AND objid = ($1::bigint & 4294967295)::oid";
+    let waiting = "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+                   WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = $2 \
+                   AND l.classid = ($1::bigint >> 32)::oid \
+                   AND l.objid = ($1::bigint & 4294967295)::oid";
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let n: i64 = holder
-            .query_one(waiting, &[&key])
+            .query_one(waiting, &[&key, &application])
             .await
             .expect("pg_locks")
             .get(0);
@@ -1045,8 +1059,8 @@ async fn a_start_up_waits_for_another_instance_s_migration() {
 /// idempotency_in_progress for work long done.
 #[tokio::test]
 async fn a_replay_takes_no_lock_on_the_stored_record() {
-    let api =
-        OrderApi::start(&[("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned())]).await;
+    // The default lock timeout (2 s): the old claim answered 409 after it.
+    let api = OrderApi::start(&[]).await;
     let caller = Caller::new("replaylock");
     let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
     assert_eq!(first.status(), StatusCode::CREATED);
@@ -1093,10 +1107,17 @@ async fn a_replay_takes_no_lock_on_the_stored_record() {
 /// requests taking it over make exactly one order; the others replay it.
 #[tokio::test]
 async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
-    let api = OrderApi::start(&[(
-        "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
-        "3600".to_owned(),
-    )])
+    // Nine requests wait for the taker's commit: room for a slow machine.
+    let api = OrderApi::start(&[
+        (
+            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+            "3600".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+    ])
     .await;
     let caller = Caller::new("takeover");
     let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
@@ -1113,9 +1134,20 @@ async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     );
     let other = SEED_ORDER.replace("\"77\"", "\"78\"");
     let url = api.url("/orders");
-    let responses = futures_util::future::join_all(
-        (0..10).map(|_| async { caller.post(&url, "k", &other).await }),
-    )
+    // Another test's order-api may delete the expired record (its cleanup
+    // covers every tenant) between a request's read and its takeover: that
+    // request is told to retry (409 idempotency_in_progress), as a client is.
+    let responses = futures_util::future::join_all((0..10).map(|_| async {
+        let mut tries = 0;
+        loop {
+            let response = caller.post(&url, "k", &other).await;
+            tries += 1;
+            if response.status() != StatusCode::CONFLICT || tries == 20 {
+                break response;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }))
     .await;
     let mut bodies = Vec::new();
     let mut replays = 0;

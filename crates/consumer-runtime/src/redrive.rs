@@ -110,7 +110,7 @@ pub async fn redrive(
     let shutdown = CancellationToken::new();
     let connection =
         kit::amqp::connect(amqp, &format!("{}-redrive", topology.name), &shutdown).await?;
-    topology.check_and_declare(&connection).await?;
+    topology.check_and_declare(&connection, true).await?;
     let channel = connection.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -161,18 +161,19 @@ async fn move_letters(
     }
 
     if let Some(order) = only_order {
-        // No letter of the order among those read: un-park it only if that
-        // was the whole queue (its letters may lie past `max`, and an order
-        // un-parked with its letters left behind would only wait at the gap
-        // and be parked again).
-        if !selected.contains_key(order) {
-            if !drained {
-                report.kept.push(format!(
-                    "order {order}: no letter among the first {max}; not un-parked (raise --max)"
-                ));
-            } else if unpark(pool, &topology.name, order).await? {
-                report.unparked.push(order.to_owned());
+        if !drained {
+            // Some of the order's letters may lie past `max`: un-parked with
+            // them left behind, it would only wait at the gap and be parked
+            // again. Move none; all go back.
+            report.kept.push(format!(
+                "order {order}: the dead-letter queue holds more than --max {max} letters; \
+                 nothing moved, not un-parked (raise --max)"
+            ));
+            for letters in std::mem::take(&mut selected).into_values() {
+                others.extend(letters);
             }
+        } else if !selected.contains_key(order) && unpark(pool, &topology.name, order).await? {
+            report.unparked.push(order.to_owned());
         }
     }
     let mut failure = None;

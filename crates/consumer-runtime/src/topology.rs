@@ -73,9 +73,38 @@ impl Topology {
     /// [`DeclareError::Conflict`]: the service refuses to run on it (see
     /// deploy/README.md, "Changing partitions, retry tiers or the delivery
     /// limit") instead of retrying a declaration the broker will never
-    /// accept, or consuming while part of the orders go unconsumed.
-    pub async fn check_and_declare(&self, connection: &Connection) -> Result<(), DeclareError> {
-        self.check_partitions(connection).await?;
+    /// accept, or consuming while part of the orders go unconsumed. With
+    /// `exact_partitions` (redrive, which publishes to the hash exchange and
+    /// consumes nothing) a deployed consumer with fewer partitions is a
+    /// conflict too: declaring the missing ones would add queues to the hash
+    /// ring that nobody consumes.
+    pub async fn check_and_declare(
+        &self,
+        connection: &Connection,
+        exact_partitions: bool,
+    ) -> Result<(), DeclareError> {
+        let next = self.partition_queue(self.partitions);
+        if shared_queue_exists(connection, &next).await? {
+            return Err(DeclareError::Conflict(format!(
+                "queue {next} exists but partitions = {}: the consumer had more partitions, \
+                 and the events its hash exchange routes there would never be consumed. \
+                 Set the partitions back, or drain the queues from {next} on and delete \
+                 them first",
+                self.partitions
+            )));
+        }
+        if exact_partitions && self.partitions > 1 {
+            let last = self.partition_queue(self.partitions - 1);
+            if shared_queue_exists(connection, &self.partition_queue(0)).await?
+                && !shared_queue_exists(connection, &last).await?
+            {
+                return Err(DeclareError::Conflict(format!(
+                    "queue {last} does not exist but partitions = {}: the consumer runs \
+                     with fewer partitions; run this with its configuration",
+                    self.partitions
+                )));
+            }
+        }
         let channel = connection.create_channel().await?;
         match self.declare(&channel).await {
             Err(error) if amqp_reply_code(&error) == Some(PRECONDITION_FAILED) => {
@@ -89,63 +118,6 @@ impl Topology {
             Ok(()) => {
                 let _ = channel.close(200, "declared".into()).await;
                 Ok(())
-            }
-        }
-    }
-
-    /// A partition queue past the configured count (`<name>.p{P}`) means the
-    /// consumer had more partitions: the hash exchange still routes part of
-    /// the orders to it, and no instance of this configuration would ever
-    /// consume them.
-    async fn check_partitions(&self, connection: &Connection) -> Result<(), DeclareError> {
-        let queue = self.partition_queue(self.partitions);
-        // AMQP asks "does it exist" only with a passive declaration, which
-        // the broker answers with a 404 that closes the channel (and lapin
-        // logs at ERROR, on every start). Instead: declare the name as an
-        // exclusive queue of this connection and delete it again; a
-        // partition queue of that name (durable, shared) makes the broker
-        // refuse the declaration. (Crashing in between, the exclusive queue
-        // goes with the connection.) Another instance probing the same name
-        // at the same moment is refused the same way: a refusal counts only
-        // once it has lasted over a few tries.
-        let exclusive = QueueDeclareOptions {
-            exclusive: true,
-            auto_delete: true,
-            ..QueueDeclareOptions::default()
-        };
-        let mut tries = 0;
-        loop {
-            let probe = connection.create_channel().await?;
-            match probe
-                .queue_declare(queue.as_str().into(), exclusive, FieldTable::default())
-                .await
-            {
-                Ok(_) => {
-                    probe
-                        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                        .await?;
-                    let _ = probe.close(200, "probed".into()).await;
-                    return Ok(());
-                }
-                Err(error)
-                    if matches!(
-                        amqp_reply_code(&error),
-                        Some(RESOURCE_LOCKED | PRECONDITION_FAILED)
-                    ) =>
-                {
-                    tries += 1;
-                    if tries == PROBE_TRIES {
-                        return Err(DeclareError::Conflict(format!(
-                            "queue {queue} exists but partitions = {}: the consumer had more \
-                             partitions, and the events its hash exchange routes there would \
-                             never be consumed. Set the partitions back, or drain the queues \
-                             from {queue} on and delete them first ({error})",
-                            self.partitions
-                        )));
-                    }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(error) => return Err(error.into()),
             }
         }
     }
@@ -234,6 +206,74 @@ impl Topology {
     }
 }
 
+/// Whether a shared (durable) queue named `queue` exists.
+///
+/// AMQP asks "does it exist" only with a passive declaration, which the
+/// broker answers with a 404 that closes the channel (and lapin logs at
+/// ERROR, on every start). Instead: declare the name as an exclusive classic
+/// queue of this connection and delete it again. A refusal (405, or 406 on
+/// other arguments) means a queue of that name exists: a shared one, or
+/// another connection's exclusive probe (another instance starting, or one
+/// that died mid-probe, until the broker notices); only then a passive
+/// declaration tells them apart, as it succeeds on a shared queue alone.
+async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<bool, DeclareError> {
+    let exclusive = QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let mut classic = FieldTable::default();
+    classic.insert("x-queue-type".into(), long_string("classic"));
+    for _ in 0..PROBE_TRIES {
+        let probe = connection.create_channel().await?;
+        match probe
+            .queue_declare(queue.into(), exclusive, classic.clone())
+            .await
+        {
+            Ok(_) => {
+                probe
+                    .queue_delete(queue.into(), QueueDeleteOptions::default())
+                    .await?;
+                let _ = probe.close(200, "probed".into()).await;
+                return Ok(false);
+            }
+            Err(error)
+                if matches!(
+                    amqp_reply_code(&error),
+                    Some(RESOURCE_LOCKED | PRECONDITION_FAILED)
+                ) =>
+            {
+                let check = connection.create_channel().await?;
+                match check
+                    .queue_declare(queue.into(), passive, FieldTable::default())
+                    .await
+                {
+                    Ok(_) => {
+                        let _ = check.close(200, "probed".into()).await;
+                        return Ok(true);
+                    }
+                    // Another connection's exclusive queue, or gone since.
+                    Err(error)
+                        if matches!(amqp_reply_code(&error), Some(RESOURCE_LOCKED | NOT_FOUND)) =>
+                    {
+                        tracing::info!(queue, "another connection is probing this queue name");
+                    }
+                    Err(error) => return Err(error.into()),
+                }
+            }
+            Err(error) => return Err(error.into()),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(DeclareError::Conflict(format!(
+        "queue {queue} has been held exclusively by another connection for a minute"
+    )))
+}
+
 /// Why the topology could not be declared.
 #[derive(Debug, thiserror::Error)]
 pub enum DeclareError {
@@ -246,9 +286,11 @@ pub enum DeclareError {
     Broker(#[from] lapin::Error),
 }
 
+const NOT_FOUND: u16 = 404;
 const RESOURCE_LOCKED: u16 = 405;
-/// Refusals of the partition probe that make a conflict (200 ms apart).
-const PROBE_TRIES: u32 = 5;
+/// Tries of the queue probe, 500 ms apart: a minute, longer than a dead
+/// connection's exclusive queue outlives it (heartbeats).
+const PROBE_TRIES: u32 = 120;
 const PRECONDITION_FAILED: u16 = 406;
 
 /// The AMQP reply code a broker closed a channel or connection with.

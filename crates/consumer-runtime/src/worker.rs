@@ -47,7 +47,11 @@ pub(crate) async fn run_connection<D: Domain>(
     shutdown: CancellationToken,
     fatal: Arc<OnceLock<String>>,
 ) -> Result<(), lapin::Error> {
-    let result = match processor.topology.check_and_declare(&connection).await {
+    let result = match processor
+        .topology
+        .check_and_declare(&connection, false)
+        .await
+    {
         Ok(()) => consume(&connection, processor, prefetch, &shutdown).await,
         Err(DeclareError::Broker(error)) => Err(error),
         Err(DeclareError::Conflict(why)) => {
