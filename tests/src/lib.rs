@@ -185,6 +185,34 @@ pub async fn wait_for_ok(url: &str, timeout: Duration) -> Result<String, String>
 }
 
 /// A tenant id no other test uses.
+/// Seed 003's order 1042 written straight into the orders database under a
+/// new `tenant` (as order-api would after its OrderPlaced: sequence 1), with
+/// its one line written without a tenant, as a binary from before orders V6
+/// did (the trigger fills in the order's).
+pub async fn insert_seed_order(orders: &tokio_postgres::Client, tenant: &str, order: uuid::Uuid) {
+    orders
+        .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
+        .await
+        .expect("tenant");
+    orders
+        .execute(
+            "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
+             merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence) \
+             VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
+            &[&order, &tenant],
+        )
+        .await
+        .expect("order");
+    orders
+        .execute(
+            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
+             VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
+            &[&order],
+        )
+        .await
+        .expect("line");
+}
+
 pub fn unique_tenant(prefix: &str) -> String {
     format!(
         "{prefix}-{}",

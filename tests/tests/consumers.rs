@@ -1010,11 +1010,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
     let mut malformed = order_placed(&tenant, malformed_order, 1, "9", 1);
     malformed.body = b"{\"event_id\": \"not json".to_vec();
     let future_order = Uuid::now_v7();
-    let mut v99 = order_placed(&tenant, future_order, 1, "9", 1);
-    let mut raw: Value = serde_json::from_slice(&v99.body).expect("json");
-    raw["schema_version"] = json!(99);
-    v99.body = serde_json::to_vec(&raw).expect("json");
-    v99.schema_version = 99;
+    let v99 = order_placed(&tenant, future_order, 1, "9", 1).as_version_99();
     let behind_v99 = payment_received(&tenant, future_order, 2, "53.00");
 
     let good = Uuid::now_v7();
@@ -2334,13 +2330,6 @@ async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
     let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     let publisher = Publisher::connect().await;
     assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
-    let v99 = |mut m: system_tests::consumers::Message| {
-        let mut raw: Value = serde_json::from_slice(&m.body).expect("json");
-        raw["schema_version"] = json!(99);
-        m.body = serde_json::to_vec(&raw).expect("json");
-        m.schema_version = 99;
-        m
-    };
     let order = Uuid::now_v7();
     publisher
         .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
@@ -2349,9 +2338,9 @@ async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
 
     for m in [
         // An undecodable copy of sequence 1: stale, nothing parked.
-        v99(order_placed(&tenant, order, 1, "77", 2)),
+        order_placed(&tenant, order, 1, "77", 2).as_version_99(),
         // Sequence 3 is poison: the order is parked from 3 on.
-        v99(parcel_delivered(&tenant, order, 3, 2)),
+        parcel_delivered(&tenant, order, 3, 2).as_version_99(),
         // Sequence 2 comes after it, and is applied.
         payment_received(&tenant, order, 2, "93.00"),
         // Sequence 4: held behind 3.
@@ -2399,23 +2388,17 @@ async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
     );
 }
 
-/// `redrive --order X --max N` that reads N letters, none of X's, and not
-/// the whole queue leaves X parked (its letters may lie past the N): an
-/// order un-parked with its letters left in the DLQ only waits at the gap.
+/// `redrive --order X --max N` on a dead-letter queue of more than N
+/// letters moves nothing and leaves X parked (X's letters may lie past the
+/// N): an order un-parked with its letters left in the DLQ only waits at
+/// the gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
     let tenant = unique("t5-redrive-max");
     let name = unique("t5-redrive-max-inv");
     let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     let publisher = Publisher::connect().await;
-    let v99 = |order: Uuid| {
-        let mut m = order_placed(&tenant, order, 1, "77", 1);
-        let mut raw: Value = serde_json::from_slice(&m.body).expect("json");
-        raw["schema_version"] = json!(99);
-        m.body = serde_json::to_vec(&raw).expect("json");
-        m.schema_version = 99;
-        m
-    };
+    let v99 = |order: Uuid| order_placed(&tenant, order, 1, "77", 1).as_version_99();
     let (first, second) = (Uuid::now_v7(), Uuid::now_v7());
     publisher.to_consumer(&name, &v99(first)).await;
     inventory

@@ -22,27 +22,7 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     let tenant = unique_tenant("drift");
     let order = Uuid::now_v7();
     let orders = pg(Database::Orders).await;
-    orders
-        .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
-        .await
-        .expect("tenant");
-    orders
-        .execute(
-            "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, merchandise_minor, \
-             shipping_minor, tax_minor, total_minor, last_event_sequence) \
-             VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
-            &[&order, &tenant],
-        )
-        .await
-        .expect("order");
-    orders
-        .execute(
-            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
-             VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
-            &[&order],
-        )
-        .await
-        .expect("line");
+    system_tests::insert_seed_order(&orders, &tenant, order).await;
 
     // Placed, but inventory never reserved: drift.
     let (code, out) = drift_check(&tenant);

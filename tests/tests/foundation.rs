@@ -165,27 +165,7 @@ async fn every_orders_row_carries_its_tenant() {
 
     let tenant = system_tests::unique_tenant("rows");
     let order = uuid::Uuid::now_v7();
-    client
-        .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
-        .await
-        .expect("tenant");
-    client
-        .execute(
-            "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
-             merchandise_minor, shipping_minor, tax_minor, total_minor) \
-             VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300)",
-            &[&order, &tenant],
-        )
-        .await
-        .expect("order");
-    client
-        .execute(
-            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
-             VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
-            &[&order],
-        )
-        .await
-        .expect("a line without its tenant");
+    system_tests::insert_seed_order(&client, &tenant, order).await;
     let line_tenant: String = client
         .query_one(
             "SELECT tenant_id FROM order_lines WHERE order_id = $1",
