@@ -31,6 +31,16 @@ pub(crate) const JSON_NUMBER_MESSAGE: &str =
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Money(i64);
 
+/// A total of amounts in minor units, as a decimal string with two places
+/// (`"184467440737095516.14"`): the sums a report adds up can leave `i64`
+/// (each amount fits; their sum need not).
+#[must_use]
+pub fn format_total(minor: i128) -> String {
+    let sign = if minor < 0 { "-" } else { "" };
+    let magnitude = minor.unsigned_abs();
+    format!("{sign}{}.{:02}", magnitude / 100, magnitude % 100)
+}
+
 impl Money {
     /// Zero.
     pub const ZERO: Money = Money(0);

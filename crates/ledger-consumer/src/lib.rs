@@ -266,15 +266,10 @@ fn money(minor: i64) -> String {
     Money::from_minor(minor).to_string()
 }
 
-/// A total of amounts, as a decimal string with two places like [`money`].
-/// Totals are summed in i128: every amount fits in i64 minor units, their
-/// sum need not (one order's total and cost of goods on one entry already).
-fn money_total(minor: i128) -> String {
-    let sign = if minor < 0 { "-" } else { "" };
-    let magnitude = minor.unsigned_abs();
-    format!("{sign}{}.{:02}", magnitude / 100, magnitude % 100)
-}
-
+/// Totals are summed in i128 (`events::format_total` writes them): every
+/// amount fits in i64 minor units, their sum need not (one order's total
+/// and cost of goods on one entry already).
+///
 /// A `sum()` of bigint amounts, selected as `::text` (PostgreSQL sums bigint
 /// into numeric, which a `::bigint` cast would overflow).
 fn sum_column(row: &tokio_postgres::Row, index: usize) -> Result<i128, Problem> {
@@ -407,8 +402,8 @@ async fn get_journal(
     let entries: Vec<EntryView> = entries
         .into_iter()
         .map(|(mut entry, debits, credits)| {
-            entry.total_debit = money_total(debits);
-            entry.total_credit = money_total(credits);
+            entry.total_debit = events::format_total(debits);
+            entry.total_credit = events::format_total(credits);
             entry
         })
         .collect();
@@ -448,9 +443,9 @@ async fn get_trial_balance(
         serde_json::json!({
             "currency": c.0,
             "accounts": c.1,
-            "total_debit": money_total(c.2),
-            "total_credit": money_total(c.3),
-            "balance": money_total(c.2 - c.3),
+            "total_debit": events::format_total(c.2),
+            "total_credit": events::format_total(c.3),
+            "balance": events::format_total(c.2 - c.3),
         })
     };
     for row in &rows {
@@ -468,9 +463,9 @@ async fn get_trial_balance(
             "account_code": row.get::<_, String>(1),
             "account": row.get::<_, String>(2),
             "kind": row.get::<_, String>(3),
-            "debit": money_total(debit),
-            "credit": money_total(credit),
-            "balance": money_total(debit - credit),
+            "debit": events::format_total(debit),
+            "credit": events::format_total(credit),
+            "balance": events::format_total(debit - credit),
         }));
     }
     if let Some(done) = current.take() {
@@ -489,11 +484,15 @@ mod tests {
     #[test]
     fn totals_are_written_like_amounts_and_may_exceed_one_amount() {
         for minor in [0, 5, 9300, -9300, -5, i64::MAX, i64::MIN] {
-            assert_eq!(money_total(i128::from(minor)), money(minor), "{minor}");
+            assert_eq!(
+                events::format_total(i128::from(minor)),
+                money(minor),
+                "{minor}"
+            );
         }
         let two_max = 2 * i128::from(i64::MAX);
-        assert_eq!(money_total(two_max), "184467440737095516.14");
-        assert_eq!(money_total(-two_max), "-184467440737095516.14");
+        assert_eq!(events::format_total(two_max), "184467440737095516.14");
+        assert_eq!(events::format_total(-two_max), "-184467440737095516.14");
     }
 
     #[test]

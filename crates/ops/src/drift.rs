@@ -62,7 +62,7 @@ pub struct TenantSummary {
     pub loyalty_entries: i64,
     pub stock_levels: i64,
     /// Trial balance per currency: (debits, credits) in minor units.
-    pub trial_balance: BTreeMap<String, (i64, i64)>,
+    pub trial_balance: BTreeMap<String, (i128, i128)>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -167,12 +167,14 @@ pub async fn check(
             .or_default()
             .insert((row.get(3), row.get(4)), row.get(5));
     }
-    // Ledger: per order and event type, (entries, total debits).
-    let mut journals: BTreeMap<(Key, String), (i64, i64)> = BTreeMap::new();
+    // Ledger: per order and event type, (entries, total debits). Sums are
+    // read as text into i128: every amount fits in i64, their sums need not
+    // (a `::bigint` cast made the whole check fail on such a tenant).
+    let mut journals: BTreeMap<(Key, String), (i64, i128)> = BTreeMap::new();
     for row in ledger
         .query(
             "SELECT e.tenant_id, e.order_id, e.event_type, count(DISTINCT e.entry_id), \
-                    coalesce(sum(l.debit), 0)::bigint \
+                    coalesce(sum(l.debit), 0)::text \
                FROM journal_entries e JOIN journal_lines l USING (entry_id) \
               WHERE $1::text IS NULL OR e.tenant_id = $1 \
               GROUP BY 1, 2, 3",
@@ -182,14 +184,14 @@ pub async fn check(
     {
         journals.insert(
             ((row.get(0), row.get(1)), row.get(2)),
-            (row.get(3), row.get(4)),
+            (row.get(3), sum(&row, 4)?),
         );
     }
     // Loyalty: per order, entries and points (and the customers credited).
-    let mut points: BTreeMap<Key, (i64, i64, BTreeSet<String>)> = BTreeMap::new();
+    let mut points: BTreeMap<Key, (i64, i128, BTreeSet<String>)> = BTreeMap::new();
     for row in loyalty
         .query(
-            "SELECT tenant_id, order_id, count(*), sum(points)::bigint, array_agg(DISTINCT customer_id) \
+            "SELECT tenant_id, order_id, count(*), sum(points)::text, array_agg(DISTINCT customer_id) \
                FROM loyalty_entries WHERE $1::text IS NULL OR tenant_id = $1 GROUP BY 1, 2",
             &[&tenant],
         )
@@ -198,7 +200,7 @@ pub async fn check(
         let customers: Vec<String> = row.get(4);
         points.insert(
             (row.get(0), row.get(1)),
-            (row.get(2), row.get(3), customers.into_iter().collect()),
+            (row.get(2), sum(&row, 3)?, customers.into_iter().collect()),
         );
     }
 
@@ -245,7 +247,7 @@ pub async fn check(
             drift(t, id, describe("sale", &expected_sale, sold));
         }
         let payment = journals.get(&(key.clone(), "PaymentReceived".into()));
-        let expected_payment = paid.then_some((1, order.total));
+        let expected_payment = paid.then_some((1, i128::from(order.total)));
         if payment.copied() != expected_payment {
             drift(
                 t,
@@ -254,7 +256,8 @@ pub async fn check(
             );
         }
         let delivery = journals.get(&(key.clone(), "ParcelDelivered".into()));
-        let expected_delivery = delivered.then_some((1, order.total + order.cost));
+        let expected_delivery =
+            delivered.then_some((1, i128::from(order.total) + i128::from(order.cost)));
         if delivery.copied() != expected_delivery {
             drift(
                 t,
@@ -266,7 +269,7 @@ pub async fn check(
         // One entry of the merchandise's whole units; none when that is 0
         // (the consumer writes no entry of 0 points).
         let points = crate::invariants::loyalty_points(order.merchandise);
-        let expected_points = (delivered && points > 0).then_some((1, points));
+        let expected_points = (delivered && points > 0).then_some((1, i128::from(points)));
         match (expected_points, loyalty) {
             (None, None) => {}
             (Some((n, p)), Some((got_n, got_p, customers)))
@@ -351,7 +354,7 @@ pub async fn check(
     // Every journal entry balances.
     for row in ledger
         .query(
-            "SELECT e.tenant_id, e.order_id, e.entry_id, sum(l.debit)::bigint, sum(l.credit)::bigint \
+            "SELECT e.tenant_id, e.order_id, e.entry_id, sum(l.debit)::text, sum(l.credit)::text \
                FROM journal_entries e JOIN journal_lines l USING (entry_id) \
               WHERE $1::text IS NULL OR e.tenant_id = $1 \
               GROUP BY 1, 2, 3 HAVING sum(l.debit) <> sum(l.credit)",
@@ -359,18 +362,21 @@ pub async fn check(
         )
         .await?
     {
-        let (debit, credit): (i64, i64) = (row.get(3), row.get(4));
+        let (debit, credit) = (sum(&row, 3)?, sum(&row, 4)?);
         drift(
             &row.get::<_, String>(0),
             Some(row.get(1)),
-            format!("journal entry {} unbalanced: {debit} debit vs {credit} credit", row.get::<_, Uuid>(2)),
+            format!(
+                "journal entry {} unbalanced: {debit} debit vs {credit} credit",
+                row.get::<_, Uuid>(2)
+            ),
         );
     }
     // Trial balance per tenant and currency.
     for row in ledger
         .query(
             "SELECT e.tenant_id, e.currency, count(DISTINCT e.entry_id), \
-                    sum(l.debit)::bigint, sum(l.credit)::bigint \
+                    sum(l.debit)::text, sum(l.credit)::text \
                FROM journal_entries e JOIN journal_lines l USING (entry_id) \
               WHERE $1::text IS NULL OR e.tenant_id = $1 GROUP BY 1, 2",
             &[&tenant],
@@ -378,7 +384,7 @@ pub async fn check(
         .await?
     {
         let t: String = row.get(0);
-        let (debit, credit): (i64, i64) = (row.get(3), row.get(4));
+        let (debit, credit) = (sum(&row, 3)?, sum(&row, 4)?);
         let summary = report.tenants.entry(t.clone()).or_default();
         summary.journal_entries += row.get::<_, i64>(2);
         summary.trial_balance.insert(row.get(1), (debit, credit));
@@ -436,13 +442,21 @@ fn describe(
     )
 }
 
-fn describe_journal(what: &str, expected: Option<(i64, i64)>, found: Option<(i64, i64)>) -> String {
-    let show = |j: Option<(i64, i64)>| match j {
+/// A `sum()` of bigint amounts, selected as `::text`.
+fn sum(row: &tokio_postgres::Row, index: usize) -> anyhow::Result<i128> {
+    let text: String = row.get(index);
+    text.parse()
+        .map_err(|e| anyhow::anyhow!("sum {text:?} in column {index}: {e}"))
+}
+
+fn describe_journal(
+    what: &str,
+    expected: Option<(i64, i128)>,
+    found: Option<(i64, i128)>,
+) -> String {
+    let show = |j: Option<(i64, i128)>| match j {
         None => "no entry".to_owned(),
-        Some((n, debit)) => format!(
-            "{n} entr(ies) debiting {}",
-            events::Money::from_minor(debit)
-        ),
+        Some((n, debit)) => format!("{n} entr(ies) debiting {}", events::format_total(debit)),
     };
     let kind = match (expected, found) {
         (Some(_), None) => "missing",
@@ -468,8 +482,8 @@ pub fn print(report: &Report) {
         for (currency, (debit, credit)) in &s.trial_balance {
             println!(
                 "  trial balance {currency}: debits {} = credits {}{}",
-                events::Money::from_minor(*debit),
-                events::Money::from_minor(*credit),
+                events::format_total(*debit),
+                events::format_total(*credit),
                 if debit == credit {
                     ""
                 } else {
