@@ -95,8 +95,26 @@ pub enum MigrationError {
     },
 }
 
-/// The longest a migration's statement waits for a table lock.
-pub const DDL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// The longest a migration's statement waits for a table lock: shorter than
+/// order-api's requests wait for theirs (2 s), so the writers queued behind a
+/// waiting DDL statement are served, not failed.
+pub const DDL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+/// Attempts of a migration set whose statement found its table lock busy
+/// (a second apart).
+const DDL_LOCK_ATTEMPTS: u32 = 60;
+
+/// Whether refinery failed on a lock timeout (SQLSTATE 55P03).
+fn lock_timeout(error: &refinery::Error) -> bool {
+    match error.kind() {
+        refinery::error::Kind::Connection(_, source) => {
+            source
+                .downcast_ref::<tokio_postgres::Error>()
+                .and_then(tokio_postgres::Error::code)
+                == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
+        }
+        _ => false,
+    }
+}
 
 /// Arbitrary constant shared by every service: the advisory lock key for migrations.
 pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
@@ -108,9 +126,9 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
 /// a start-up fail, and the service restart in a loop, behind it), and runs
 /// without a statement timeout (a backfill may take long). Its DDL waits for
 /// a table lock at most [`DDL_LOCK_TIMEOUT`]: every write to that table
-/// queues behind a waiting DDL statement, so a long transaction elsewhere
-/// fails the migration (and the start-up, retried by the restart) instead
-/// of stalling the table's writers. Migrations are written to take their
+/// queues behind a waiting DDL statement, so behind a long transaction
+/// elsewhere the migration gives way and tries again (a minute, then the
+/// start-up fails) instead of stalling the table's writers. Migrations are written to take their
 /// exclusive locks only for instants (expand in one, backfill and validate
 /// in the next: orders V6 and V7).
 pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, MigrationError> {
@@ -153,15 +171,34 @@ async fn migrate(
         .await?;
     let mut applied = Vec::new();
     let mut result = Ok(());
-    for runner in database.runners() {
-        match runner.run_async(&mut ***client).await {
-            Ok(report) => applied.extend(report.applied_migrations().iter().map(|m| m.to_string())),
-            Err(source) => {
-                result = Err(MigrationError::Refinery {
-                    database: database.name(),
-                    source,
-                });
-                break;
+    'sets: for runner in database.runners() {
+        let mut attempt = 1;
+        loop {
+            match runner.run_async(&mut ***client).await {
+                Ok(report) => {
+                    applied.extend(report.applied_migrations().iter().map(|m| m.to_string()));
+                    break;
+                }
+                // A table lock not granted within DDL_LOCK_TIMEOUT: the
+                // migration's transaction rolled back; its writers went on.
+                // Again, still holding the advisory lock.
+                Err(source) if lock_timeout(&source) && attempt < DDL_LOCK_ATTEMPTS => {
+                    tracing::warn!(
+                        database = database.name(),
+                        attempt,
+                        error = %source,
+                        "a migration waited too long for a table lock: trying again"
+                    );
+                    attempt += 1;
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                }
+                Err(source) => {
+                    result = Err(MigrationError::Refinery {
+                        database: database.name(),
+                        source,
+                    });
+                    break 'sets;
+                }
             }
         }
     }
