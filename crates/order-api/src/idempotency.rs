@@ -164,12 +164,15 @@ SELECT request_fingerprint, response_status, response_body, resource_id,
 
 /// Run `operation` at most once per `(tenant, endpoint, key)` and answer with
 /// its response, or with the stored response of the run that did.
+/// `earlier` are the fingerprints an earlier release computed for the same
+/// request (its canonical form changed since): a record stored under one of
+/// them is the same request, not a reused key.
 pub async fn execute(
     state: &AppState,
     tenant: &str,
     endpoint: &'static str,
     key: &str,
-    fingerprint: &str,
+    (fingerprint, earlier): (&str, &[String]),
     operation: operations::Operation,
 ) -> Result<HttpResponse, ApiError> {
     let metrics = &state.metrics;
@@ -217,7 +220,7 @@ pub async fn execute(
             return Err(ApiError::InProgress);
         };
         let stored_fingerprint: String = row.get(0);
-        if stored_fingerprint != fingerprint {
+        if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
             metrics.key_conflicts.with_label_values(&[endpoint]).inc();
             tracing::info!(
                 endpoint,

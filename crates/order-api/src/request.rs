@@ -345,6 +345,16 @@ impl DeliveryRequest {
         Ok(())
     }
 
+    /// The fingerprint before session 10: over the lines in the order sent.
+    pub fn fingerprint_in_line_order(&self, order_id: Uuid) -> String {
+        let lines: Vec<(&str, u64)> = self
+            .lines
+            .iter()
+            .map(|l| (l.sku.as_str(), u64::from(l.qty)))
+            .collect();
+        self.encode(order_id, &lines)
+    }
+
     /// Over the quantity per SKU, in SKU order: what the delivery means
     /// (it must equal the order's quantity per SKU), so lines sent in
     /// another order, or one SKU split over two lines, are the same
@@ -354,11 +364,16 @@ impl DeliveryRequest {
         for line in &self.lines {
             *per_sku.entry(line.sku.as_str()).or_default() += u64::from(line.qty);
         }
+        let lines: Vec<(&str, u64)> = per_sku.into_iter().collect();
+        self.encode(order_id, &lines)
+    }
+
+    fn encode(&self, order_id: Uuid, lines: &[(&str, u64)]) -> String {
         let mut c = Canonical::new("POST /orders/{id}/deliveries v1");
         c.field("order_id", &order_id.to_string())
             .field("delivery_id", &self.delivery_id)
-            .field("lines", &per_sku.len().to_string());
-        for (sku, qty) in per_sku {
+            .field("lines", &lines.len().to_string());
+        for (sku, qty) in lines {
             c.field("sku", sku).field("qty", &qty.to_string());
         }
         c.finish()
@@ -447,16 +462,12 @@ mod tests {
         }
         // Distinct SKUs in order: the encoding of before (a retry sent
         // across an upgrade is still the same request).
-        let mut before = Canonical::new("POST /orders/{id}/deliveries v1");
-        before
-            .field("order_id", &order_id.to_string())
-            .field("delivery_id", "311")
-            .field("lines", "2")
-            .field("sku", "A")
-            .field("qty", "2")
-            .field("sku", "B")
-            .field("qty", "1");
-        assert_eq!(before.finish(), base);
+        let sorted = delivery(&[("A", 2), ("B", 1)]);
+        assert_eq!(sorted.fingerprint_in_line_order(order_id), base);
+        // In another order: the earlier encoding differs, and the route
+        // accepts it too (`earlier_fingerprints`).
+        let reordered = delivery(&[("B", 1), ("A", 2)]);
+        assert_ne!(reordered.fingerprint_in_line_order(order_id), base);
     }
 
     #[test]

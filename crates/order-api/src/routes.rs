@@ -118,7 +118,7 @@ async fn create_order(
         &tenant,
         "POST /orders",
         &key,
-        &fingerprint,
+        (&fingerprint, &[]),
         Operation::CreateOrder(order, trace),
     )
     .instrument(span)
@@ -142,6 +142,12 @@ pub trait OrderCommand: serde::de::DeserializeOwned {
     /// stored by a binary from before this rule keeps its fingerprint).
     fn omit_defaults(&mut self, _order_currency: &events::Currency) {}
     fn fingerprint(&self, order_id: Uuid) -> String;
+    /// The fingerprints the previous release computed for this request,
+    /// where its canonical form has changed since (see
+    /// [`idempotency::execute`]).
+    fn earlier_fingerprints(&self, _order_id: Uuid) -> Vec<String> {
+        Vec::new()
+    }
     fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation;
 }
 
@@ -176,9 +182,30 @@ impl OrderCommand for DeliveryRequest {
     fn fingerprint(&self, order_id: Uuid) -> String {
         DeliveryRequest::fingerprint(self, order_id)
     }
+    fn earlier_fingerprints(&self, order_id: Uuid) -> Vec<String> {
+        vec![DeliveryRequest::fingerprint_in_line_order(self, order_id)]
+    }
     fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation {
         Operation::Deliver(order_id, self, trace)
     }
+}
+
+/// The fingerprint of `command` (its defaults from the order left out) and
+/// the ones an earlier release computed for it (for [`idempotency::execute`]).
+fn fingerprints<C: OrderCommand>(
+    command: &mut C,
+    order_id: Uuid,
+    order_currency: Option<&events::Currency>,
+) -> (String, Vec<String>) {
+    let mut earlier = command.earlier_fingerprints(order_id);
+    if let Some(currency) = order_currency {
+        // Until session 10 a given currency was hashed as sent.
+        earlier.push(command.fingerprint(order_id));
+        command.omit_defaults(currency);
+    }
+    let fingerprint = command.fingerprint(order_id);
+    earlier.retain(|f| *f != fingerprint);
+    (fingerprint, earlier)
 }
 
 async fn order_command<C: OrderCommand>(
@@ -193,23 +220,23 @@ async fn order_command<C: OrderCommand>(
     let body = body(&state, &request, payload).await?;
     let mut command = request::parse::<C>(&body)?;
     command.validate()?;
-    if command.defaults_from_order() {
-        // An order's currency never changes. No order (or a currency this
-        // build no longer knows): the value stays, and the operation
-        // answers for the order.
+    // An order's currency never changes. No order (or a currency this build
+    // no longer knows): the value stays, and the operation answers for the
+    // order.
+    let order_currency = if command.defaults_from_order() {
         let client = state.pool.get().await?;
-        if let Some(currency) = operations::order_currency(&client, &tenant, order_id).await? {
-            command.omit_defaults(&currency);
-        }
-    }
-    let fingerprint = command.fingerprint(order_id);
+        operations::order_currency(&client, &tenant, order_id).await?
+    } else {
+        None
+    };
+    let (fingerprint, earlier) = fingerprints(&mut command, order_id, order_currency.as_ref());
     let (span, trace) = operation_span(&request, C::SPAN);
     idempotency::execute(
         &state,
         &tenant,
         C::ENDPOINT,
         &key,
-        &fingerprint,
+        (&fingerprint, &earlier),
         command.into_operation(order_id, trace),
     )
     .instrument(span)
@@ -227,5 +254,45 @@ async fn get_order(
     match operations::get_order(&client, &tenant, order_id).await? {
         Some(order) => Ok(HttpResponse::Ok().json(order)),
         None => Err(RejectedError(Rejection::OrderNotFound).into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse<C: OrderCommand>(body: &str) -> C {
+        request::parse::<C>(body.as_bytes()).expect("parse")
+    }
+
+    #[test]
+    fn a_retry_fingerprinted_by_the_previous_release_is_the_same_request() {
+        let order_id = Uuid::nil();
+        let usd = events::Currency::parse("USD").expect("usd");
+        let absent = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+        let spelled = r#"{"payment_id":"9001","amount":"93.00","currency":"USD","method":"card"}"#;
+        // Session 9 hashed the payment as sent.
+        let stored_then = parse::<PaymentRequest>(spelled).fingerprint(order_id);
+        let (now, earlier) =
+            fingerprints(&mut parse::<PaymentRequest>(spelled), order_id, Some(&usd));
+        let (without, _) = fingerprints(&mut parse::<PaymentRequest>(absent), order_id, None);
+        assert_eq!(now, without, "the currency of the order is left out");
+        assert_eq!(earlier, vec![stored_then]);
+        let eur = events::Currency::parse("EUR").expect("eur");
+        let (other, earlier) =
+            fingerprints(&mut parse::<PaymentRequest>(spelled), order_id, Some(&eur));
+        assert_ne!(other, now, "another currency than the order's stays");
+        assert!(earlier.is_empty());
+
+        let sorted = r#"{"delivery_id":"311","lines":[{"sku":"A","qty":2},{"sku":"B","qty":1}]}"#;
+        let reordered =
+            r#"{"delivery_id":"311","lines":[{"sku":"B","qty":1},{"sku":"A","qty":2}]}"#;
+        let stored_then = parse::<DeliveryRequest>(reordered).fingerprint_in_line_order(order_id);
+        let (now, earlier) = fingerprints(&mut parse::<DeliveryRequest>(reordered), order_id, None);
+        assert_eq!(
+            now,
+            fingerprints(&mut parse::<DeliveryRequest>(sorted), order_id, None).0
+        );
+        assert_eq!(earlier, vec![stored_then]);
     }
 }
