@@ -184,7 +184,6 @@ pub async fn wait_for_ok(url: &str, timeout: Duration) -> Result<String, String>
     Err(format!("{url} not OK after {timeout:?}: {last}"))
 }
 
-/// A tenant id no other test uses.
 /// Seed 003's order 1042 written straight into the orders database under a
 /// new `tenant` (as order-api would after its OrderPlaced: sequence 1), with
 /// its one line written without a tenant, as a binary from before orders V6
@@ -213,6 +212,7 @@ pub async fn insert_seed_order(orders: &tokio_postgres::Client, tenant: &str, or
         .expect("line");
 }
 
+/// A tenant id no other test uses.
 pub fn unique_tenant(prefix: &str) -> String {
     format!(
         "{prefix}-{}",

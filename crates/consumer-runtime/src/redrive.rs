@@ -142,10 +142,25 @@ async fn move_letters(
         };
         letters.push(letter(message.delivery));
     }
+    let mut past_max = None;
+    if !drained {
+        // Exactly `max` letters, or more? One more get tells (the extra one
+        // is returned with the others).
+        match channel
+            .basic_get(
+                topology.dead_letter_queue().as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await?
+        {
+            Some(message) => past_max = Some(letter(message.delivery)),
+            None => drained = true,
+        }
+    }
 
     let mut report = Report::default();
     let mut selected: BTreeMap<String, Vec<Letter>> = BTreeMap::new();
-    let mut others = Vec::new();
+    let mut others: Vec<Letter> = past_max.into_iter().collect();
     for letter in letters {
         match &letter.order {
             None => {

@@ -269,8 +269,10 @@ async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<boo
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Err(DeclareError::Conflict(format!(
-        "queue {queue} has been held exclusively by another connection for a minute"
+    // Still another connection's: try again on the next connection (the
+    // supervisor's backoff, and a shutdown, apply).
+    Err(DeclareError::Busy(format!(
+        "queue {queue} is held exclusively by another connection"
     )))
 }
 
@@ -284,13 +286,17 @@ pub enum DeclareError {
     /// The connection or a channel failed: reconnect and try again.
     #[error(transparent)]
     Broker(#[from] lapin::Error),
+    /// A queue name is held by another connection's probe (another instance
+    /// starting, or a dead one until the broker notices): try again later.
+    #[error("{0}")]
+    Busy(String),
 }
 
 const NOT_FOUND: u16 = 404;
 const RESOURCE_LOCKED: u16 = 405;
-/// Tries of the queue probe, 500 ms apart: a minute, longer than a dead
-/// connection's exclusive queue outlives it (heartbeats).
-const PROBE_TRIES: u32 = 120;
+/// Tries of the queue probe, 500 ms apart, before it gives the connection
+/// up (and the supervisor tries on a new one).
+const PROBE_TRIES: u32 = 10;
 const PRECONDITION_FAILED: u16 = 406;
 
 /// The AMQP reply code a broker closed a channel or connection with.

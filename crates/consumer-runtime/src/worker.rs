@@ -54,6 +54,12 @@ pub(crate) async fn run_connection<D: Domain>(
     {
         Ok(()) => consume(&connection, processor, prefetch, &shutdown).await,
         Err(DeclareError::Broker(error)) => Err(error),
+        Err(DeclareError::Busy(why)) => {
+            tracing::warn!(%why, "declaring the topology: reconnecting to try again");
+            Err(lapin::Error::from(
+                lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Error),
+            ))
+        }
         Err(DeclareError::Conflict(why)) => {
             tracing::error!(%why, "refusing to consume: consumer topology conflict");
             let _ = fatal.set(why);
