@@ -1298,6 +1298,16 @@ async fn totals_beyond_one_amount_are_reported_exactly() {
     // The drift check sums the same way (its `::bigint` casts failed the
     // whole check with "bigint out of range"). These rows have no order in
     // the orders database, which it reports; the trial balance is exact.
+    // (It reads all four databases; on a fresh machine no test before this
+    // one may have migrated the orders or the inventory one.)
+    for db in [
+        Database::Orders,
+        Database::Inventory,
+        Database::Ledger,
+        Database::Loyalty,
+    ] {
+        system_tests::ensure_migrated(db).await;
+    }
     let report = ops::drift::check(
         &ops::drift::Databases::from_env(),
         Some(&tenant),
