@@ -384,3 +384,129 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
         }
     }
 }
+
+/// Orders V6 and V7 on a database holding lines from before them: V6 (the
+/// expand step) leaves the old lines as they are and fills in the tenant of
+/// a line an older binary writes without one; V7 gives every old line its
+/// order's tenant and validates both constraints. Run in a scratch schema
+/// built by V1-V5, not on the shared tables (where no line predates V6).
+#[tokio::test]
+async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
+    let client = pg(Database::Orders).await;
+    let schema = format!("migration_test_{}", uuid::Uuid::new_v4().simple());
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA {schema}; SET search_path TO {schema}"
+        ))
+        .await
+        .expect("scratch schema");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../migrations/orders");
+    let mut files: Vec<(u32, String)> = std::fs::read_dir(dir)
+        .expect("migrations")
+        .map(|entry| entry.expect("entry").path())
+        .filter_map(|path| {
+            let name = path.file_name()?.to_str()?.to_owned();
+            let version = name.strip_prefix('V')?.split("__").next()?.parse().ok()?;
+            Some((version, std::fs::read_to_string(&path).expect("read")))
+        })
+        .collect();
+    files.sort_by_key(|(version, _)| *version);
+    let run = |version: u32| {
+        let sql = files
+            .iter()
+            .find(|(v, _)| *v == version)
+            .map(|(_, sql)| sql.clone())
+            .unwrap_or_else(|| panic!("no V{version}"));
+        let client = &client;
+        async move {
+            client
+                .batch_execute(&sql)
+                .await
+                .unwrap_or_else(|e| panic!("V{version}: {e}"));
+        }
+    };
+    for version in 1..=5 {
+        run(version).await;
+    }
+    let (a, b) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    client
+        .batch_execute(&format!(
+            "INSERT INTO tenants (tenant_id) VALUES ('acme'), ('globex');
+             INSERT INTO orders (order_id, tenant_id, customer_id, currency, location,
+                 merchandise_minor, shipping_minor, tax_minor, total_minor)
+             VALUES ('{a}', 'acme', '77', 'USD', 'WH-1', 8000, 0, 0, 8000),
+                    ('{b}', 'globex', '78', 'USD', 'WH-1', 4000, 0, 0, 4000);
+             INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor)
+             VALUES ('{a}', 1, 'JKT-M', 1, 4000, 2200), ('{a}', 2, 'JKT-L', 1, 4000, 2200),
+                    ('{b}', 1, 'JKT-M', 1, 4000, 2200);"
+        ))
+        .await
+        .expect("rows from before V6");
+    run(6).await;
+    assert_eq!(constraints_validated(&client).await, vec![false, false]);
+    client
+        .execute(
+            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
+             VALUES ($1, 2, 'JKT-S', 1, 4000, 2200)",
+            &[&b],
+        )
+        .await
+        .expect("a line written without its tenant after V6");
+    let (a, b) = (a.to_string(), b.to_string());
+    let some = |t: &str| Some(t.to_owned());
+    assert_eq!(
+        line_tenants(&client).await,
+        vec![
+            (a.clone(), 1, None),
+            (a.clone(), 2, None),
+            (b.clone(), 1, None),
+            (b.clone(), 2, some("globex")),
+        ]
+    );
+
+    run(7).await;
+    assert_eq!(constraints_validated(&client).await, vec![true, true]);
+    assert_eq!(
+        line_tenants(&client).await,
+        vec![
+            (a.clone(), 1, some("acme")),
+            (a, 2, some("acme")),
+            (b.clone(), 1, some("globex")),
+            (b, 2, some("globex")),
+        ]
+    );
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .expect("drop the scratch schema");
+}
+
+/// Whether order_lines' tenant constraints are validated (NOT NULL, FK).
+async fn constraints_validated(client: &tokio_postgres::Client) -> Vec<bool> {
+    client
+        .query(
+            "SELECT convalidated FROM pg_constraint \
+             WHERE conrelid = 'order_lines'::regclass \
+               AND conname IN ('order_lines_tenant_not_null', 'order_lines_tenant_fk')",
+            &[],
+        )
+        .await
+        .expect("constraints")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// (order, line, tenant) of every line, in order.
+async fn line_tenants(client: &tokio_postgres::Client) -> Vec<(String, i32, Option<String>)> {
+    client
+        .query(
+            "SELECT order_id::text, line_no, tenant_id FROM order_lines ORDER BY 1, 2",
+            &[],
+        )
+        .await
+        .expect("lines")
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect()
+}
