@@ -10,11 +10,11 @@ use serde_json::{json, Value};
 use system_tests::{
     bin,
     consumers::{
-        consumer_env, drain_dead_letters, eventually, management, message, order_placed,
-        parcel_delivered, payment_received, queue_consumers, queue_depth, story, unique, Consumer,
-        Kind, Options, Publisher, TopologyGuard, TEST_TOKEN,
+        drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
+        payment_received, queue_consumers, queue_depth, story, unique, Consumer, Kind, Options,
+        Publisher, TopologyGuard, TEST_TOKEN,
     },
-    free_port, pg, pool, Database, Service,
+    pg, pool, Database,
 };
 use uuid::Uuid;
 
@@ -2304,26 +2304,46 @@ async fn a_consumer_refuses_a_topology_of_another_shape() {
             .is_some_and(|s| s.success()),
         "a clean stop"
     );
-    let refused = |options: Options, what: &str| {
-        let env = consumer_env(Kind::Loyalty, &name, free_port(), &options);
-        let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        let mut service = Service::start(Kind::Loyalty.binary(), &[], &env);
-        let status = service.wait_exit(Duration::from_secs(60));
+    // Each must stop with the conflict named (not merely exit non-zero).
+    let refused = |options: Options, names: &str| {
+        let log = std::env::temp_dir().join(format!("{name}-refused.log"));
+        let mut child = consumer_command(Kind::Loyalty, &name, &options)
+            .env("LOG_FORMAT", "json")
+            .stdin(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("start the consumer");
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                break Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                let _ = child.kill();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let _ = std::fs::remove_file(&log);
         assert!(
             status.is_some_and(|s| !s.success()),
-            "{what}: the consumer must stop with an error, got {status:?}"
+            "{names}: the consumer must stop with an error, got {status:?}: {text}"
+        );
+        assert!(
+            text.contains("consumer topology conflict") && text.contains(names),
+            "{names}: {text}"
         );
     };
-    refused(
-        Options::one_partition(),
-        "one partition where the broker has two",
-    );
+    // One partition where the broker has two: p1 is named.
+    refused(Options::one_partition(), &format!("{name}.p1 exists"));
+    // A retry tier of another TTL: the broker's refusal is named.
     refused(
         Options {
             tiers_ms: "100,200,300,400,600".to_owned(),
             ..Options::default()
         },
-        "a retry tier of another TTL",
+        "inequivalent arg 'x-message-ttl'",
     );
     // A redrive configured with more partitions than the consumer has
     // would add queues to its hash ring that nobody consumes: refused, and
@@ -2468,4 +2488,73 @@ async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
         2,
         "both letters kept"
     );
+}
+
+/// A crash after the dead letter's confirm, before the park commits
+/// (`consumer.after_dead_letter_before_park`): the message was not
+/// acknowledged, so it is redelivered, dead-lettered again and the order
+/// parked then. Two copies of the letter, nothing lost, and the order's next
+/// event is held behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
+    let tenant = unique("t5-crash-park");
+    let name = unique("t5-crash-park-inv");
+    let mut crashing = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            failpoints: Some("consumer.after_dead_letter_before_park=1*return".to_owned()),
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    let order = Uuid::now_v7();
+    let poison = order_placed(&tenant, order, 1, "77", 1).as_version_99();
+    publisher.to_consumer(&name, &poison).await;
+    let status = tokio::task::spawn_blocking(move || {
+        let status = crashing.service.wait_exit(WAIT);
+        (status, crashing)
+    })
+    .await
+    .expect("wait");
+    assert!(
+        status.0.is_some_and(|s| !s.success()),
+        "aborted at the fail point"
+    );
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        None,
+        "the park rolled back with the crash"
+    );
+
+    let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+    restarted
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((0, true)),
+        "parked on the redelivery"
+    );
+    publisher
+        .to_consumer(&name, &payment_received(&tenant, order, 2, "53.00"))
+        .await;
+    restarted
+        .wait_metric("consumer_dead_lettered_total", "", 2.0)
+        .await;
+    let letters = drain_dead_letters(&name).await;
+    let poison_copies = letters.iter().filter(|l| l.body == poison.body).count();
+    assert_eq!(
+        (letters.len(), poison_copies),
+        (3, 2),
+        "two copies of the poison letter and the event held behind it: {letters:?}"
+    );
+    assert!(
+        letters
+            .iter()
+            .any(|l| l.body != poison.body && l.reason.contains("parked")),
+        "{letters:?}"
+    );
+    drop(status);
 }

@@ -390,6 +390,8 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
 /// a line an older binary writes without one; V7 gives every old line its
 /// order's tenant and validates both constraints. Run in a scratch schema
 /// built by V1-V5, not on the shared tables (where no line predates V6).
+/// The state after V6 is also the one a crash between V6 and V7 leaves
+/// (each migration commits on its own): V7 runs at the next start.
 #[tokio::test]
 async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
     let client = pg(Database::Orders).await;
@@ -429,19 +431,9 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
         run(version).await;
     }
     let (a, b) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
-    client
-        .batch_execute(&format!(
-            "INSERT INTO tenants (tenant_id) VALUES ('acme'), ('globex');
-             INSERT INTO orders (order_id, tenant_id, customer_id, currency, location,
-                 merchandise_minor, shipping_minor, tax_minor, total_minor)
-             VALUES ('{a}', 'acme', '77', 'USD', 'WH-1', 8000, 0, 0, 8000),
-                    ('{b}', 'globex', '78', 'USD', 'WH-1', 4000, 0, 0, 4000);
-             INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor)
-             VALUES ('{a}', 1, 'JKT-M', 1, 4000, 2200), ('{a}', 2, 'JKT-L', 1, 4000, 2200),
-                    ('{b}', 1, 'JKT-M', 1, 4000, 2200);"
-        ))
-        .await
-        .expect("rows from before V6");
+    // Two orders of two tenants from before V6, a line each.
+    system_tests::insert_seed_order(&client, "acme", a).await;
+    system_tests::insert_seed_order(&client, "globex", b).await;
     run(6).await;
     assert_eq!(constraints_validated(&client).await, vec![false, false]);
     client
@@ -458,7 +450,6 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
         line_tenants(&client).await,
         vec![
             (a.clone(), 1, None),
-            (a.clone(), 2, None),
             (b.clone(), 1, None),
             (b.clone(), 2, some("globex")),
         ]
@@ -469,8 +460,7 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
     assert_eq!(
         line_tenants(&client).await,
         vec![
-            (a.clone(), 1, some("acme")),
-            (a, 2, some("acme")),
+            (a, 1, some("acme")),
             (b.clone(), 1, some("globex")),
             (b, 2, some("globex")),
         ]

@@ -566,6 +566,12 @@ impl<D: Domain> Processor<D> {
             return self.dead_letter(publisher, incoming, reason).await;
         }
         self.dead_letter(publisher, incoming, reason).await?;
+        // Crash window: the dead letter is confirmed, the park not committed
+        // and the message not acknowledged. The message is redelivered,
+        // dead-lettered again and the order parked then: a second copy of
+        // the letter (redrive moves both; the inbox takes the second as a
+        // duplicate), nothing lost.
+        kit::failpoint::crash_point("consumer.after_dead_letter_before_park");
         tx.commit().await?;
         self.metrics.parked_orders.inc();
         Ok(())

@@ -140,7 +140,9 @@ RETURNING 1";
 /// Take over an expired record the cleanup has not deleted yet (after expiry
 /// a key is a new operation). Of concurrent takers, one updates the row; the
 /// others wait for it (bounded by `lock_timeout`), find it no longer expired
-/// and read what it stored.
+/// and read what it stored. It is the owner's claim, in the owner's
+/// transaction: a crash before its commit (`order_api.before_commit`) rolls
+/// it back, and the record is expired again for the retry to take over.
 pub const TAKE_OVER: &str = "\
 UPDATE idempotency_requests
    SET request_fingerprint = $4, response_status = NULL, response_body = NULL,
