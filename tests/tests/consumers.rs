@@ -860,7 +860,7 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
     let tenant = unique("t5-crash");
     let s = story(&tenant);
     let name = unique("t5-crash-inv");
-    let mut crashing = Consumer::start(
+    let crashing = Consumer::start(
         Kind::Inventory,
         &name,
         Options {
@@ -871,12 +871,7 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
     .await;
     let publisher = Publisher::connect().await;
     publisher.to_consumer(&name, &s.placed).await;
-    let status = tokio::task::spawn_blocking(move || {
-        let status = crashing.service.wait_exit(WAIT);
-        (status, crashing)
-    })
-    .await
-    .expect("wait");
+    let status = exit_of(crashing).await;
     assert!(
         status.0.is_some_and(|s| !s.success()),
         "aborted at the fail point"
@@ -1000,11 +995,7 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
 /// event type is acknowledged and advances the order's sequence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows() {
-    let tenant = unique("t5-poison");
-    let name = unique("t5-poison-inv");
-    // One partition: the poison and the good events share it.
-    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
-    let publisher = Publisher::connect().await;
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-poison").await;
 
     let malformed_order = Uuid::now_v7();
     let mut malformed = order_placed(&tenant, malformed_order, 1, "9", 1);
@@ -1083,10 +1074,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
 /// applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_the_database_refuses_is_dead_lettered_and_the_partition_flows() {
-    let tenant = unique("t5-refused");
-    let name = unique("t5-refused-inv");
-    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
-    let publisher = Publisher::connect().await;
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-refused").await;
 
     // 8,000 characters of random hex: no compression brings the index
     // entry under B-tree's 2,704-byte limit.
@@ -1535,7 +1523,7 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
         "{}?application_name={name}",
         system_tests::pg_url(Database::Inventory)
     );
-    let mut slow = Consumer::start(
+    let slow = Consumer::start(
         Kind::Inventory,
         &name,
         Options {
@@ -1553,12 +1541,7 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     let admin = pg(Database::Inventory).await;
     inside_its_transaction(&admin, &name).await;
     slow.service.signal("TERM");
-    let status = tokio::task::spawn_blocking(move || {
-        let status = slow.service.wait_exit(WAIT);
-        (status, slow)
-    })
-    .await
-    .expect("wait");
+    let status = exit_of(slow).await;
     assert!(
         status.0.is_some_and(|s| s.success()),
         "clean exit: {:?}",
@@ -2379,10 +2362,7 @@ async fn a_consumer_refuses_a_topology_of_another_shape() {
 /// that cannot decode it) is acknowledged as stale: it parks nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
-    let tenant = unique("t5-park-from");
-    let name = unique("t5-park-from-inv");
-    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
-    let publisher = Publisher::connect().await;
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-park-from").await;
     assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
     let order = Uuid::now_v7();
     publisher
@@ -2448,10 +2428,7 @@ async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
 /// the gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
-    let tenant = unique("t5-redrive-max");
-    let name = unique("t5-redrive-max-inv");
-    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
-    let publisher = Publisher::connect().await;
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-redrive-max").await;
     let v99 = |order: Uuid| order_placed(&tenant, order, 1, "77", 1).as_version_99();
     let (first, second) = (Uuid::now_v7(), Uuid::now_v7());
     publisher.to_consumer(&name, &v99(first)).await;
@@ -2499,7 +2476,7 @@ async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
 async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
     let tenant = unique("t5-crash-park");
     let name = unique("t5-crash-park-inv");
-    let mut crashing = Consumer::start(
+    let crashing = Consumer::start(
         Kind::Inventory,
         &name,
         Options {
@@ -2512,12 +2489,7 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
     let order = Uuid::now_v7();
     let poison = order_placed(&tenant, order, 1, "77", 1).as_version_99();
     publisher.to_consumer(&name, &poison).await;
-    let status = tokio::task::spawn_blocking(move || {
-        let status = crashing.service.wait_exit(WAIT);
-        (status, crashing)
-    })
-    .await
-    .expect("wait");
+    let status = exit_of(crashing).await;
     assert!(
         status.0.is_some_and(|s| !s.success()),
         "aborted at the fail point"
@@ -2557,4 +2529,23 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
         "{letters:?}"
     );
     drop(status);
+}
+
+/// The set-up of the poison, refusal and parking tests: a fresh tenant, an
+/// inventory consumer of one partition (every event of the test shares it)
+/// under a fresh name, and a publisher.
+async fn one_partition_inventory(prefix: &str) -> (String, String, Consumer, Publisher) {
+    let tenant = unique(prefix);
+    let name = unique(&format!("{prefix}-inv"));
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+    (tenant, name, inventory, Publisher::connect().await)
+}
+
+/// Wait (off the runtime) for `consumer`'s process to exit, at most
+/// [`WAIT`]; the consumer comes back with the status, so its topology
+/// (and the messages in it) outlives the wait.
+async fn exit_of(mut consumer: Consumer) -> (Option<std::process::ExitStatus>, Consumer) {
+    tokio::task::spawn_blocking(move || (consumer.service.wait_exit(WAIT), consumer))
+        .await
+        .expect("wait")
 }
