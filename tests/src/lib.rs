@@ -69,12 +69,54 @@ pub const PATIENT_RELAY: [(&str, &str); 2] = [
     ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "300000"),
 ];
 
-/// A TCP port that was free a moment ago.
+/// A TCP port for a service to listen on: free now, and handed out once
+/// per test process.
+///
+/// Not the kernel's pick (`bind(:0)`): that comes from the ephemeral range,
+/// where it may be handed out again (to the next `bind(:0)`, or as the
+/// source port of any outgoing connection) before the service binds it, and
+/// two services on one port made a test talk to the wrong one (a relay that
+/// never bound its port, so relayed nothing, "ready" through another
+/// service's `/readyz`; a receipt answered 404 by a relay). These ports lie
+/// below the ephemeral range (no connection takes them as its source port)
+/// and come from one counter, starting at an offset of the process id (the
+/// test binaries run one after another; no reuse right away).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let (low, high) = service_port_range();
+    let span = u32::from(high - low);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(97) % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = low + u16::try_from(offset).expect("within the range");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {low}..{high}");
+}
+
+/// Ports for the services under test: below the kernel's ephemeral range
+/// (`ip_local_port_range`, by default 32768-60999), above the well-known
+/// ones and the infrastructure's (PostgreSQL 5432, RabbitMQ 5672, 15672,
+/// 25672).
+fn service_port_range() -> (u16, u16) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    if ephemeral_low > 27000 {
+        (26000, ephemeral_low - 1)
+    } else {
+        // An unusual ephemeral range starting low: above it.
+        (61000, 65000)
+    }
 }
 
 /// Path of a workspace binary, next to the test executable's directory

@@ -214,6 +214,21 @@ impl Member {
         wait_for_ok(&format!("{}/readyz", self.base_url()), timeout)
             .await
             .unwrap_or_else(|e| panic!("{}: {e}", self.label));
+        // An answer on a port whose service has exited with an error (it
+        // could not bind it, say) came from some other process. (Dying by a
+        // signal is a fail point's abort, which may fire this early.)
+        let exited = self
+            .service
+            .lock()
+            .expect("lock")
+            .as_mut()
+            .and_then(|service| service.wait_exit(Duration::ZERO));
+        if let Some(status) = exited.filter(|status| status.code().is_some()) {
+            panic!(
+                "{}: /readyz on port {} answered, but the process exited: {status}",
+                self.label, self.port
+            );
+        }
     }
 
     /// The sum of every series of metric `name` whose labels contain `labels`.
