@@ -624,10 +624,33 @@ impl System {
         println!("{}", report.render());
         assert!(
             report.is_clean(),
-            "invariants violated:\n{}",
-            report.render()
+            "invariants violated:\n{}\n{}",
+            report.render(),
+            self.members_state()
         );
         report
+    }
+
+    /// Each member's process, port and starts: what a failed check is read
+    /// against (a member that was not running relays or applies nothing).
+    pub fn members_state(&self) -> String {
+        self.members()
+            .iter()
+            .map(|member| {
+                let state = match member.pid() {
+                    Some(pid) if member.running() => format!("running (pid {pid})"),
+                    Some(pid) => format!("exited (pid {pid})"),
+                    None => "not started".to_owned(),
+                };
+                format!(
+                    "  {} on port {}: {state}, started {} time(s)",
+                    member.label,
+                    member.port,
+                    member.starts.load(Ordering::Relaxed)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// One request, retried with the same key like a real client until it
