@@ -18,7 +18,7 @@ use lapin::{
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::{amqp_url, free_port, pg_url, wait_for_ok, Database, Service};
+use crate::{amqp_url, free_port, pg_url, Database, Service};
 
 /// The service token the tests give the consumers.
 pub const TEST_TOKEN: &str = "consumer-test-token";
@@ -196,7 +196,7 @@ impl Consumer {
         let env_refs: Vec<(&str, String)> =
             env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         let service = Service::start(kind.binary(), &[], &env_refs);
-        let consumer = Consumer {
+        let mut consumer = Consumer {
             kind,
             name: name.to_owned(),
             port,
@@ -204,12 +204,12 @@ impl Consumer {
             options,
             service,
         };
-        wait_for_ok(
-            &format!("{}/readyz", consumer.base_url()),
-            Duration::from_secs(90),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{} {name}: {e}", kind.binary()));
+        let url = format!("{}/readyz", consumer.base_url());
+        consumer
+            .service
+            .wait_ready(&url, Duration::from_secs(90))
+            .await
+            .unwrap_or_else(|e| panic!("{} {name}: {e}", kind.binary()));
         wait_for_topology(name, consumer.options.tier_count()).await;
         consumer
     }

@@ -178,6 +178,23 @@ impl Service {
         assert!(status.success(), "kill -{signal} {}", self.pid());
     }
 
+    /// Wait until `url` (one of this process's health routes) answers 200,
+    /// at most `timeout`; then the answer must have come from this process:
+    /// it fails when the process has exited with an error (it could not bind
+    /// its port, say), which leaves the answer to some other process. Dying
+    /// by a signal is a fail point's abort, which may fire this early.
+    pub async fn wait_ready(&mut self, url: &str, timeout: Duration) -> Result<String, String> {
+        let body = wait_for_ok(url, timeout).await?;
+        match self.wait_exit(Duration::ZERO) {
+            Some(status) if status.code().is_some() => Err(format!(
+                "{url} answered, but {} (pid {}) exited: {status}",
+                self.name,
+                self.pid()
+            )),
+            _ => Ok(body),
+        }
+    }
+
     /// Wait for the process to exit, at most `timeout`.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
@@ -297,9 +314,10 @@ impl OrderApi {
             ("RUST_LOG", "warn".to_owned()),
         ];
         all.extend(env.iter().cloned());
-        let service = Service::start("order-api", &[], &all);
+        let mut service = Service::start("order-api", &[], &all);
         let base = format!("http://127.0.0.1:{port}");
-        wait_for_ok(&format!("{base}/readyz"), Duration::from_secs(60))
+        service
+            .wait_ready(&format!("{base}/readyz"), Duration::from_secs(60))
             .await
             .expect("order-api ready");
         Self { service, base }

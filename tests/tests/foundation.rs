@@ -345,9 +345,10 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
         let service = Service::start(name, &[], &env);
         running.push((service, port));
     }
-    for (service, port) in &running {
+    for (service, port) in &mut running {
         let base = format!("http://127.0.0.1:{port}");
-        let health = wait_for_ok(&format!("{base}/healthz"), Duration::from_secs(60))
+        let health = service
+            .wait_ready(&format!("{base}/healthz"), Duration::from_secs(60))
             .await
             .unwrap_or_else(|e| panic!("{}: {e}", service.name));
         assert!(

@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{json, Value};
-use system_tests::{
-    api_key, free_port, pg, unique_tenant, wait_for_ok, Database, OrderApi, Service,
-};
+use system_tests::{api_key, free_port, pg, unique_tenant, Database, OrderApi, Service};
 
 const SEED_ORDER: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","total":"93.00","currency":"USD","location":"WH-1"}"#;
 
@@ -1042,12 +1040,13 @@ async fn a_start_up_waits_for_another_instance_s_migration() {
         .execute("SELECT pg_advisory_unlock($1)", &[&key])
         .await
         .expect("unlock");
-    wait_for_ok(
-        &format!("http://127.0.0.1:{port}/readyz"),
-        Duration::from_secs(60),
-    )
-    .await
-    .expect("order-api ready once the migration lock is free");
+    service
+        .wait_ready(
+            &format!("http://127.0.0.1:{port}/readyz"),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("order-api ready once the migration lock is free");
 }
 
 /// A replay reads the stored record without locking it (seed 004's `ON

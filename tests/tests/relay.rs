@@ -25,9 +25,7 @@ use lapin::{
     BasicProperties, Channel, Connection, ExchangeKind,
 };
 use serde_json::{json, Value};
-use system_tests::{
-    amqp_url, free_port, pg, pg_url, pool, wait_for_ok, Database, Service, PATIENT_RELAY,
-};
+use system_tests::{amqp_url, free_port, pg, pg_url, pool, Database, Service, PATIENT_RELAY};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
@@ -284,13 +282,12 @@ impl Relay {
         }
     }
 
-    async fn ready(&self) {
-        wait_for_ok(
-            &format!("http://127.0.0.1:{}/readyz", self.port),
-            Duration::from_secs(60),
-        )
-        .await
-        .expect("relay ready");
+    async fn ready(&mut self) {
+        let url = format!("http://127.0.0.1:{}/readyz", self.port);
+        self.service
+            .wait_ready(&url, Duration::from_secs(60))
+            .await
+            .expect("relay ready");
     }
 
     /// The value of a metric (the sum over its label sets), 0 when absent.
@@ -1280,7 +1277,7 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
 async fn notify_wakes_an_idle_relay_within_milliseconds() {
     let (tenant, event_type, db, connection, channel, collector) =
         subscribed("RelayTestNotify").await;
-    let relay = Relay::start(
+    let mut relay = Relay::start(
         &tenant,
         &[(
             "OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS",
@@ -1430,7 +1427,7 @@ async fn floor_behind_held_events(
 async fn a_row_committed_below_the_claim_floor_is_published_after_the_next_refresh() {
     let (tenant, event_type, db, connection, channel, collector) =
         subscribed("RelayTestFloor").await;
-    let relay = Relay::start(
+    let mut relay = Relay::start(
         &tenant,
         &[
             (
