@@ -26,7 +26,7 @@ use opentelemetry::{propagation::TextMapPropagator, trace::TracerProvider as _};
 use opentelemetry_sdk::{propagation::TraceContextPropagator, trace::SdkTracerProvider, Resource};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::{
-    filter::{filter_fn, FilterExt},
+    filter::{filter_fn, FilterExt, LevelFilter},
     layer::SubscriberExt,
     util::SubscriberInitExt,
     EnvFilter, Layer,
@@ -100,9 +100,18 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     // propagated): log events are not recorded into them.
     let exporting = otlp_configured() && export_error.is_none();
     EXPORTING.store(exporting, Ordering::Relaxed);
+    // The closure filters by kind, not level: its level hint is TRACE, so the
+    // combined hint is the EnvFilter's. Without a hint the subscriber's
+    // maximum level was unknown, i.e. TRACE, and so was the `log` crate's
+    // (tracing-log sets it from that hint): every `log::debug!` of
+    // tokio-postgres, per statement, went through the bridge and every
+    // layer's filter before being dropped.
     let trace_filter = EnvFilter::try_from_env("OTEL_TRACES_FILTER")
         .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER))
-        .and(filter_fn(move |metadata| exporting || metadata.is_span()));
+        .and(
+            filter_fn(move |metadata| exporting || metadata.is_span())
+                .with_max_level_hint(LevelFilter::TRACE),
+        );
     let text = std::env::var("LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("text"));
     let fmt_layer = if text {
         tracing_subscriber::fmt::layer()
