@@ -77,7 +77,7 @@ pub const PATIENT_RELAY: [(&str, &str); 2] = [
 /// source port of any outgoing connection) before the service binds it, and
 /// two services on one port made a test talk to the wrong one (a relay that
 /// never bound its port, so relayed nothing, "ready" through another
-/// service's `/readyz`; a receipt answered 404 by a relay). These ports lie
+/// service's `/readyz`; a receipt answered 404 by another service). These ports lie
 /// below the ephemeral range (no connection takes them as its source port)
 /// and come from one counter, starting at an offset of the process id (the
 /// test binaries run one after another; no reuse right away).
