@@ -185,14 +185,21 @@ impl Service {
     /// by a signal is a fail point's abort, which may fire this early.
     pub async fn wait_ready(&mut self, url: &str, timeout: Duration) -> Result<String, String> {
         let body = wait_for_ok(url, timeout).await?;
-        match self.wait_exit(Duration::ZERO) {
-            Some(status) if status.code().is_some() => Err(format!(
+        match self.exited_with_code() {
+            Some(status) => Err(format!(
                 "{url} answered, but {} (pid {}) exited: {status}",
                 self.name,
                 self.pid()
             )),
-            _ => Ok(body),
+            None => Ok(body),
         }
+    }
+
+    /// The exit status, if the process has exited with an exit code (not
+    /// by a signal: that is a fail point's abort).
+    pub fn exited_with_code(&mut self) -> Option<ExitStatus> {
+        self.wait_exit(Duration::ZERO)
+            .filter(|status| status.code().is_some())
     }
 
     /// Wait for the process to exit, at most `timeout`.

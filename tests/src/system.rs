@@ -222,8 +222,8 @@ impl Member {
             .lock()
             .expect("lock")
             .as_mut()
-            .and_then(|service| service.wait_exit(Duration::ZERO));
-        if let Some(status) = exited.filter(|status| status.code().is_some()) {
+            .and_then(Service::exited_with_code);
+        if let Some(status) = exited {
             panic!(
                 "{}: /readyz on port {} answered, but the process exited: {status}",
                 self.label, self.port
