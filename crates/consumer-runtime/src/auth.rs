@@ -30,12 +30,7 @@ fn authorize(req: &HttpRequest) -> Result<TenantScope, Problem> {
             "The service token is not configured",
         ));
     };
-    let presented = req
-        .headers()
-        .get(actix_web::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+    let presented = kit::http::bearer_token(req);
     match presented {
         Some(token) if constant_time_eq(token.as_bytes(), expected.0.as_bytes()) => {}
         Some(_) => {

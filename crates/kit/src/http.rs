@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use actix_web::{
-    dev::ServerHandle, http::StatusCode, web, HttpResponse, HttpResponseBuilder, ResponseError,
+    dev::ServerHandle, http::StatusCode, web, HttpRequest, HttpResponse, HttpResponseBuilder,
+    ResponseError,
 };
 use deadpool_postgres::Pool;
 use prometheus::Registry;
@@ -93,8 +94,27 @@ impl ResponseError for Problem {
         if let Some(seconds) = self.retry_after {
             response.insert_header(("Retry-After", seconds.to_string()));
         }
+        if self.status == StatusCode::UNAUTHORIZED.as_u16() {
+            // RFC 9110 section 11.6.1: a 401 names the scheme it expects.
+            response.insert_header(("WWW-Authenticate", "Bearer"));
+        }
         response.body(self.to_body())
     }
+}
+
+/// The credentials of `Authorization: Bearer <token>`, trimmed; `None` when
+/// the header is missing, not text, of another scheme, or empty. The scheme
+/// name is case-insensitive (RFC 9110 section 11.1).
+pub fn bearer_token(request: &HttpRequest) -> Option<&str> {
+    let value = request
+        .headers()
+        .get(actix_web::http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .trim_start();
+    let (scheme, token) = value.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
 /// What `/readyz` checks and what `/metrics` renders.
@@ -167,4 +187,50 @@ pub async fn run_until_stopped(
     let result = server.await;
     stopper.abort();
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::{http::header::AUTHORIZATION, test::TestRequest};
+
+    use super::*;
+
+    fn token_of(header: Option<&str>) -> Option<String> {
+        let mut request = TestRequest::default();
+        if let Some(value) = header {
+            request = request.insert_header((AUTHORIZATION, value));
+        }
+        bearer_token(&request.to_http_request()).map(str::to_owned)
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_matched_without_regard_to_case() {
+        for header in ["Bearer k-1", "bearer k-1", "BEARER  k-1 ", " Bearer k-1"] {
+            assert_eq!(token_of(Some(header)).as_deref(), Some("k-1"), "{header:?}");
+        }
+        for header in [
+            None,
+            Some("Basic k-1"),
+            Some("Bearer"),
+            Some("Bearer   "),
+            Some("Bearerk-1"),
+        ] {
+            assert_eq!(token_of(header), None, "{header:?}");
+        }
+    }
+
+    #[test]
+    fn a_401_names_the_bearer_scheme_and_other_statuses_do_not() {
+        let unauthorized =
+            Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "no").error_response();
+        assert_eq!(
+            unauthorized
+                .headers()
+                .get("WWW-Authenticate")
+                .map(|v| v.as_bytes()),
+            Some(&b"Bearer"[..])
+        );
+        let forbidden = Problem::new(StatusCode::FORBIDDEN, "forbidden", "no").error_response();
+        assert!(forbidden.headers().get("WWW-Authenticate").is_none());
+    }
 }

@@ -52,14 +52,7 @@ pub async fn tenant(state: &AppState, request: &HttpRequest) -> Result<String, A
         &state.keys,
         Duration::from_millis(state.settings.auth.key_cache_ms),
     );
-    let key = request
-        .headers()
-        .get(actix_web::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .filter(|k| !k.is_empty())
-        .ok_or(ApiError::Unauthorized)?;
+    let key = kit::http::bearer_token(request).ok_or(ApiError::Unauthorized)?;
     let hash = hash(key);
     if let Some(tenant) = cache.get(&hash, ttl) {
         return Ok(tenant);

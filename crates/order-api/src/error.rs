@@ -19,6 +19,13 @@ pub enum Rejection {
 }
 
 impl Rejection {
+    /// Whether the same request can never succeed later: then the rejection
+    /// is stored with its key and replayed. `OrderNotPaid` is not final (the
+    /// payment may come), so it is answered without being stored.
+    pub fn is_final(&self) -> bool {
+        !matches!(self, Rejection::OrderNotPaid)
+    }
+
     pub fn problem(&self) -> Problem {
         use Rejection::*;
         match self {
@@ -57,7 +64,8 @@ impl Rejection {
                 StatusCode::CONFLICT,
                 "order_not_paid",
                 "An unpaid order cannot be delivered",
-            ),
+            )
+            .detail("nothing was stored; retry with the same key once the order is paid"),
             OrderAlreadyDelivered => Problem::new(
                 StatusCode::CONFLICT,
                 "order_already_delivered",
@@ -101,6 +109,10 @@ pub enum ApiError {
     Rejected(#[from] RejectedError),
     #[error("database: {0}")]
     Database(#[from] tokio_postgres::Error),
+    /// COMMIT got no answer (the connection dropped): the transaction may
+    /// or may not have committed.
+    #[error("commit: {0}")]
+    Commit(tokio_postgres::Error),
     #[error("database pool: {0}")]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("internal: {0}")]
@@ -221,6 +233,16 @@ impl ApiError {
             )
             .detail("nothing was stored; retry with the same key")
             .retry_after(1),
+            Self::Commit(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "The service cannot reach its database",
+            )
+            .detail(
+                "the outcome is unknown; retry with the same key: it replays the result if \
+                 it was stored, and runs the request if it was not",
+            )
+            .retry_after(1),
             Self::Internal(_) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",
@@ -237,7 +259,7 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         match self {
-            Self::Database(_) | Self::Pool(_) | Self::Internal(_) => {
+            Self::Database(_) | Self::Commit(_) | Self::Pool(_) | Self::Internal(_) => {
                 tracing::error!(error = %self, "request failed")
             }
             _ => tracing::debug!(error = %self, "request rejected"),

@@ -27,7 +27,10 @@ use actix_web::{http::StatusCode, HttpRequest, HttpResponse};
 use kit::failpoint::crash_point;
 use uuid::Uuid;
 
-use crate::{error::ApiError, operations, AppState};
+use crate::{
+    error::{ApiError, RejectedError},
+    operations, AppState,
+};
 
 pub const HEADER: &str = "Idempotency-Key";
 pub const REPLAYED_HEADER: &str = "Idempotent-Replayed";
@@ -261,6 +264,18 @@ pub async fn execute(
     };
     let stored = match operations::run(&tx, tenant, operation).await {
         Ok(Ok(stored)) => stored,
+        // A rejection by a state that can still change (a delivery before the
+        // payment) is not stored: the transaction rolls back, the key stays
+        // free, and the same request under the same key succeeds once the
+        // state allows it. Only final rejections are replayed (seed 004:
+        // "a deterministic business rejection").
+        Ok(Err(rejection)) if !rejection.is_final() => {
+            metrics
+                .rejections
+                .with_label_values(&[rejection.problem().code])
+                .inc();
+            return Err(ApiError::Rejected(RejectedError(rejection)));
+        }
         Ok(Err(rejection)) => {
             let problem = rejection.problem();
             metrics.rejections.with_label_values(&[problem.code]).inc();
@@ -277,26 +292,41 @@ pub async fn execute(
         .prepare_cached(STORE)
         .await
         .map_err(|e| rollback(e.into()))?;
-    tx.execute(
-        &store,
-        &[
-            &tenant,
-            &endpoint,
-            &key,
-            &status,
-            &stored.body,
-            &stored.resource_id,
-        ],
-    )
-    .await
-    .map_err(|e| rollback(e.into()))?;
+    let stored_rows = tx
+        .execute(
+            &store,
+            &[
+                &tenant,
+                &endpoint,
+                &key,
+                &status,
+                &stored.body,
+                &stored.resource_id,
+            ],
+        )
+        .await
+        .map_err(|e| rollback(e.into()))?;
+    // The claimed row is this transaction's (inserted or locked by it), so
+    // exactly one row is updated; anything else would commit an operation
+    // whose key has no stored response, and a retry would run it again.
+    if stored_rows != 1 {
+        return Err(rollback(ApiError::Internal(format!(
+            "storing the response updated {stored_rows} idempotency rows, not 1"
+        ))));
+    }
     crash_point("order_api.before_commit");
     tx.commit().await.map_err(|e| {
         // The one lock COMMIT waits for is the NOTIFY queue's (the outbox
         // trigger's notification: each committing writer holds it through
         // its WAL flush). Past lock_timeout the database is slow, not the
         // order busy: a 503 unavailable, not order_busy.
-        let error = ApiError::from(e);
+        // Without a server error (the connection dropped) the server may
+        // have committed: the answer must not say that nothing was stored.
+        let error = if e.code().is_none() {
+            ApiError::Commit(e)
+        } else {
+            ApiError::from(e)
+        };
         metrics.rollbacks.with_label_values(&[endpoint]).inc();
         tracing::warn!(endpoint, key_hash, %error, "commit failed (a retry under the same key replays it if it committed)");
         error
