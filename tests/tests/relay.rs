@@ -1389,6 +1389,139 @@ async fn a_payload_too_deep_for_a_json_tree_is_published_as_stored() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// Rows that can never become a message the broker takes, as only a writer
+/// other than order-api could store them: an event type longer than an AMQP
+/// short string (the protocol library panicked converting it), an
+/// `occurred_at` of `'infinity'` (reading the row panicked), and a body above
+/// `relay.max_message_bytes` (the broker would close the channel, failing
+/// every message in flight as the infrastructure's fault). Each is its own
+/// failure: quarantined after `max_attempts` with the reason, its order's
+/// next event held, while the relay keeps running and a healthy order flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing_else_stops() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestUnsendable").await;
+    let mut events = orders_with_events(4, 2, &event_type);
+    // Interleaved: events[0..4] are the four orders' first events.
+    events[0].event_type = "E".repeat(256);
+    events[2].payload = json!({ "filler": "x".repeat(5_000) });
+    insert(&db, &tenant, &events).await;
+    db.execute(
+        "UPDATE outbox_events SET occurred_at = 'infinity' WHERE event_id = $1",
+        &[&events[1].event_id],
+    )
+    .await
+    .expect("infinity");
+    let mut relay = Relay::start(
+        &tenant,
+        &[
+            ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "2".to_owned()),
+            ("OUTBOX_RELAY__RELAY__MAX_MESSAGE_BYTES", "4000".to_owned()),
+        ],
+    );
+    relay.ready().await;
+    // The healthy order (events[3], events[7]) is published, in order.
+    collector.wait_distinct(2, Duration::from_secs(30)).await;
+    wait_db(
+        &db,
+        "quarantined rows",
+        Duration::from_secs(60),
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND quarantined_at IS NOT NULL",
+        &tenant,
+        3,
+    )
+    .await;
+    let reasons = [
+        (
+            events[0].event_id,
+            "the event type is 256 bytes long; AMQP allows at most 255",
+        ),
+        (events[1].event_id, "cannot read the outbox row"),
+        (
+            events[2].event_id,
+            "the broker takes at most 4000 (relay.max_message_bytes)",
+        ),
+    ];
+    for (event_id, reason) in reasons {
+        let row = db
+            .query_one(
+                "SELECT own_failure_count, attempt_count, last_error, published_at IS NULL
+                 FROM outbox_events WHERE event_id = $1",
+                &[&event_id],
+            )
+            .await
+            .expect("row");
+        let (own, attempts, error, unpublished): (i32, i32, String, bool) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        assert_eq!((own, attempts), (2, 2), "{event_id}: {error}");
+        assert!(
+            error.contains(reason),
+            "{event_id}: {error:?} lacks {reason:?}"
+        );
+        assert!(unpublished);
+    }
+    // Their orders' second events are held behind them, not skipped.
+    for held in &events[4..7] {
+        let row = db
+            .query_one(
+                "SELECT published_at IS NULL AND quarantined_at IS NULL AND attempt_count = 0
+                 FROM outbox_events WHERE event_id = $1",
+                &[&held.event_id],
+            )
+            .await
+            .expect("held row");
+        assert!(
+            row.get::<_, bool>(0),
+            "{} is held, untouched",
+            held.event_id
+        );
+    }
+    let received = collector.snapshot();
+    let ids: Vec<String> = received.iter().map(|r| r.event_id.clone()).collect();
+    assert_eq!(
+        ids,
+        vec![
+            events[3].event_id.to_string(),
+            events[7].event_id.to_string()
+        ],
+        "only the healthy order, in order"
+    );
+    // Still the same process: it never exited, and it counted the failures.
+    assert!(relay.metric("outbox_publish_failures_total").await >= 6);
+    relay.stop();
+
+    // The unreadable row in flight (leased by a relay that died before
+    // recording the failure): a replay skips it, as never published, and
+    // re-publishes the rest.
+    db.execute(
+        "UPDATE outbox_events SET quarantined_at = NULL, claimed_by = 'a-dead-relay',
+                claim_until = now() + interval '1 hour'
+         WHERE event_id = $1",
+        &[&events[1].event_id],
+    )
+    .await
+    .expect("in flight");
+    let target = format!("relaytest{}", short_id());
+    let queues = fake_consumer(&channel, &tenant, &target, 2).await;
+    let (ok, output) = admin(&["replay", "--consumer", &target, "--tenant", &tenant], &[]).await;
+    assert!(ok, "{output}");
+    assert!(
+        output.contains(&format!(
+            "skipped event {}: never published (cannot read the outbox row",
+            events[1].event_id
+        )),
+        "{output}"
+    );
+    assert!(
+        output.contains("re-published 2 event(s) of 1 order(s)"),
+        "{output}"
+    );
+    assert!(output.contains("skipped 1 in-flight event(s)"), "{output}");
+    drop_fake_consumer(&channel, &target, &queues).await;
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// The claim's floor trails the clock by about its margin (1 s in the
 /// calling test, so less than `lag_below` seconds), not by the age of
 /// `order`'s held events (more than `held_for` seconds, above `lag_below`:

@@ -287,7 +287,7 @@ pub async fn rows(db: &Client, tenant: &str, limit: i64) -> Vec<OutboxRow> {
     .await
     .expect("rows")
     .iter()
-    .map(OutboxRow::from_row)
+    .map(|row| OutboxRow::try_from_row(row).expect("a readable outbox row"))
     .collect()
 }
 

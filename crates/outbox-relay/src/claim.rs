@@ -43,22 +43,37 @@ impl OutboxRow {
     /// event_type, schema_version, payload, traceparent, tracestate,
     /// occurred_at, attempt_count (the claim's RETURNING list; replay and the
     /// bench select the same).
-    pub fn from_row(row: &tokio_postgres::Row) -> Self {
-        OutboxRow {
-            event_id: row.get(0),
-            tenant_id: row.get(1),
-            aggregate_type: row.get(2),
-            aggregate_id: row.get(3),
-            aggregate_sequence: row.get(4),
-            event_type: row.get(5),
-            schema_version: row.get(6),
-            payload: row.get(7),
-            traceparent: row.get(8),
-            tracestate: row.get(9),
-            occurred_at: row.get(10),
-            attempt_count: row.get(11),
-        }
+    ///
+    /// Fails for a row a writer other than order-api could have stored: an
+    /// `occurred_at` outside the years the `time` crate supports (e.g.
+    /// `'infinity'`, or past 9999) or a payload that is not JSON text. The
+    /// relay records that as the event's own failure (it is quarantined with
+    /// the reason, its order held), never a panic.
+    pub fn try_from_row(row: &tokio_postgres::Row) -> Result<Self, tokio_postgres::Error> {
+        Ok(OutboxRow {
+            event_id: row.try_get(0)?,
+            tenant_id: row.try_get(1)?,
+            aggregate_type: row.try_get(2)?,
+            aggregate_id: row.try_get(3)?,
+            aggregate_sequence: row.try_get(4)?,
+            event_type: row.try_get(5)?,
+            schema_version: row.try_get(6)?,
+            payload: row.try_get(7)?,
+            traceparent: row.try_get(8)?,
+            tracestate: row.try_get(9)?,
+            occurred_at: row.try_get(10)?,
+            attempt_count: row.try_get(11)?,
+        })
     }
+}
+
+/// Why [`OutboxRow::try_from_row`] failed, with the cause (e.g. "error
+/// deserializing column 10: value too large to decode").
+pub fn unreadable(error: &tokio_postgres::Error) -> String {
+    let cause = std::error::Error::source(error)
+        .map(|cause| format!(": {cause}"))
+        .unwrap_or_default();
+    format!("cannot read the outbox row: {error}{cause}")
 }
 
 /// An outbox row's payload as the JSON text PostgreSQL stores, compacted,
@@ -132,6 +147,9 @@ impl<'a> FromSql<'a> for Payload {
 #[derive(Debug, Default)]
 pub struct Claimed {
     pub rows: Vec<OutboxRow>,
+    /// Claimed rows that cannot be read ([`OutboxRow::try_from_row`]): event
+    /// id, failed attempts so far, and why.
+    pub undecodable: Vec<(Uuid, i32, String)>,
     /// How many of them had an expired lease of another instance.
     pub taken_over: u64,
 }
@@ -196,7 +214,17 @@ pub async fn claim(
                 "took over an expired claim"
             );
         }
-        claimed.rows.push(OutboxRow::from_row(&row));
+        match OutboxRow::try_from_row(&row) {
+            Ok(decoded) => claimed.rows.push(decoded),
+            Err(error) => {
+                let event_id: Uuid = row.get(0); // uuid NOT NULL: always readable
+                let attempts: i32 = row.get(11); // integer NOT NULL
+                tracing::error!(%event_id, error = %error, "claimed an outbox row that cannot be read");
+                claimed
+                    .undecodable
+                    .push((event_id, attempts, unreadable(&error)));
+            }
+        }
     }
     Ok(claimed)
 }

@@ -179,6 +179,13 @@ pub async fn main() -> anyhow::Result<()> {
                     summary.republished,
                     summary.orders
                 );
+                if summary.skipped > 0 {
+                    println!(
+                        "skipped {} in-flight event(s) that were never published and cannot be \
+                         sent (listed above; the relay quarantines them)",
+                        summary.skipped
+                    );
+                }
                 Ok(())
             }
         }

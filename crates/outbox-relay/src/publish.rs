@@ -2,16 +2,15 @@
 //! publisher confirms: every message of the batch is sent before any confirm
 //! is awaited (pipelined), and the whole batch is bounded by a timeout.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use events::{headers, Envelope};
 use futures_util::{stream::FuturesUnordered, FutureExt, StreamExt};
-use kit::amqp::{check_confirmation, PublishRejected};
 use lapin::{
     options::BasicPublishOptions,
     types::{AMQPValue, FieldTable},
-    BasicProperties, Channel,
+    BasicProperties, Channel, Confirmation,
 };
 use uuid::Uuid;
 
@@ -50,8 +49,18 @@ pub fn message(
     row: &OutboxRow,
     trace: &std::collections::HashMap<String, String>,
     replayed: bool,
-) -> Result<Message, events::EncodeError> {
-    let body = envelope(row).to_json_bytes()?;
+) -> Result<Message, String> {
+    // An AMQP short string (routing key, `type`) cannot hold a longer one:
+    // the protocol library would panic converting it.
+    if row.event_type.len() > SHORT_STRING_MAX {
+        return Err(format!(
+            "the event type is {} bytes long; AMQP allows at most {SHORT_STRING_MAX}",
+            row.event_type.len()
+        ));
+    }
+    let body = envelope(row)
+        .to_json_bytes()
+        .map_err(|error| format!("cannot encode the envelope: {error}"))?;
     let mut table = FieldTable::default();
     let text = |s: &str| AMQPValue::LongString(s.into());
     table.insert(headers::AGGREGATE_ID.into(), text(&row.aggregate_id));
@@ -89,6 +98,26 @@ pub fn message(
     })
 }
 
+/// The longest AMQP short string (the routing key and the `type` property
+/// carry the event type).
+const SHORT_STRING_MAX: usize = 255;
+
+/// Refuse a body above `max_body` bytes (the broker's `max_message_size`)
+/// before it is sent: the broker would close the channel, failing every
+/// message in flight on it as an infrastructure failure and never
+/// quarantining the one at fault. (An event type too long for AMQP is
+/// refused by [`message`].)
+pub fn check_limits(message: &Message, max_body: usize) -> Result<(), String> {
+    if message.body.len() > max_body {
+        return Err(format!(
+            "the message is {} bytes; the broker takes at most {max_body} \
+             (relay.max_message_bytes)",
+            message.body.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Why one message was not confirmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PublishFailure {
@@ -96,6 +125,8 @@ pub enum PublishFailure {
     Nacked,
     Timeout,
     Channel(String),
+    /// The row cannot become a message the broker takes (unreadable, not
+    /// encodable, over a limit): the whole text for `last_error`.
     Encode(String),
 }
 
@@ -118,7 +149,7 @@ impl PublishFailure {
             PublishFailure::Nacked => "negatively acknowledged by the broker".to_owned(),
             PublishFailure::Timeout => "no broker confirm within the confirm timeout".to_owned(),
             PublishFailure::Channel(error) => format!("channel error: {error}"),
-            PublishFailure::Encode(error) => format!("cannot encode the envelope: {error}"),
+            PublishFailure::Encode(why) => why.clone(),
         }
     }
 
@@ -138,6 +169,83 @@ impl PublishFailure {
     /// Whether the channel should be replaced after this failure.
     pub fn breaks_channel(&self) -> bool {
         matches!(self, PublishFailure::Timeout | PublishFailure::Channel(_))
+    }
+}
+
+/// A confirm as the broker client reported it.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    Acked,
+    Nacked,
+    /// An ack (`acked`) or a nack with a returned message attached: the
+    /// returned message's `message_id` as an event id (`None`: none
+    /// readable), and the broker's reason.
+    Returned {
+        acked: bool,
+        message_id: Option<Uuid>,
+        text: String,
+    },
+    NotConfirmed,
+}
+
+fn verdict(confirmation: Confirmation) -> Verdict {
+    let returned = |acked: bool, message: lapin::message::BasicReturnMessage| Verdict::Returned {
+        acked,
+        message_id: message
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .and_then(|id| Uuid::parse_str(id.as_str()).ok()),
+        text: format!(
+            "unroutable: returned by the broker ({} {})",
+            message.reply_code, message.reply_text
+        ),
+    };
+    match confirmation {
+        Confirmation::Ack(None) => Verdict::Acked,
+        Confirmation::Nack(None) => Verdict::Nacked,
+        Confirmation::Ack(Some(message)) => returned(true, message),
+        Confirmation::Nack(Some(message)) => returned(false, message),
+        Confirmation::NotRequested => Verdict::NotConfirmed,
+    }
+}
+
+/// The result of `event_id`'s own confirm.
+///
+/// lapin hands a returned message (`basic.return`, which RabbitMQ sends
+/// before the confirm of the same message) to whichever confirm it
+/// completes next, and completes the tags of a multiple ack in no set
+/// order: a return can come attached to another message's confirm, and the
+/// returned message's own confirm then looks like a plain ack. The returned
+/// message carries its event id as `message_id`, so the return is counted
+/// against that event (`returned_elsewhere`, applied once the batch's
+/// confirms are in) and this confirm is judged on its own ack or nack. A
+/// return without a readable id stays with the confirm it came with.
+fn attribute(
+    event_id: Uuid,
+    verdict: Verdict,
+    returned_elsewhere: &mut HashMap<Uuid, String>,
+) -> Result<(), PublishFailure> {
+    match verdict {
+        Verdict::Acked => Ok(()),
+        Verdict::Nacked => Err(PublishFailure::Nacked),
+        Verdict::Returned {
+            acked,
+            message_id: Some(other),
+            text,
+        } if other != event_id => {
+            returned_elsewhere.insert(other, text);
+            if acked {
+                Ok(())
+            } else {
+                Err(PublishFailure::Nacked)
+            }
+        }
+        Verdict::Returned { text, .. } => Err(PublishFailure::Returned(text)),
+        Verdict::NotConfirmed => Err(PublishFailure::Channel(
+            "publisher confirms not enabled".to_owned(),
+        )),
     }
 }
 
@@ -224,25 +332,30 @@ pub async fn publish_batch(
     };
     // Past the deadline, what is left gets no outcome here (see below).
     let _ = tokio::time::timeout_at(deadline, all_sent).await;
+    // Returns that lapin attached to another message's confirm (below).
+    let mut returned_elsewhere: HashMap<Uuid, String> = HashMap::new();
     let collect = async {
         while let Some((event_id, started, result)) = pending.next().await {
             let result = match result {
-                Ok(confirmation) => match check_confirmation(confirmation) {
-                    Ok(()) => Ok(started.elapsed()),
-                    Err(PublishRejected::Returned { code, text }) => Err(PublishFailure::Returned(
-                        format!("unroutable: returned by the broker ({code} {text})"),
-                    )),
-                    Err(PublishRejected::Nacked) => Err(PublishFailure::Nacked),
-                    Err(PublishRejected::NotConfirmed) => Err(PublishFailure::Channel(
-                        "publisher confirms not enabled".to_owned(),
-                    )),
-                },
+                Ok(confirmation) => {
+                    attribute(event_id, verdict(confirmation), &mut returned_elsewhere)
+                        .map(|()| started.elapsed())
+                }
                 Err(error) => Err(PublishFailure::Channel(error.to_string())),
             };
             outcomes.push(Outcome { event_id, result });
         }
     };
     let _ = tokio::time::timeout_at(deadline, collect).await;
+    // A returned message whose confirm came as another's: its own confirm
+    // may have looked like a plain ack. It was not routed, so it failed.
+    for outcome in &mut outcomes {
+        if let Some(text) = returned_elsewhere.remove(&outcome.event_id) {
+            if outcome.result.is_ok() {
+                outcome.result = Err(PublishFailure::Returned(text));
+            }
+        }
+    }
     if outcomes.len() < ids.len() {
         // Whatever has no outcome by the deadline timed out: not even
         // written to the socket (a blocked connection), or not confirmed.
@@ -270,10 +383,7 @@ pub async fn publish_batch(
 /// one per message was a quarter of the relay's CPU per event (make
 /// bench-relay: 44-52 -> 33-36 µs). The stored context is then forwarded
 /// unchanged, so the consumers still continue the producer's trace.
-pub fn prepare(
-    row: &OutboxRow,
-    replayed: bool,
-) -> Result<(Message, tracing::Span), events::EncodeError> {
+pub fn prepare(row: &OutboxRow, replayed: bool) -> Result<(Message, tracing::Span), String> {
     let (span, mut trace) = if kit::telemetry::exporting() {
         let span = tracing::info_span!(
             "outbox.publish",
@@ -393,6 +503,67 @@ mod tests {
             headers.inner().get(headers::REPLAYED),
             Some(&AMQPValue::Boolean(true))
         );
+    }
+
+    #[test]
+    fn a_return_counts_against_the_message_it_names_not_the_confirm_it_came_with() {
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let returned = |acked, message_id| Verdict::Returned {
+            acked,
+            message_id,
+            text: "unroutable: returned by the broker (312 NO_ROUTE)".to_owned(),
+        };
+        let mut elsewhere = HashMap::new();
+        // b's return came with a's ack: a was routed, b was not.
+        assert_eq!(
+            attribute(a, returned(true, Some(b)), &mut elsewhere),
+            Ok(())
+        );
+        assert_eq!(
+            elsewhere.get(&b).map(String::as_str),
+            Some("unroutable: returned by the broker (312 NO_ROUTE)")
+        );
+        // ... with a's nack: a failed as nacked, and b is still marked.
+        let mut elsewhere = HashMap::new();
+        assert_eq!(
+            attribute(a, returned(false, Some(b)), &mut elsewhere),
+            Err(PublishFailure::Nacked)
+        );
+        assert!(elsewhere.contains_key(&b));
+        // Its own return, or one without a readable id: this message's failure.
+        for id in [Some(a), None] {
+            let mut elsewhere = HashMap::new();
+            assert_eq!(
+                attribute(a, returned(true, id), &mut elsewhere),
+                Err(PublishFailure::Returned(
+                    "unroutable: returned by the broker (312 NO_ROUTE)".to_owned()
+                ))
+            );
+            assert!(elsewhere.is_empty());
+        }
+        let mut elsewhere = HashMap::new();
+        assert_eq!(attribute(a, Verdict::Acked, &mut elsewhere), Ok(()));
+        assert_eq!(
+            attribute(a, Verdict::Nacked, &mut elsewhere),
+            Err(PublishFailure::Nacked)
+        );
+        assert!(elsewhere.is_empty());
+    }
+
+    #[test]
+    fn a_message_over_the_broker_s_limits_is_refused_before_it_is_sent() {
+        let (message, _) = prepare(&row(), false).expect("encodes");
+        let size = message.body.len();
+        assert_eq!(check_limits(&message, size), Ok(()));
+        let error = check_limits(&message, size - 1).expect_err("one byte over");
+        assert!(error.contains("relay.max_message_bytes"), "{error}");
+        let mut long = row();
+        long.event_type = "E".repeat(256);
+        let error = prepare(&long, false).expect_err("256 bytes");
+        assert!(error.contains("at most 255"), "{error}");
+        long.event_type.pop();
+        let (message, _) = prepare(&long, false).expect("255 bytes encode");
+        assert_eq!(message.routing_key.len(), 255);
     }
 
     #[test]

@@ -151,15 +151,17 @@ impl Relay {
                     continue;
                 }
             };
-            if claimed.rows.is_empty() {
+            if claimed.rows.is_empty() && claimed.undecodable.is_empty() {
                 self.idle(connection, shutdown).await?;
                 continue;
             }
-            self.metrics.claimed.inc_by(claimed.rows.len() as u64);
+            self.metrics
+                .claimed
+                .inc_by((claimed.rows.len() + claimed.undecodable.len()) as u64);
             self.metrics.expired_claims.inc_by(claimed.taken_over);
             kit::failpoint::crash_point("relay.before_publish");
             if self
-                .publish_and_settle(channel, claimed.rows, lease_deadline)
+                .publish_and_settle(channel, claimed.rows, claimed.undecodable, lease_deadline)
                 .await
             {
                 // A timeout or channel failure: the broker is in trouble (an
@@ -208,18 +210,28 @@ impl Relay {
         &self,
         channel: &Channel,
         rows: Vec<OutboxRow>,
+        undecodable: Vec<(Uuid, i32, String)>,
         lease_deadline: tokio::time::Instant,
     ) -> bool {
-        let attempts: HashMap<Uuid, i32> =
-            rows.iter().map(|r| (r.event_id, r.attempt_count)).collect();
+        let attempts: HashMap<Uuid, i32> = rows
+            .iter()
+            .map(|r| (r.event_id, r.attempt_count))
+            .chain(undecodable.iter().map(|(id, attempts, _)| (*id, *attempts)))
+            .collect();
         let mut messages = Vec::with_capacity(rows.len());
-        let mut failed: Vec<(Uuid, PublishFailure)> = Vec::new();
+        let claimed = rows.len() + undecodable.len();
+        let mut failed: Vec<(Uuid, PublishFailure)> = undecodable
+            .into_iter()
+            .map(|(id, _, why)| (id, PublishFailure::Encode(why)))
+            .collect();
         for row in &rows {
-            match publish::prepare(row, false) {
+            let prepared = publish::prepare(row, false).and_then(|prepared| {
+                publish::check_limits(&prepared.0, self.settings.max_message_bytes)
+                    .map(|()| prepared)
+            });
+            match prepared {
                 Ok(prepared) => messages.push(prepared),
-                Err(error) => {
-                    failed.push((row.event_id, PublishFailure::Encode(error.to_string())))
-                }
+                Err(why) => failed.push((row.event_id, PublishFailure::Encode(why))),
             }
         }
         let outcomes = publish::publish_batch(
@@ -229,7 +241,7 @@ impl Relay {
             self.settings.confirm_timeout(),
         )
         .await;
-        self.metrics.attempts.inc_by(rows.len() as u64);
+        self.metrics.attempts.inc_by(claimed as u64);
         let mut acked = Vec::with_capacity(outcomes.len());
         for outcome in outcomes {
             match outcome.result {

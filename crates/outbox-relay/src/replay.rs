@@ -24,6 +24,7 @@ use lapin::{
     Connection, ExchangeKind,
 };
 use time::OffsetDateTime;
+use uuid::Uuid;
 
 use crate::claim::OutboxRow;
 use crate::publish;
@@ -68,6 +69,9 @@ pub struct ReplaySummary {
     pub purged: u64,
     pub republished: u64,
     pub orders: u64,
+    /// In-flight rows that were never published and cannot be sent (an
+    /// unreadable row, an event type too long for AMQP): not replayed.
+    pub skipped: u64,
 }
 
 /// Partition queues of `consumer`, found by passive declares (a 404 closes
@@ -173,7 +177,7 @@ pub async fn replay(
             .query(
                 "SELECT event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
                         event_type, schema_version, payload, traceparent, tracestate,
-                        occurred_at, attempt_count
+                        occurred_at, attempt_count, published_at IS NOT NULL
                  FROM outbox_events
                  WHERE (aggregate_type, aggregate_id, aggregate_sequence) > ($1, $2, $3)
                    -- Published, or in flight: leased by a relay that has
@@ -205,22 +209,42 @@ pub async fn replay(
         if rows.is_empty() {
             break;
         }
-        let page: Vec<OutboxRow> = rows.iter().map(OutboxRow::from_row).collect();
-        if let Some(last) = page.last() {
-            after = (
-                last.aggregate_type.clone(),
-                last.aggregate_id.clone(),
-                last.aggregate_sequence,
-            );
+        if let Some(last) = rows.last() {
+            after = (last.get(2), last.get(3), last.get(4));
         }
-        let mut messages = Vec::with_capacity(page.len());
-        for row in &page {
-            if last_order.as_deref() != Some(row.aggregate_id.as_str()) {
-                summary.orders += 1;
-                last_order = Some(row.aggregate_id.clone());
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let event_id: Uuid = row.get(0);
+            let published: bool = row.get(12);
+            let prepared = OutboxRow::try_from_row(row)
+                .map_err(|error| crate::claim::unreadable(&error))
+                .and_then(|decoded| {
+                    let prepared = publish::prepare(&decoded, true)?;
+                    Ok((decoded.aggregate_id, prepared))
+                });
+            match prepared {
+                Ok((order, prepared)) => {
+                    if last_order.as_deref() != Some(order.as_str()) {
+                        summary.orders += 1;
+                        last_order = Some(order);
+                    }
+                    messages.push(prepared);
+                }
+                // In flight, never published: no relay can send it either
+                // (it fails the same way there and is quarantined), so no
+                // consumer has it to lose.
+                Err(why) if !published => {
+                    println!("skipped event {event_id}: never published ({why})");
+                    summary.skipped += 1;
+                }
+                Err(why) => anyhow::bail!(
+                    "published event {event_id} cannot be replayed: {why}; repair the row, \
+                     then replay again; {} event(s) replayed before it",
+                    summary.republished
+                ),
             }
-            messages.push(publish::prepare(row, true)?);
         }
+        let sent = messages.len() as u64;
         let outcomes =
             publish::publish_batch(&channel, &exchange, messages, request.confirm_timeout).await;
         if let Some(failed) = outcomes.iter().find(|o| o.result.is_err()) {
@@ -237,7 +261,7 @@ pub async fn replay(
                 summary.republished
             );
         }
-        summary.republished += page.len() as u64;
+        summary.republished += sent;
         println!(
             "replayed {} event(s) of {} order(s) so far ({} ms)",
             summary.republished,

@@ -64,6 +64,12 @@ pub struct RelaySettings {
     /// order transaction still running when the floor is computed (its row's
     /// `available_at` is the transaction's start) commits above it.
     pub claim_floor_margin_ms: u64,
+    /// The largest message body the relay sends: the broker's
+    /// `max_message_size` (RabbitMQ's default, 128 MiB). A larger one would
+    /// make the broker close the channel (a failure of every message in
+    /// flight on it, never the message's own); the relay fails it alone,
+    /// as its own failure, instead.
+    pub max_message_bytes: usize,
 }
 
 /// Deleting published rows past the replay horizon (`OUTBOX_RELAY__CLEANUP__*`).
@@ -98,6 +104,7 @@ impl Default for RelaySettings {
             metrics_interval_ms: 5_000,
             claim_floor_refresh_ms: 1_000,
             claim_floor_margin_ms: 10_000,
+            max_message_bytes: 134_217_728,
         }
     }
 }
@@ -135,10 +142,17 @@ impl Settings {
 
     pub fn validate(&self) -> anyhow::Result<()> {
         let r = &self.relay;
-        anyhow::ensure!(!r.exchange.is_empty(), "relay.exchange must not be empty");
+        anyhow::ensure!(
+            !r.exchange.is_empty() && r.exchange.len() <= 255,
+            "relay.exchange must be 1 to 255 bytes long"
+        );
         anyhow::ensure!(r.batch_size >= 1, "relay.batch_size must be at least 1");
         anyhow::ensure!(r.workers >= 1, "relay.workers must be at least 1");
         anyhow::ensure!(r.max_attempts >= 1, "relay.max_attempts must be at least 1");
+        anyhow::ensure!(
+            r.max_message_bytes >= 1,
+            "relay.max_message_bytes must be at least 1"
+        );
         // Bounded so that deadlines (now + lease) and the SQL interval of the
         // lease cannot overflow: a day is far beyond any sane lease.
         anyhow::ensure!(
