@@ -132,7 +132,7 @@ impl RawEnvelope {
     /// object, an envelope field is missing or has the wrong type, or a
     /// header field is invalid (`event_type`, `tenant_id`, `aggregate_type`
     /// or `aggregate_id` empty; `aggregate_sequence` below 1; `occurred_at`
-    /// whose UTC value is outside the years `time` supports). A malformed
+    /// whose UTC value is outside years 0000-9999). A malformed
     /// message is poison.
     /// The payload is not looked at: see [`RawEnvelope::decode`].
     pub fn parse_raw(bytes: &[u8]) -> Result<RawEnvelope, DecodeError> {
@@ -177,18 +177,19 @@ impl RawEnvelope {
             )));
         }
         // `time` parses e.g. "9999-12-31T23:59:59-01:00", whose UTC value is
-        // in year 10000, outside the range `time` supports; converting it to
-        // UTC (as binding it to PostgreSQL does) would panic.
-        if self
+        // in year 10000, outside the range `time` supports: converting it to
+        // UTC (as binding it to PostgreSQL does) would panic. And
+        // "0000-01-01T00:00:00+01:00" is in year -1 in UTC: it would be
+        // stored, but RFC 3339 cannot write it back (a read endpoint
+        // showing it would fail). The UTC value must be in 0000-9999.
+        let in_range = self
             .occurred_at
             .checked_to_offset(time::UtcOffset::UTC)
-            .is_none()
-        {
+            .is_some_and(|utc| (0..=9999).contains(&utc.year()));
+        if !in_range {
             return Err(DecodeError::Malformed(format!(
-                "occurred_at {} is out of range: its UTC value is not in years {} to {}",
-                self.occurred_at,
-                time::Date::MIN.year(),
-                time::Date::MAX.year()
+                "occurred_at {} is out of range: its UTC value is not in years 0000 to 9999",
+                self.occurred_at
             )));
         }
         Ok(())
@@ -457,7 +458,11 @@ mod tests {
 
     #[test]
     fn occurred_at_whose_utc_value_is_out_of_range_is_malformed() {
-        for occurred_at in ["9999-12-31T23:59:59-01:00", "9999-12-31T23:30:00-00:45"] {
+        for occurred_at in [
+            "9999-12-31T23:59:59-01:00",
+            "9999-12-31T23:30:00-00:45",
+            "0000-01-01T00:00:00+01:00",
+        ] {
             let bytes = envelope_with_occurred_at(occurred_at);
             match RawEnvelope::parse_raw(bytes.as_bytes()) {
                 Err(e @ DecodeError::Malformed(_)) => {
@@ -476,7 +481,8 @@ mod tests {
         for (occurred_at, year) in [
             ("9999-12-31T23:59:59Z", 9999),
             ("9999-12-31T22:59:59-01:00", 9999),
-            ("0000-01-01T00:00:00+01:00", -1),
+            ("0000-01-01T00:00:00Z", 0),
+            ("0000-01-01T01:00:00+01:00", 0),
         ] {
             let bytes = envelope_with_occurred_at(occurred_at);
             let raw = RawEnvelope::parse_raw(bytes.as_bytes())

@@ -133,8 +133,9 @@ impl consumer_runtime::Domain for Inventory {
 
 /// An order's reservation in one statement (one round trip, however many
 /// lines): the order's location row, each distinct sku's level upserted and
-/// locked in sku order (the same lock order for every order: no deadlock
-/// between partitions), `reserved += qty`, and one `reserve` movement per sku
+/// locked in sku byte order (`COLLATE "C"`: the order of the `BTreeMap` a
+/// sale locks them in, whatever the database's collation; the same lock
+/// order for every order: no deadlock between partitions), `reserved += qty`, and one `reserve` movement per sku
 /// with its shortage: how much of `qty` exceeded what was available before
 /// (`on_hand - reserved`, never below zero). `$1` tenant, `$2` order, `$3`
 /// location, `$4` skus (distinct), `$5` their quantities, `$6` event id.
@@ -147,7 +148,7 @@ WITH lines AS (
     VALUES ($1, $2, $3, $6) ON CONFLICT DO NOTHING
 ), levels AS (
     INSERT INTO stock_levels AS s (tenant_id, sku, location, reserved)
-    SELECT $1, sku, $3, qty FROM lines ORDER BY sku
+    SELECT $1, sku, $3, qty FROM lines ORDER BY sku COLLATE \"C\"
     ON CONFLICT (tenant_id, sku, location)
     DO UPDATE SET reserved = s.reserved + EXCLUDED.reserved, updated_at = now()
     RETURNING s.sku, s.on_hand, s.reserved
