@@ -31,6 +31,33 @@ pub enum DbError {
 pub const SESSION_LIMITS: &str =
     "-c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000";
 
+/// Bound how long a session can wait on a server it can no longer reach
+/// (a network partition, a host that vanished without a reset): the
+/// server-side limits ([`SESSION_LIMITS`]) cannot end a wait whose server
+/// is gone, and the kernel's keepalive default notices after two hours. A
+/// dead peer is found within about 30 s: TCP keepalive after 15 s idle, then
+/// 3 probes 5 s apart; `tcp_user_timeout` 30 s for data sent and never
+/// acknowledged; connecting at most 5 s. A live server answers the probes,
+/// so a long statement is not cut. Values given in the database URL
+/// (`keepalives_idle`, `tcp_user_timeout`, ...) are kept.
+pub fn bound_network_waits(config: &mut tokio_postgres::Config) {
+    if config.get_keepalives_idle() == tokio_postgres::Config::new().get_keepalives_idle() {
+        config.keepalives_idle(Duration::from_secs(15));
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(Duration::from_secs(5));
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(3);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(Duration::from_secs(30));
+    }
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(5));
+    }
+}
+
 /// Build a pool. Connections are opened lazily, so this never touches the
 /// network; use [`wait_until_ready`] to wait for the server.
 pub fn pool(settings: &DatabaseSettings) -> Result<Pool, DbError> {
@@ -51,6 +78,7 @@ pub fn pool_with_options(
     if let Some(options) = options {
         pg.options(options);
     }
+    bound_network_waits(&mut pg);
     let manager = Manager::from_config(
         pg,
         NoTls,
@@ -110,4 +138,40 @@ pub async fn ping(pool: &Pool) -> Result<(), String> {
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn network_waits_are_bounded_unless_the_url_says_otherwise() {
+        let mut config: tokio_postgres::Config =
+            "postgres://app@localhost/orders".parse().expect("url");
+        bound_network_waits(&mut config);
+        assert_eq!(config.get_keepalives_idle(), Duration::from_secs(15));
+        assert_eq!(
+            config.get_keepalives_interval(),
+            Some(Duration::from_secs(5))
+        );
+        assert_eq!(config.get_keepalives_retries(), Some(3));
+        assert_eq!(
+            config.get_tcp_user_timeout(),
+            Some(&Duration::from_secs(30))
+        );
+        assert_eq!(config.get_connect_timeout(), Some(&Duration::from_secs(5)));
+        assert!(config.get_keepalives());
+
+        let mut config: tokio_postgres::Config =
+            "postgres://app@localhost/orders?keepalives_idle=60&tcp_user_timeout=90&connect_timeout=7"
+                .parse()
+                .expect("url");
+        bound_network_waits(&mut config);
+        assert_eq!(config.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(
+            config.get_tcp_user_timeout(),
+            Some(&Duration::from_secs(90))
+        );
+        assert_eq!(config.get_connect_timeout(), Some(&Duration::from_secs(7)));
+    }
 }

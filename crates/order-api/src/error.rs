@@ -172,7 +172,7 @@ impl ApiError {
             Self::Invalid { field, message } => Problem::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",
-                "The request body is malformed",
+                "The request is malformed",
             )
             .detail(message.clone())
             .field(field.clone()),

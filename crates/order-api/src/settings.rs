@@ -65,6 +65,64 @@ impl Default for Settings {
 
 impl Settings {
     pub fn load() -> anyhow::Result<Self> {
-        Ok(kit::settings::load(ENV_PREFIX, &Self::default())?)
+        let settings: Self = kit::settings::load(ENV_PREFIX, &Self::default())?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Refuse values that would change what a setting means or fail every
+    /// request later: `lock_timeout = 0` is *no* timeout in PostgreSQL (a
+    /// waiting request would sit until `statement_timeout`), a value above
+    /// its maximum fails every connection, and a key TTL beyond an interval's
+    /// range fails every POST.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let i = &self.idempotency;
+        anyhow::ensure!(
+            (1..=i64::from(i32::MAX) as u64).contains(&i.lock_timeout_ms),
+            "idempotency.lock_timeout_ms must be 1 to {} (0 would mean no timeout)",
+            i32::MAX
+        );
+        anyhow::ensure!(
+            (1..=MAX_TTL_SECONDS).contains(&i.ttl_seconds),
+            "idempotency.ttl_seconds must be 1 to {MAX_TTL_SECONDS} (ten years)"
+        );
+        anyhow::ensure!(
+            i.cleanup_interval_seconds >= 1 && i.cleanup_batch >= 1,
+            "idempotency.cleanup_interval_seconds and idempotency.cleanup_batch must be at least 1"
+        );
+        anyhow::ensure!(
+            i.max_body_bytes >= 1,
+            "idempotency.max_body_bytes must be at least 1"
+        );
+        anyhow::ensure!(
+            self.auth.key_cache_ms <= 86_400_000,
+            "auth.key_cache_ms must be at most a day (86400000)"
+        );
+        Ok(())
+    }
+}
+
+/// Ten years: far beyond any retention, far inside an interval's range.
+const MAX_TTL_SECONDS: u64 = 10 * 366 * 24 * 3600;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_valid_and_values_that_change_meaning_are_refused() {
+        Settings::default().validate().expect("defaults");
+        let with = |change: fn(&mut Settings)| {
+            let mut settings = Settings::default();
+            change(&mut settings);
+            settings.validate()
+        };
+        assert!(with(|s| s.idempotency.lock_timeout_ms = 0).is_err());
+        assert!(with(|s| s.idempotency.lock_timeout_ms = 1 << 31).is_err());
+        assert!(with(|s| s.idempotency.lock_timeout_ms = (1 << 31) - 1).is_ok());
+        assert!(with(|s| s.idempotency.ttl_seconds = 0).is_err());
+        assert!(with(|s| s.idempotency.ttl_seconds = u64::MAX).is_err());
+        assert!(with(|s| s.idempotency.cleanup_batch = 0).is_err());
+        assert!(with(|s| s.auth.key_cache_ms = u64::MAX).is_err());
     }
 }

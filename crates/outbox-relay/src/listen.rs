@@ -49,6 +49,7 @@ pub async fn listen(
         }
     };
     config.application_name(application_name(&instance));
+    kit::db::bound_network_waits(&mut config);
     loop {
         match listen_once(&config, &sender, &shutdown, &mut delay).await {
             Ok(()) => return,
