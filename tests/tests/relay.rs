@@ -1490,6 +1490,30 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
     assert!(relay.metric("outbox_publish_failures_total").await >= 6);
     relay.stop();
 
+    // `requeue --all` releases every quarantined row of the relay's tenant
+    // (only the three: other tests' rows share the table).
+    let (ok, output) = admin(
+        &["requeue", "--all"],
+        &[("OUTBOX_RELAY__RELAY__ONLY_TENANT", tenant.clone())],
+    )
+    .await;
+    assert!(ok, "{output}");
+    assert!(
+        output.contains("released 3 event(s); 3 later event(s)"),
+        "{output}"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox_events
+             WHERE tenant_id = $1 AND quarantined_at IS NULL AND attempt_count = 0
+               AND published_at IS NULL",
+            &tenant,
+        )
+        .await,
+        6
+    );
+
     // The unreadable row in flight (leased by a relay that died before
     // recording the failure): a replay skips it, as never published, and
     // re-publishes the rest.

@@ -223,11 +223,18 @@ async fn move_letters(
                     // moves it again and the inbox takes the second copy as
                     // a duplicate.
                     kit::failpoint::crash_point("consumer.redrive.after_publish_before_ack");
-                    letter
+                    let acknowledged = letter
                         .delivery
                         .acker
                         .ack(BasicAckOptions::default())
                         .await?;
+                    anyhow::ensure!(
+                        acknowledged,
+                        "dead letter {} of order {order} was sent back but could not be \
+                         acknowledged (the channel closed): it stays in the DLQ; run redrive \
+                         again (the copy already sent is a duplicate the inbox skips)",
+                        letter.event_id
+                    );
                     report.moved.push(Moved {
                         order: order.clone(),
                         sequence: letter.sequence,

@@ -290,8 +290,17 @@ impl PendingAcks {
         if let Some(acker) = self.latest.take() {
             // Resolves once lapin has written the frame to the socket: from
             // then on it no longer depends on this process.
-            acker.ack(BasicAckOptions { multiple: true }).await?;
-            self.acknowledged.inc_by(count as u64);
+            if acker.ack(BasicAckOptions { multiple: true }).await? {
+                self.acknowledged.inc_by(count as u64);
+            } else {
+                // lapin refused it: the channel is closed (or closing).
+                // The messages return to their queue and come back; the
+                // inbox or the progress row recognises them.
+                tracing::warn!(
+                    count,
+                    "acknowledgement not sent: the channel is closed; the broker redelivers"
+                );
+            }
         }
         Ok(())
     }

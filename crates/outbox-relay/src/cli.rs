@@ -44,6 +44,10 @@ struct RequeueArgs {
     /// Every quarantined event of one order (aggregate id).
     #[arg(long)]
     order: Option<String>,
+    /// Every quarantined event (of `relay.only_tenant` when it is set), e.g.
+    /// after a broker incident quarantined many orders at once.
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Debug, Args)]
@@ -97,10 +101,13 @@ pub async fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Requeue(args) => {
-                let target = match (args.event, args.order) {
-                    (Some(event), _) => requeue::Target::Event(event),
-                    (None, Some(order)) => requeue::Target::Order(order),
-                    (None, None) => anyhow::bail!("give --event or --order"),
+                let target = match (args.event, args.order, args.all) {
+                    (Some(event), _, _) => requeue::Target::Event(event),
+                    (None, Some(order), _) => requeue::Target::Order(order),
+                    (None, None, true) => requeue::Target::All {
+                        tenant: settings.relay.only_tenant.clone(),
+                    },
+                    (None, None, false) => anyhow::bail!("give --event, --order or --all"),
                 };
                 let pool = kit::db::pool(&settings.database)?;
                 let (released, held) = requeue::requeue(&pool, &target).await?;

@@ -14,6 +14,10 @@ use uuid::Uuid;
 pub enum Target {
     Event(Uuid),
     Order(String),
+    /// Every quarantined row of `tenant` (empty: of every tenant).
+    All {
+        tenant: String,
+    },
 }
 
 /// One released row, as it was before the release.
@@ -31,9 +35,10 @@ pub struct Released {
 /// Release the quarantined rows of `target`; returns them and how many
 /// later events of their orders were held back behind them.
 pub async fn requeue(pool: &PgPool, target: &Target) -> anyhow::Result<(Vec<Released>, i64)> {
-    let (event_id, order) = match target {
-        Target::Event(id) => (Some(*id), None),
-        Target::Order(order) => (None, Some(order.clone())),
+    let (event_id, order, all) = match target {
+        Target::Event(id) => (Some(*id), None, None),
+        Target::Order(order) => (None, Some(order.clone()), None),
+        Target::All { tenant } => (None, None, Some(tenant.clone())),
     };
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
@@ -43,7 +48,8 @@ pub async fn requeue(pool: &PgPool, target: &Target) -> anyhow::Result<(Vec<Rele
                  SELECT event_id, attempt_count, last_error, quarantined_at
                  FROM outbox_events
                  WHERE quarantined_at IS NOT NULL AND published_at IS NULL
-                   AND (event_id = $1 OR aggregate_id = $2)
+                   AND (event_id = $1 OR aggregate_id = $2
+                        OR ($3::text IS NOT NULL AND ($3 = '' OR tenant_id = $3)))
                  FOR UPDATE)
              UPDATE outbox_events o
              SET quarantined_at = NULL, attempt_count = 0, own_failure_count = 0,
@@ -53,7 +59,7 @@ pub async fn requeue(pool: &PgPool, target: &Target) -> anyhow::Result<(Vec<Rele
              WHERE o.event_id = target.event_id
              RETURNING o.event_id, o.aggregate_id, o.aggregate_sequence, o.event_type,
                        target.attempt_count, target.last_error, target.quarantined_at",
-            &[&event_id, &order],
+            &[&event_id, &order, &all],
         )
         .await?;
     let released: Vec<Released> = rows
@@ -105,6 +111,7 @@ pub async fn describe_unreleased(pool: &PgPool, target: &Target) -> anyhow::Resu
                     &[order],
                 )
                 .await?,
+            Target::All { .. } => return Ok("nothing is quarantined".to_owned()),
         };
     if rows.is_empty() {
         return Ok("no such outbox event (unknown id, or already cleaned up)".to_owned());
