@@ -687,6 +687,86 @@ async fn a_handler_failing_twice_is_retried_through_the_tiers_and_applied_once()
     );
 }
 
+/// A handler that panics (a bug in domain code) is a failed attempt of its
+/// event, not the end of the partition worker: without the catch, the
+/// worker died, the consumer reconnected and got the same message again,
+/// and every reconnect counted a delivery for the whole prefetch window
+/// until the broker's delivery limit dead-lettered it all without parking.
+/// Caught, the event goes through the retry tiers to the DLQ with the
+/// panic's message, its order is parked, and the other order flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_is_a_failed_attempt_then_dead_lettered_and_parked() {
+    let tenant = unique("t5-panic");
+    let bad = story(&tenant);
+    let good = story(&tenant);
+    let name = unique("t5-panic-loy");
+    let consumer = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            failpoints: Some(format!("consumer.handler_panic=return({})", bad.order)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    for m in [
+        &bad.placed,
+        &good.placed,
+        &bad.paid,
+        &good.paid,
+        &good.delivered,
+    ] {
+        publisher.to_consumer(&name, m).await;
+    }
+    wait_sequence(Database::Loyalty, &name, good.order, 3).await;
+    consumer
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            1.0,
+        )
+        .await;
+    for tier in 0..4 {
+        assert_eq!(
+            consumer
+                .metric("consumer_retried_total", &format!("tier=\"{tier}\""))
+                .await,
+            1.0,
+            "one retry in tier {tier}"
+        );
+    }
+    consumer
+        .wait_metric("consumer_dead_lettered_total", "reason=\"parked\"", 1.0)
+        .await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((0, true))
+    );
+    let parked_reason: String = pg(Database::Loyalty)
+        .await
+        .query_one(
+            "SELECT parked_reason FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&name, &bad.order.to_string()],
+        )
+        .await
+        .expect("parked reason")
+        .get(0);
+    assert!(
+        parked_reason
+            .contains("the handler panicked: injected by fail point consumer.handler_panic"),
+        "{parked_reason}"
+    );
+    eventually("2 dead letters", WAIT, || async {
+        (queue_depth(&format!("{name}.dlq")).await == 2).then_some(())
+    })
+    .await;
+    assert_eq!(
+        loyalty(&tenant).await,
+        vec![("77".to_owned(), 80, good.order, good.delivered.event_id)]
+    );
+}
+
 /// (4b) A handler failing 5 times: the event goes to the DLQ and its order is
 /// parked; the order's later events follow it there; other orders flow. After
 /// the fix, `redrive` moves them back and everything applies in order.

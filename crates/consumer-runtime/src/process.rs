@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use events::{DecodeError, Event, RawEnvelope};
+use futures_util::FutureExt;
 use kit::db::PgPool;
 use lapin::{
     message::Delivery,
@@ -228,6 +229,25 @@ fn injected_handler_error(envelope: &RawEnvelope) -> Option<HandlerError> {
     None
 }
 
+/// The `consumer.handler_panic` fail point: like `consumer.handler_error`
+/// (every event, or only the named order's or event's), but the handler
+/// panics, as a bug in domain code would.
+fn injected_handler_panic(envelope: &RawEnvelope) {
+    #[cfg(feature = "failpoints")]
+    {
+        if let Some(target) = fail::eval("consumer.handler_panic", |arg| arg) {
+            let hit = match target.as_deref().map(str::trim) {
+                None | Some("") => true,
+                Some(t) => t == envelope.aggregate_id || t == envelope.event_id.to_string(),
+            };
+            if hit {
+                panic!("injected by fail point consumer.handler_panic");
+            }
+        }
+    }
+    let _ = envelope;
+}
+
 impl<D: Domain> Processor<D> {
     fn name(&self) -> &str {
         &self.topology.name
@@ -391,7 +411,7 @@ impl<D: Domain> Processor<D> {
                 kit::failpoint::crash_point("consumer.in_handler");
                 match injected_handler_error(raw) {
                     Some(error) => Err(error),
-                    None => self.domain.apply(&tx, event, raw).await,
+                    None => self.apply_contained(&tx, event, raw).await,
                 }
             }
         };
@@ -431,6 +451,40 @@ impl<D: Domain> Processor<D> {
         }
         tracing::info!(event_id = %raw.event_id, event_type = %raw.event_type, order = %raw.aggregate_id, sequence, "applied");
         Ok(Outcome::Applied { event_type })
+    }
+
+    /// The domain handler, with a panic turned into a failed attempt of this
+    /// event. Uncaught, the panic would end the partition worker, the
+    /// consumer would reconnect and get the same message again: a loop in
+    /// which every reconnect counts a delivery for each message in the
+    /// prefetch window, until the broker's delivery limit dead-letters them
+    /// all without parking their orders. Caught, it takes the normal path:
+    /// rolled back, retried through the tiers, then dead-lettered with the
+    /// panic's message and its order parked; other orders flow meanwhile.
+    async fn apply_contained(
+        &self,
+        tx: &kit::db::Transaction<'_>,
+        event: &Event,
+        raw: &RawEnvelope,
+    ) -> Result<(), HandlerError> {
+        let handler = async {
+            injected_handler_panic(raw);
+            self.domain.apply(tx, event, raw).await
+        };
+        match std::panic::AssertUnwindSafe(handler).catch_unwind().await {
+            Ok(result) => result,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(no message)".to_owned());
+                tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %message, "the handler panicked");
+                Err(HandlerError::new(format!(
+                    "the handler panicked: {message}"
+                )))
+            }
+        }
     }
 
     /// A failed attempt: the next retry tier, or the DLQ (and park) after the last.

@@ -293,12 +293,13 @@ impl PendingAcks {
             if acker.ack(BasicAckOptions { multiple: true }).await? {
                 self.acknowledged.inc_by(count as u64);
             } else {
-                // lapin refused it: the channel is closed (or closing).
-                // The messages return to their queue and come back; the
-                // inbox or the progress row recognises them.
+                // lapin refused it: the channel is closed (or closing), or
+                // the delivery was settled already. Unacknowledged messages
+                // return to their queue and come back; the inbox or the
+                // progress row recognises them.
                 tracing::warn!(
                     count,
-                    "acknowledgement not sent: the channel is closed; the broker redelivers"
+                    "acknowledgement not sent (channel closed, or already settled); unacknowledged messages are redelivered"
                 );
             }
         }

@@ -39,7 +39,9 @@ pub const SESSION_LIMITS: &str =
 /// 3 probes 5 s apart; `tcp_user_timeout` 30 s for data sent and never
 /// acknowledged; connecting at most 5 s. A live server answers the probes,
 /// so a long statement is not cut. Values given in the database URL
-/// (`keepalives_idle`, `tcp_user_timeout`, ...) are kept.
+/// (`keepalives_idle`, `tcp_user_timeout`, ...) are kept, except a
+/// `keepalives_idle` equal to the library's default (2 h), which cannot be
+/// told from an absent one.
 pub fn bound_network_waits(config: &mut tokio_postgres::Config) {
     if config.get_keepalives_idle() == tokio_postgres::Config::new().get_keepalives_idle() {
         config.keepalives_idle(Duration::from_secs(15));
@@ -56,6 +58,23 @@ pub fn bound_network_waits(config: &mut tokio_postgres::Config) {
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(Duration::from_secs(5));
     }
+}
+
+/// One connection outside a pool (a cleanup run holding an advisory lock,
+/// an operator command), with [`bound_network_waits`]. Spawn the returned
+/// connection to drive it.
+pub async fn connect(
+    url: &str,
+) -> Result<
+    (
+        tokio_postgres::Client,
+        tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+    ),
+    tokio_postgres::Error,
+> {
+    let mut config: tokio_postgres::Config = url.parse()?;
+    bound_network_waits(&mut config);
+    config.connect(NoTls).await
 }
 
 /// Build a pool. Connections are opened lazily, so this never touches the

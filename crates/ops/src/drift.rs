@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 use uuid::Uuid;
 
 /// Where the four databases are.
@@ -78,7 +78,7 @@ impl Report {
 }
 
 async fn connect(url: &str) -> anyhow::Result<Client> {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
+    let (client, connection) = kit::db::connect(url).await?;
     tokio::spawn(connection);
     // Read-only, and one consistent snapshot per database.
     client

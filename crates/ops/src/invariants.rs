@@ -40,7 +40,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 use uuid::Uuid;
 
 use crate::drift::{self, Databases};
@@ -294,7 +294,7 @@ impl Report {
 
 /// A read-only connection whose snapshot is taken now.
 async fn snapshot(url: &str) -> anyhow::Result<Client> {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
+    let (client, connection) = kit::db::connect(url).await?;
     tokio::spawn(connection);
     client
         .batch_execute(

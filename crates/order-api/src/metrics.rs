@@ -15,7 +15,8 @@ pub struct Metrics {
     pub in_progress: IntCounterVec,
     /// Owner transactions rolled back by an infrastructure failure (nothing stored).
     pub rollbacks: IntCounterVec,
-    /// Business rejections stored with the key (by code).
+    /// Business rejections (by code): final ones are stored with the key and
+    /// replayed; `order_not_paid` is answered without being stored.
     pub rejections: IntCounterVec,
     /// Expired idempotency rows deleted by the cleanup task.
     pub expired_deleted: IntCounter,
@@ -91,7 +92,7 @@ impl Metrics {
             rejections: counter_vec(
                 &registry,
                 "order_business_rejections_total",
-                "Deterministic business rejections (stored and replayed)",
+                "Business rejections (final ones stored and replayed; order_not_paid not stored)",
                 "code",
             ),
             expired_deleted,

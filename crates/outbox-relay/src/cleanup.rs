@@ -11,7 +11,6 @@
 use std::time::Duration;
 
 use kit::CancellationToken;
-use tokio_postgres::NoTls;
 
 use crate::settings::CleanupSettings;
 
@@ -44,7 +43,7 @@ pub async fn run_once(
     settings: &CleanupSettings,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<CleanupReport> {
-    let (mut client, connection) = tokio_postgres::connect(database_url, NoTls).await?;
+    let (mut client, connection) = kit::db::connect(database_url).await?;
     let driver = tokio::spawn(connection);
     let result = async {
         let locked: bool = client

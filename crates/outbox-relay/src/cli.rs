@@ -46,7 +46,7 @@ struct RequeueArgs {
     order: Option<String>,
     /// Every quarantined event (of `relay.only_tenant` when it is set), e.g.
     /// after a broker incident quarantined many orders at once.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["event", "order"])]
     all: bool,
 }
 
@@ -112,6 +112,10 @@ pub async fn main() -> anyhow::Result<()> {
                 let pool = kit::db::pool(&settings.database)?;
                 let (released, held) = requeue::requeue(&pool, &target).await?;
                 if released.is_empty() {
+                    if matches!(target, requeue::Target::All { .. }) {
+                        println!("nothing is quarantined: nothing to release");
+                        return Ok(());
+                    }
                     let why = requeue::describe_unreleased(&pool, &target).await?;
                     anyhow::bail!("nothing released for {target:?}: {why}");
                 }
@@ -171,6 +175,7 @@ pub async fn main() -> anyhow::Result<()> {
                         .unwrap_or_else(|| settings.relay.only_tenant.clone()),
                     page_size: args.page_size,
                     confirm_timeout: settings.relay.confirm_timeout(),
+                    max_message_bytes: settings.relay.max_message_bytes,
                 };
                 let summary = replay::replay(&pool, &settings.amqp, &request, &shutdown).await?;
                 let purged = if summary.purged_queues {

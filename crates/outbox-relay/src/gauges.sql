@@ -1,6 +1,8 @@
 SELECT count(*) FILTER (WHERE quarantined_at IS NULL),
+       -- isfinite: an 'infinity' occurred_at (a row the relay cannot read,
+       -- soon quarantined) would make the subtraction fail.
        COALESCE(EXTRACT(EPOCH FROM now() - min(occurred_at)
-                FILTER (WHERE quarantined_at IS NULL))::float8, 0),
+                FILTER (WHERE quarantined_at IS NULL AND isfinite(occurred_at)))::float8, 0),
        count(*) FILTER (WHERE quarantined_at IS NOT NULL),
        pg_total_relation_size('outbox_events')
 FROM outbox_events

@@ -249,6 +249,34 @@ fn attribute(
     }
 }
 
+/// The outcome of `event_id` from its confirm (`started`: when it was sent).
+fn settle(
+    event_id: Uuid,
+    started: Instant,
+    result: lapin::Result<Confirmation>,
+    returned_elsewhere: &mut HashMap<Uuid, String>,
+) -> Outcome {
+    let result = match result {
+        Ok(confirmation) => attribute(event_id, verdict(confirmation), returned_elsewhere)
+            .map(|()| started.elapsed()),
+        Err(error) => Err(PublishFailure::Channel(error.to_string())),
+    };
+    Outcome { event_id, result }
+}
+
+/// A returned message whose return came with another's confirm: its own
+/// confirm may have looked like a plain ack, but it was not routed, so it
+/// failed (never marked published).
+fn attribute_returns(outcomes: &mut [Outcome], mut returned_elsewhere: HashMap<Uuid, String>) {
+    for outcome in outcomes {
+        if let Some(text) = returned_elsewhere.remove(&outcome.event_id) {
+            if outcome.result.is_ok() {
+                outcome.result = Err(PublishFailure::Returned(text));
+            }
+        }
+    }
+}
+
 /// The outcome of one message of a batch.
 #[derive(Debug)]
 pub struct Outcome {
@@ -336,26 +364,18 @@ pub async fn publish_batch(
     let mut returned_elsewhere: HashMap<Uuid, String> = HashMap::new();
     let collect = async {
         while let Some((event_id, started, result)) = pending.next().await {
-            let result = match result {
-                Ok(confirmation) => {
-                    attribute(event_id, verdict(confirmation), &mut returned_elsewhere)
-                        .map(|()| started.elapsed())
-                }
-                Err(error) => Err(PublishFailure::Channel(error.to_string())),
-            };
-            outcomes.push(Outcome { event_id, result });
+            outcomes.push(settle(event_id, started, result, &mut returned_elsewhere));
         }
     };
     let _ = tokio::time::timeout_at(deadline, collect).await;
-    // A returned message whose confirm came as another's: its own confirm
-    // may have looked like a plain ack. It was not routed, so it failed.
-    for outcome in &mut outcomes {
-        if let Some(text) = returned_elsewhere.remove(&outcome.event_id) {
-            if outcome.result.is_ok() {
-                outcome.result = Err(PublishFailure::Returned(text));
-            }
-        }
+    // One multiple ack completes several confirms at once; the deadline can
+    // strike between collecting one of them and the next. Those resolved
+    // already are collected too: a return attached to one of them may
+    // belong to a message collected before.
+    while let Some(Some((event_id, started, result))) = pending.next().now_or_never() {
+        outcomes.push(settle(event_id, started, result, &mut returned_elsewhere));
     }
+    attribute_returns(&mut outcomes, returned_elsewhere);
     if outcomes.len() < ids.len() {
         // Whatever has no outcome by the deadline timed out: not even
         // written to the socket (a blocked connection), or not confirmed.
@@ -548,6 +568,47 @@ mod tests {
             Err(PublishFailure::Nacked)
         );
         assert!(elsewhere.is_empty());
+    }
+
+    #[test]
+    fn an_acked_message_whose_return_came_with_another_confirm_is_a_failure() {
+        let (x, w, z) = (Uuid::from_u128(1), Uuid::from_u128(2), Uuid::from_u128(3));
+        let ok = |event_id| Outcome {
+            event_id,
+            result: Ok(Duration::from_millis(1)),
+        };
+        // X's plain ack, W's ack carrying X's return, Z nacked.
+        let mut outcomes = vec![
+            ok(x),
+            ok(w),
+            Outcome {
+                event_id: z,
+                result: Err(PublishFailure::Nacked),
+            },
+        ];
+        let returned = HashMap::from([
+            (
+                x,
+                "unroutable: returned by the broker (312 NO_ROUTE)".to_owned(),
+            ),
+            (
+                z,
+                "unroutable: returned by the broker (312 NO_ROUTE)".to_owned(),
+            ),
+        ]);
+        attribute_returns(&mut outcomes, returned);
+        assert_eq!(
+            outcomes[0].result,
+            Err(PublishFailure::Returned(
+                "unroutable: returned by the broker (312 NO_ROUTE)".to_owned()
+            ))
+        );
+        assert!(outcomes[1].result.is_ok(), "W was routed");
+        assert_eq!(
+            outcomes[2].result,
+            Err(PublishFailure::Nacked),
+            "a failure stays"
+        );
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct ReplayRequest {
     pub only_tenant: String,
     pub page_size: i64,
     pub confirm_timeout: std::time::Duration,
+    /// The broker's largest message (`relay.max_message_bytes`).
+    pub max_message_bytes: usize,
 }
 
 impl ReplayRequest {
@@ -220,6 +222,7 @@ pub async fn replay(
                 .map_err(|error| crate::claim::unreadable(&error))
                 .and_then(|decoded| {
                     let prepared = publish::prepare(&decoded, true)?;
+                    publish::check_limits(&prepared.0, request.max_message_bytes)?;
                     Ok((decoded.aggregate_id, prepared))
                 });
             match prepared {
