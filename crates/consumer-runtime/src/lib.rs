@@ -48,7 +48,9 @@
 //!   before the acknowledgement;
 //! - `consumer.handler_error`: the handler fails (not a crash): `return` for
 //!   every event, `return(<order id or event id>)` for one order or event,
-//!   `N*return(...)` for the first N evaluations.
+//!   `N*return(...)` for the first N evaluations;
+//! - `consumer.handler_panic`: the handler panics (a bug in domain code),
+//!   with the same arguments: caught, a failed attempt of the event.
 
 // Endpoints return kit::http::Problem (problem+json) as their error type.
 #![allow(clippy::result_large_err)]
