@@ -12,7 +12,7 @@ use system_tests::{
     consumers::{
         drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
         payment_received, queue_consumers, queue_depth, story, unique, Consumer, Kind, Options,
-        Publisher, TopologyGuard, TEST_TOKEN,
+        Publisher, Story, TopologyGuard, TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -687,100 +687,26 @@ async fn a_handler_failing_twice_is_retried_through_the_tiers_and_applied_once()
     );
 }
 
-/// A handler that panics (a bug in domain code) is a failed attempt of its
-/// event, not the end of the partition worker: without the catch, the
-/// worker died, the consumer reconnected and got the same message again,
-/// and every reconnect counted a delivery for the whole prefetch window
-/// until the broker's delivery limit dead-lettered it all without parking.
-/// Caught, the event goes through the retry tiers to the DLQ with the
-/// panic's message, its order is parked, and the other order flows.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_panicking_handler_is_a_failed_attempt_then_dead_lettered_and_parked() {
-    let tenant = unique("t5-panic");
-    let bad = story(&tenant);
-    let good = story(&tenant);
-    let name = unique("t5-panic-loy");
+/// Start a loyalty consumer `name` whose handler fails for `bad`'s order
+/// (the fail point `failpoint`), publish both stories' three events, and
+/// check what a failing event comes to: `good` applied in full; `bad`'s
+/// first event through the four retry tiers (one retry each) to the DLQ,
+/// its order parked with a reason containing each of `reason`, its two
+/// later events dead-lettered behind it (three letters). Returns the
+/// running consumer.
+async fn dead_lettered_and_parked(
+    tenant: &str,
+    name: &str,
+    bad: &Story,
+    good: &Story,
+    failpoint: String,
+    reason: &[&str],
+) -> Consumer {
     let consumer = Consumer::start(
         Kind::Loyalty,
-        &name,
+        name,
         Options {
-            failpoints: Some(format!("consumer.handler_panic=return({})", bad.order)),
-            ..Options::default()
-        },
-    )
-    .await;
-    let publisher = Publisher::connect().await;
-    for m in [
-        &bad.placed,
-        &good.placed,
-        &bad.paid,
-        &good.paid,
-        &good.delivered,
-    ] {
-        publisher.to_consumer(&name, m).await;
-    }
-    wait_sequence(Database::Loyalty, &name, good.order, 3).await;
-    consumer
-        .wait_metric(
-            "consumer_dead_lettered_total",
-            "reason=\"max_attempts\"",
-            1.0,
-        )
-        .await;
-    for tier in 0..4 {
-        assert_eq!(
-            consumer
-                .metric("consumer_retried_total", &format!("tier=\"{tier}\""))
-                .await,
-            1.0,
-            "one retry in tier {tier}"
-        );
-    }
-    consumer
-        .wait_metric("consumer_dead_lettered_total", "reason=\"parked\"", 1.0)
-        .await;
-    assert_eq!(
-        progress(Database::Loyalty, &name, bad.order).await,
-        Some((0, true))
-    );
-    let parked_reason: String = pg(Database::Loyalty)
-        .await
-        .query_one(
-            "SELECT parked_reason FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2",
-            &[&name, &bad.order.to_string()],
-        )
-        .await
-        .expect("parked reason")
-        .get(0);
-    assert!(
-        parked_reason
-            .contains("the handler panicked: injected by fail point consumer.handler_panic"),
-        "{parked_reason}"
-    );
-    eventually("2 dead letters", WAIT, || async {
-        (queue_depth(&format!("{name}.dlq")).await == 2).then_some(())
-    })
-    .await;
-    assert_eq!(
-        loyalty(&tenant).await,
-        vec![("77".to_owned(), 80, good.order, good.delivered.event_id)]
-    );
-}
-
-/// (4b) A handler failing 5 times: the event goes to the DLQ and its order is
-/// parked; the order's later events follow it there; other orders flow. After
-/// the fix, `redrive` moves them back and everything applies in order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_recovers() {
-    let tenant = unique("t5-dlq");
-    let bad = story(&tenant);
-    let good = story(&tenant);
-    let name = unique("t5-dlq-loy");
-    let mut broken = Consumer::start(
-        Kind::Loyalty,
-        &name,
-        Options {
-            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
+            failpoints: Some(failpoint),
             ..Options::default()
         },
     )
@@ -794,24 +720,24 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
         &bad.delivered,
         &good.delivered,
     ] {
-        publisher.to_consumer(&name, m).await;
+        publisher.to_consumer(name, m).await;
     }
     // The other order keeps flowing.
-    wait_sequence(Database::Loyalty, &name, good.order, 3).await;
+    wait_sequence(Database::Loyalty, name, good.order, 3).await;
     // The failing one: 4 retries (tiers 0..3), then the DLQ, parked; 2 and 3 behind it.
-    broken
+    consumer
         .wait_metric(
             "consumer_dead_lettered_total",
             "reason=\"max_attempts\"",
             1.0,
         )
         .await;
-    broken
+    consumer
         .wait_metric("consumer_dead_lettered_total", "reason=\"parked\"", 2.0)
         .await;
     for tier in 0..4 {
         assert_eq!(
-            broken
+            consumer
                 .metric("consumer_retried_total", &format!("tier=\"{tier}\""))
                 .await,
             1.0,
@@ -819,11 +745,13 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
         );
     }
     assert_eq!(
-        progress(Database::Loyalty, &name, bad.order).await,
+        progress(Database::Loyalty, name, bad.order).await,
         Some((0, true))
     );
-    broken.wait_metric("consumer_parked_orders", "", 1.0).await;
-    broken.wait_metric("consumer_dlq_messages", "", 3.0).await;
+    consumer
+        .wait_metric("consumer_parked_orders", "", 1.0)
+        .await;
+    consumer.wait_metric("consumer_dlq_messages", "", 3.0).await;
     let parked_reason: String = pg(Database::Loyalty)
         .await
         .query_one(
@@ -833,18 +761,66 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
         .await
         .expect("parked reason")
         .get(0);
-    assert!(
-        parked_reason.contains("failed 5 times") && parked_reason.contains("fail point"),
-        "{parked_reason}"
-    );
+    for part in reason {
+        assert!(
+            parked_reason.contains(part),
+            "{parked_reason:?} lacks {part:?}"
+        );
+    }
     eventually("3 dead letters", WAIT, || async {
         (queue_depth(&format!("{name}.dlq")).await == 3).then_some(())
     })
     .await;
     assert_eq!(
-        loyalty(&tenant).await,
+        loyalty(tenant).await,
         vec![("77".to_owned(), 80, good.order, good.delivered.event_id)]
     );
+    consumer
+}
+
+/// A handler that panics (a bug in domain code) is a failed attempt of its
+/// event, not the end of the partition worker: without the catch, the
+/// worker died, the consumer reconnected and got the same message again,
+/// and every reconnect counted a delivery for the whole prefetch window
+/// until the broker's delivery limit dead-lettered it all without parking.
+/// Caught, the event goes through the retry tiers to the DLQ with the
+/// panic's message, its order is parked, and the other order flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_is_a_failed_attempt_then_dead_lettered_and_parked() {
+    let tenant = unique("t5-panic");
+    let (bad, good) = (story(&tenant), story(&tenant));
+    let name = unique("t5-panic-loy");
+    dead_lettered_and_parked(
+        &tenant,
+        &name,
+        &bad,
+        &good,
+        format!("consumer.handler_panic=return({})", bad.order),
+        &[
+            "failed 5 times",
+            "the handler panicked: injected by fail point consumer.handler_panic",
+        ],
+    )
+    .await;
+}
+
+/// (4b) A handler failing 5 times: the event goes to the DLQ and its order is
+/// parked; the order's later events follow it there; other orders flow. After
+/// the fix, `redrive` moves them back and everything applies in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_recovers() {
+    let tenant = unique("t5-dlq");
+    let (bad, good) = (story(&tenant), story(&tenant));
+    let name = unique("t5-dlq-loy");
+    let mut broken = dead_lettered_and_parked(
+        &tenant,
+        &name,
+        &bad,
+        &good,
+        format!("consumer.handler_error=return({})", bad.order),
+        &["failed 5 times", "fail point"],
+    )
+    .await;
 
     // The fix is deployed (no more fail point); redrive.
     broken.service.signal("TERM");
