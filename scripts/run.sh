@@ -6,8 +6,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/infra-env.sh
 export LOG_FORMAT="${LOG_FORMAT:-text}" RUST_LOG="${RUST_LOG:-info,lapin=error,actix_server=warn,tokio_postgres=warn}"
 BIN="${BIN:-target/debug}"
-SERVICES=(order-api outbox-relay inventory-consumer ledger-consumer loyalty-consumer)
-PORTS=(8080 9100 8081 8082 8083)
+# The consumers first: each declares its exchange, partition queues and
+# binding to order-events when it connects. A relay publishing before that
+# would see its first events returned (no queue bound; retried) or, worse,
+# routed to the consumers already bound only (a later one would miss them).
+SERVICES=(inventory-consumer ledger-consumer loyalty-consumer outbox-relay order-api)
+PORTS=(8081 8082 8083 9100 8080)
+CONSUMERS=3
 mkdir -p .run
 
 # Local demo credentials (git-ignored): an API key of tenant `demo` for
@@ -31,15 +36,17 @@ stop() {
 }
 trap stop INT TERM
 
-for i in "${!SERVICES[@]}"; do
-    svc=${SERVICES[$i]}
+start() {
+    local svc=$1
     # Each service's output, prefixed with its name; $! is the service itself.
     "$BIN/$svc" > >(sed -u "s/^/[$svc] /") 2>&1 &
     pids+=($!)
-done
+}
 
-for i in "${!SERVICES[@]}"; do
-    url="http://127.0.0.1:${PORTS[$i]}/healthz"
+# Wait for a service's probe (`readyz`: its database and broker are there).
+await() {
+    local i=$1 probe=$2 url
+    url="http://127.0.0.1:${PORTS[$i]}/$probe"
     for _ in $(seq 1 300); do
         curl -fsS "$url" >/dev/null 2>&1 && break
         sleep 0.2
@@ -49,7 +56,12 @@ for i in "${!SERVICES[@]}"; do
     else
         echo "==> ${SERVICES[$i]} did not answer $url" >&2
     fi
-done
+}
+
+for ((i = 0; i < CONSUMERS; i++)); do start "${SERVICES[$i]}"; done
+for ((i = 0; i < CONSUMERS; i++)); do await "$i" readyz; done
+for ((i = CONSUMERS; i < ${#SERVICES[@]}; i++)); do start "${SERVICES[$i]}"; done
+for ((i = CONSUMERS; i < ${#SERVICES[@]}; i++)); do await "$i" healthz; done
 echo "==> all services started"
 if [ "${RUN_DEMO:-1}" = 1 ]; then
     echo "==> running the seed 003 story (make demo runs it again)"
