@@ -717,7 +717,10 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
         .service
         .wait_exit(Duration::from_secs(60))
         .expect("the fail point aborts the relay");
-    assert!(!status.success(), "aborted: {status:?}");
+    assert!(
+        system_tests::system::aborted(&status),
+        "aborted: {status:?}"
+    );
 
     // The broker has the first event of each order; the database does not know.
     collector.wait_distinct(3, Duration::from_secs(30)).await;
@@ -794,7 +797,10 @@ async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
         .service
         .wait_exit(Duration::from_secs(60))
         .expect("the fail point aborts the relay");
-    assert!(!status.success(), "aborted: {status:?}");
+    assert!(
+        system_tests::system::aborted(&status),
+        "aborted: {status:?}"
+    );
     let leased = count(
         &db,
         "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND (claimed_by IS NOT NULL OR published_at IS NOT NULL)",
@@ -1051,7 +1057,10 @@ async fn a_crash_before_a_failure_is_recorded_loses_nothing() {
         .service
         .wait_exit(Duration::from_secs(60))
         .expect("the fail point aborts the relay");
-    assert!(!status.success(), "aborted: {status:?}");
+    assert!(
+        system_tests::system::aborted(&status),
+        "aborted: {status:?}"
+    );
     let row = db
         .query_one(
             "SELECT claimed_by IS NOT NULL, attempt_count, own_failure_count, last_error IS NULL,

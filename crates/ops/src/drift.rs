@@ -80,11 +80,13 @@ impl Report {
 async fn connect(url: &str) -> anyhow::Result<Client> {
     let (client, connection) = kit::db::connect(url).await?;
     tokio::spawn(connection);
-    // Read-only, and one consistent snapshot per database.
+    // Read-only, and one consistent snapshot per database, taken now: a
+    // REPEATABLE READ snapshot is taken at the transaction's first query,
+    // not at BEGIN.
     client
         .batch_execute(
             "SET default_transaction_read_only = on; \
-             BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+             BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1",
         )
         .await?;
     Ok(client)
@@ -108,10 +110,17 @@ pub async fn check(
     tenant: Option<&str>,
     grace: Duration,
 ) -> anyhow::Result<Report> {
-    let orders_db = connect(&dbs.orders).await?;
+    // The consumers' snapshots first, the orders' last: every effect they
+    // show comes from an event of an order committed before it, so the
+    // orders snapshot has that order (and its payment or delivery); what the
+    // orders snapshot has beyond them is in flight, within the grace.
+    // The other way round, an order placed (or paid, or delivered) between
+    // the two snapshots showed as an effect for an unknown order (or an
+    // unexpected one) on any system taking orders.
     let inventory = connect(&dbs.inventory).await?;
     let ledger = connect(&dbs.ledger).await?;
     let loyalty = connect(&dbs.loyalty).await?;
+    let orders_db = connect(&dbs.orders).await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
 
     let mut report = Report::default();
