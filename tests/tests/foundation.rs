@@ -372,6 +372,27 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
             .get("content-type")
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/plain")));
+        // The readiness gauge the ServiceNotReady alert reads follows
+        // /readyz (refreshed every 5 s).
+        let ready_line = format!("service_ready{{service=\"{}\"}} 1", service.name);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = reqwest::get(format!("{base}/metrics"))
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("metrics body");
+            if text.lines().any(|line| line == ready_line) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}: no {ready_line:?} in /metrics",
+                service.name
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
     for (mut service, _) in running {
         service.signal("TERM");

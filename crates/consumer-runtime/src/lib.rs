@@ -233,6 +233,11 @@ impl<D: Domain> Application<D> {
             database: Some(pool.clone()),
             broker: Some(connected.clone()),
         };
+        kit::http::watch_readiness(
+            health.clone(),
+            std::time::Duration::from_secs(5),
+            shutdown.clone(),
+        );
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
         let port = listener.local_addr()?.port();
         let token = auth::ServiceToken(token);

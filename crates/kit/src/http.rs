@@ -141,7 +141,47 @@ async fn healthz(health: web::Data<Health>) -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({ "status": "ok", "service": health.service }))
 }
 
+/// Keep the `service_ready` gauge current: 1 when `/readyz` would answer
+/// ready (the database answers, the broker connection is up), else 0,
+/// checked every `every` until `shutdown`. `up` stays 1 while the process
+/// serves `/metrics`, and the other gauges keep their last values when the
+/// database is gone: this is what shows (and alerts on) a service that runs
+/// but cannot work.
+pub fn watch_readiness(health: Health, every: Duration, shutdown: CancellationToken) {
+    let gauge = match prometheus::IntGauge::new(
+        "service_ready",
+        "1 when the service is ready (its database answers and its broker connection is up), else 0",
+    ) {
+        Ok(gauge) => gauge,
+        Err(error) => {
+            tracing::error!(%error, "service_ready gauge");
+            return;
+        }
+    };
+    crate::metrics::register(&health.registry, &gauge);
+    tokio::spawn(async move {
+        loop {
+            let (ready, _) = readiness(&health).await;
+            gauge.set(i64::from(ready));
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    });
+}
+
 async fn readyz(health: web::Data<Health>) -> HttpResponse {
+    let (ready, body) = readiness(&health).await;
+    if ready {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
+    }
+}
+
+/// Whether the service is ready, and the `/readyz` body saying why.
+async fn readiness(health: &Health) -> (bool, serde_json::Value) {
     let database = match &health.database {
         None => None,
         Some(pool) => Some(
@@ -160,11 +200,7 @@ async fn readyz(health: web::Data<Health>) -> HttpResponse {
         "database": database.map(|r| r.err().unwrap_or_else(|| "ok".to_owned())),
         "broker": broker.map(|up| if up { "ok" } else { "disconnected" }),
     });
-    if ready {
-        HttpResponse::Ok().json(body)
-    } else {
-        HttpResponse::ServiceUnavailable().json(body)
-    }
+    (ready, body)
 }
 
 async fn metrics(health: web::Data<Health>) -> HttpResponse {

@@ -94,6 +94,11 @@ impl Application {
             database: Some(shared_pool.clone()),
             broker: None,
         };
+        kit::http::watch_readiness(
+            health.clone(),
+            std::time::Duration::from_secs(5),
+            shutdown.clone(),
+        );
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
         let port = listener.local_addr()?.port();
         let workers = match settings.http.workers {
