@@ -161,6 +161,10 @@ impl Settings {
             self.cleanup.batch_size >= 1,
             "cleanup.batch_size must be at least 1"
         );
+        anyhow::ensure!(
+            self.cleanup.interval_secs >= 1,
+            "cleanup.interval_secs must be at least 1 (0 would delete in a busy loop)"
+        );
         Ok(())
     }
 

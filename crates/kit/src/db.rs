@@ -89,6 +89,11 @@ pub fn pool_with_options(
     settings: &DatabaseSettings,
     options: Option<&str>,
 ) -> Result<Pool, DbError> {
+    if settings.pool_size == 0 {
+        return Err(DbError::Build(
+            "database.pool_size must be at least 1".to_owned(),
+        ));
+    }
     let mut pg: tokio_postgres::Config =
         settings.url.parse().map_err(|source| DbError::BadUrl {
             url: redact_url(&settings.url),

@@ -17,19 +17,74 @@ pub fn load<T>(prefix: &str, defaults: &T) -> Result<T, config::ConfigError>
 where
     T: Serialize + DeserializeOwned,
 {
+    reject_unknown_variables(prefix, defaults, std::env::vars())?;
     let mut builder = config::Config::builder().add_source(config::Config::try_from(defaults)?);
     if let Ok(file) = std::env::var(format!("{prefix}__CONFIG_FILE")) {
         builder = builder.add_source(config::File::with_name(&file).required(true));
     }
+    // No `try_parsing`: it would store a value that looks like a number or a
+    // bool as one, and a text field would read back its spelling as a number
+    // (`ONLY_TENANT=007` became "7"). Number and bool fields still parse
+    // from the text.
     builder
         .add_source(
             config::Environment::with_prefix(prefix)
                 .prefix_separator("__")
-                .separator("__")
-                .try_parsing(true),
+                .separator("__"),
         )
         .build()?
         .try_deserialize()
+}
+
+/// Fail on a `<prefix>__...` variable that names no setting (a typo such as
+/// `ORDER_API__DATABASE_URL` or `..._BATCHSIZE`): ignored, the service would
+/// run on a default without a word. The settings are the leaves of
+/// `defaults` (every field is serialized, an absent optional one as null);
+/// `<prefix>__CONFIG_FILE` names the file layer.
+fn reject_unknown_variables<T: Serialize>(
+    prefix: &str,
+    defaults: &T,
+    variables: impl Iterator<Item = (String, String)>,
+) -> Result<(), config::ConfigError> {
+    fn leaves(value: &serde_json::Value, path: String, into: &mut Vec<String>) {
+        match value {
+            serde_json::Value::Object(fields) => {
+                for (name, value) in fields {
+                    let path = if path.is_empty() {
+                        name.clone()
+                    } else {
+                        format!("{path}__{name}")
+                    };
+                    leaves(value, path, into);
+                }
+            }
+            _ => into.push(path.to_uppercase()),
+        }
+    }
+    let mut known = vec!["CONFIG_FILE".to_owned()];
+    let tree =
+        serde_json::to_value(defaults).map_err(|e| config::ConfigError::Message(e.to_string()))?;
+    leaves(&tree, String::new(), &mut known);
+    let start = format!("{prefix}__");
+    let unknown: Vec<String> = variables
+        .filter_map(|(name, _)| {
+            let key = name.strip_prefix(&start)?.to_uppercase();
+            (!known.contains(&key)).then_some(name)
+        })
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    known.sort();
+    Err(config::ConfigError::Message(format!(
+        "unknown setting(s) {}: the settings are {}",
+        unknown.join(", "),
+        known
+            .iter()
+            .map(|k| format!("{start}{k}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )))
 }
 
 /// A PostgreSQL database.
@@ -97,16 +152,31 @@ impl HttpSettings {
     }
 }
 
-/// Hide the password of a connection URL for logs.
+/// Hide the password of a connection URL or key=value string for logs:
+/// `user:password@` in a URL, and any `password=` value (a URL's query
+/// parameter, or the `host=... password=...` form).
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let url = match (url.find("://"), url.rfind('@')) {
         (Some(scheme_end), Some(at)) if at > scheme_end => {
             let userinfo = &url[scheme_end + 3..at];
             let user = userinfo.split(':').next().unwrap_or_default();
             format!("{}{}:***{}", &url[..scheme_end + 3], user, &url[at..])
         }
         _ => url.to_owned(),
+    };
+    let mut redacted = String::with_capacity(url.len());
+    let mut rest = url.as_str();
+    while let Some(at) = rest.to_ascii_lowercase().find("password=") {
+        let value = at + "password=".len();
+        redacted.push_str(&rest[..value]);
+        redacted.push_str("***");
+        let end = rest[value..]
+            .find(|c: char| c == '&' || c.is_whitespace())
+            .map_or(rest.len(), |n| value + n);
+        rest = &rest[end..];
     }
+    redacted.push_str(rest);
+    redacted
 }
 
 #[cfg(test)]
@@ -159,5 +229,60 @@ mod tests {
             "postgres://app:***@127.0.0.1:5432/orders"
         );
         assert_eq!(redact_url("amqp://localhost"), "amqp://localhost");
+        assert_eq!(
+            redact_url("postgres://db/orders?user=app&password=S3cret&port=5432"),
+            "postgres://db/orders?user=app&password=***&port=5432"
+        );
+        assert_eq!(
+            redact_url("host=db user=app PASSWORD=S3cret dbname=orders"),
+            "host=db user=app PASSWORD=*** dbname=orders"
+        );
+    }
+
+    #[test]
+    fn text_that_looks_like_a_number_stays_text_and_numbers_still_parse() {
+        let defaults = Demo {
+            database: DatabaseSettings::local("orders"),
+            http: HttpSettings::local(8080),
+            name: "x".into(),
+        };
+        std::env::set_var("KIT_SETTINGS_TEXT_TEST__NAME", "007");
+        std::env::set_var("KIT_SETTINGS_TEXT_TEST__DATABASE__POOL_SIZE", "3");
+        let loaded: Demo = load("KIT_SETTINGS_TEXT_TEST", &defaults).expect("load");
+        assert_eq!(loaded.name, "007");
+        assert_eq!(loaded.database.pool_size, 3);
+    }
+
+    #[test]
+    fn a_variable_that_names_no_setting_is_refused() {
+        let defaults = Demo {
+            database: DatabaseSettings::local("orders"),
+            http: HttpSettings::local(8080),
+            name: "x".into(),
+        };
+        let vars = |names: &[&str]| {
+            names
+                .iter()
+                .map(|n| ((*n).to_owned(), "1".to_owned()))
+                .collect::<Vec<_>>()
+                .into_iter()
+        };
+        let known = [
+            "SVC__DATABASE__URL",
+            "SVC__HTTP__PORT",
+            "SVC__HTTP__WORKERS",
+            "SVC__NAME",
+            "SVC__CONFIG_FILE",
+            "SVC_API_KEY",
+            "OTHER__X",
+        ];
+        reject_unknown_variables("SVC", &defaults, vars(&known)).expect("all known");
+        for typo in ["SVC__DATABASE_URL", "SVC__HTTP__PROT", "SVC__DATABASE"] {
+            let error = reject_unknown_variables("SVC", &defaults, vars(&[typo]))
+                .expect_err(typo)
+                .to_string();
+            assert!(error.contains(typo), "{error}");
+            assert!(error.contains("SVC__DATABASE__POOL_SIZE"), "{error}");
+        }
     }
 }

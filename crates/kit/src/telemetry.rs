@@ -79,7 +79,21 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     }
     let mut provider = SdkTracerProvider::builder().with_resource(resource.build());
     let mut export_error = None;
-    if otlp_configured() {
+    let https = [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ]
+    .iter()
+    .filter_map(|name| std::env::var(name).ok())
+    .find(|endpoint| endpoint.trim().to_ascii_lowercase().starts_with("https:"));
+    if let Some(endpoint) = https {
+        // The exporter's HTTP client is built without TLS (no TLS stack in
+        // the images): every export would fail. Say so once, at start-up.
+        export_error = Some(format!(
+            "OTLP endpoint {endpoint}: https is not supported by this build; \
+             send to an http:// collector (e.g. a local OpenTelemetry Collector that forwards over TLS)"
+        ));
+    } else if otlp_configured() {
         match opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .build()

@@ -183,6 +183,17 @@ impl Settings {
             self.cleanup.batch_size >= 1,
             "cleanup.batch_size must be at least 1"
         );
+        // 0 would turn the idle wait, the cleanup pause and the gauge refresh
+        // into busy loops, and a 0 ms confirm timeout would fail every
+        // publish (as the infrastructure's fault: retried forever).
+        for (name, value) in [
+            ("relay.poll_interval_ms", r.poll_interval_ms),
+            ("relay.confirm_timeout_ms", r.confirm_timeout_ms),
+            ("relay.metrics_interval_ms", r.metrics_interval_ms),
+            ("cleanup.interval_ms", self.cleanup.interval_ms),
+        ] {
+            anyhow::ensure!(value >= 1, "{name} must be at least 1");
+        }
         Ok(())
     }
 }
