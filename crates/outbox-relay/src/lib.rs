@@ -170,7 +170,17 @@ impl Application {
                     let relay = relay.clone();
                     async move {
                         let result = relay.run_on(&connection, &shutdown).await;
-                        let _ = connection.close(200, "relay stopping".into()).await;
+                        // Bounded: a broker that does not answer must not
+                        // hold up a shutdown (the socket goes anyway).
+                        let closing = connection.close(200, "relay stopping".into());
+                        if tokio::time::timeout(std::time::Duration::from_secs(3), closing)
+                            .await
+                            .is_err()
+                        {
+                            tracing::warn!(
+                                "the broker did not confirm the connection close in 3 s"
+                            );
+                        }
                         result
                     }
                 })

@@ -91,12 +91,12 @@ impl Relay {
                 .await?
             {
                 ChannelEnd::Shutdown => {
-                    let _ = channel.close(200, "shutting down".into()).await;
+                    close_bounded(&channel, "shutting down").await;
                     return Ok(());
                 }
                 ChannelEnd::Reopen => {
                     tracing::warn!(worker, "replacing the publishing channel");
-                    let _ = channel.close(200, "replacing channel".into()).await;
+                    close_bounded(&channel, "replacing channel").await;
                 }
             }
         }
@@ -381,5 +381,21 @@ where
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
         }
+    }
+}
+
+/// Close `channel`, waiting at most 2 s for the broker's answer: a broker
+/// in trouble (the reason a channel is replaced) must not hold the worker,
+/// nor a shutdown.
+async fn close_bounded(channel: &Channel, reason: &str) {
+    let closing = channel.close(200, reason.into());
+    if tokio::time::timeout(Duration::from_secs(2), closing)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            reason,
+            "the broker did not confirm the channel close in 2 s"
+        );
     }
 }
