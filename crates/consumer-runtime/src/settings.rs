@@ -139,6 +139,7 @@ impl Settings {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
+        self.amqp.validate().map_err(anyhow::Error::msg)?;
         let c = &self.consumer;
         anyhow::ensure!(
             !c.name.is_empty() && c.name.len() <= 200,

@@ -118,6 +118,17 @@ pub struct AmqpSettings {
     pub url: String,
 }
 
+impl AmqpSettings {
+    /// A URL that can never connect (a bad port, an unknown scheme) is a
+    /// configuration error to stop on, not a broker to wait for.
+    pub fn validate(&self) -> Result<(), String> {
+        self.url
+            .parse::<lapin::uri::AMQPUri>()
+            .map(|_| ())
+            .map_err(|error| format!("amqp.url {}: {error}", redact_url(&self.url)))
+    }
+}
+
 impl Default for AmqpSettings {
     fn default() -> Self {
         Self {
@@ -220,6 +231,20 @@ mod tests {
         };
         let loaded: Demo = load("KIT_SETTINGS_UNSET_PREFIX", &defaults).expect("load");
         assert_eq!(loaded, defaults);
+    }
+
+    #[test]
+    fn an_amqp_url_that_cannot_connect_is_refused() {
+        assert_eq!(AmqpSettings::default().validate(), Ok(()));
+        for url in [
+            "amqp://app:app@127.0.0.1:notaport/%2f",
+            "http://127.0.0.1:5672",
+        ] {
+            let settings = AmqpSettings {
+                url: url.to_owned(),
+            };
+            assert!(settings.validate().is_err(), "{url}");
+        }
     }
 
     #[test]

@@ -16,10 +16,19 @@ DELETE FROM idempotency_requests
                  WHERE expires_at <= now()
                  LIMIT $1 FOR UPDATE SKIP LOCKED)";
 
-/// Delete every expired key now, batch by batch; returns how many.
-pub async fn delete_expired(pool: &Pool, batch: i64) -> Result<u64, crate::error::ApiError> {
+/// Delete every expired key now, batch by batch, until none is left or
+/// `stop` is cancelled (checked between batches: a large backlog of expired
+/// keys does not hold up a shutdown); returns how many.
+pub async fn delete_expired(
+    pool: &Pool,
+    batch: i64,
+    stop: &CancellationToken,
+) -> Result<u64, crate::error::ApiError> {
     let mut total = 0;
     loop {
+        if stop.is_cancelled() {
+            return Ok(total);
+        }
         let client = pool.get().await?;
         let statement = client.prepare_cached(DELETE_EXPIRED).await?;
         let deleted = client.execute(&statement, &[&batch]).await?;
@@ -48,7 +57,7 @@ pub async fn run(
                 let age = i64::try_from(in_flight.oldest().as_secs()).unwrap_or(i64::MAX);
                 metrics.oldest_incomplete_key_seconds.set(age);
             }
-            _ = cleanup.tick() => match delete_expired(&pool, batch).await {
+            _ = cleanup.tick() => match delete_expired(&pool, batch, &shutdown).await {
                 Ok(0) => {}
                 Ok(deleted) => {
                     metrics.expired_deleted.inc_by(deleted);

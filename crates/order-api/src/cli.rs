@@ -66,6 +66,7 @@ pub async fn main() -> anyhow::Result<()> {
                 let deleted = crate::cleanup::delete_expired(
                     &pool,
                     settings.idempotency.cleanup_batch.max(1),
+                    &shutdown,
                 )
                 .await?;
                 println!("{deleted} expired idempotency key(s) deleted");

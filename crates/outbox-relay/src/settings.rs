@@ -141,6 +141,7 @@ impl Settings {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
+        self.amqp.validate().map_err(anyhow::Error::msg)?;
         let r = &self.relay;
         anyhow::ensure!(
             !r.exchange.is_empty() && r.exchange.len() <= 255,
