@@ -1555,6 +1555,41 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
     finish(connection, &channel, &tenant).await;
 }
 
+/// The relay's exchange exists as another type (a fanout here): the broker
+/// refuses the declaration (406), which no reconnect can change. The relay
+/// stops with an error naming the exchange, instead of reconnecting every
+/// few seconds forever while answering /readyz on and off and publishing
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_of_another_type_stops_the_relay_with_an_error() {
+    let tenant = format!("relaytest-{}", short_id());
+    let shutdown = kit::CancellationToken::new();
+    let settings = kit::settings::AmqpSettings { url: amqp_url() };
+    let connection = kit::amqp::connect(&settings, "relay-test", &shutdown)
+        .await
+        .expect("connect to RabbitMQ");
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .exchange_declare(
+            tenant.as_str().into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("a fanout exchange under the relay's exchange name");
+    let mut relay = Relay::start(&tenant, &[]);
+    let status = relay
+        .service
+        .wait_exit(Duration::from_secs(60))
+        .expect("the relay stops by itself");
+    assert_eq!(status.code(), Some(1), "an error exit: {status:?}");
+    finish(connection, &channel, &tenant).await;
+}
+
 /// The claim's floor trails the clock by about its margin (1 s in the
 /// calling test, so less than `lag_below` seconds), not by the age of
 /// `order`'s held events (more than `held_for` seconds, above `lag_below`:

@@ -298,14 +298,11 @@ const RESOURCE_LOCKED: u16 = 405;
 /// Tries of the queue probe, 500 ms apart, before it gives the connection
 /// up (and the supervisor tries on a new one).
 const PROBE_TRIES: u32 = 10;
-const PRECONDITION_FAILED: u16 = 406;
+const PRECONDITION_FAILED: u16 = kit::amqp::PRECONDITION_FAILED;
 
 /// The AMQP reply code a broker closed a channel or connection with.
 fn amqp_reply_code(error: &lapin::Error) -> Option<u16> {
-    match error.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
-        _ => None,
-    }
+    kit::amqp::reply_code(error)
 }
 
 /// Header names the runtime adds to the messages it re-publishes.

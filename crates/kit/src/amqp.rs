@@ -73,6 +73,18 @@ pub async fn connect(
     }
 }
 
+/// AMQP reply code 406: a declaration with other arguments than the
+/// existing queue's or exchange's (or another precondition refused).
+pub const PRECONDITION_FAILED: u16 = 406;
+
+/// The AMQP reply code of a channel or connection closed by the broker.
+pub fn reply_code(error: &lapin::Error) -> Option<u16> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    }
+}
+
 /// Declare the topic exchange every order event is published to (idempotent;
 /// the relay and every consumer declare it with the same arguments).
 pub async fn declare_order_events_exchange(channel: &Channel) -> Result<(), lapin::Error> {

@@ -159,16 +159,37 @@ impl Application {
             wake: wake_rx,
             floor: floor_rx,
         };
+        // Set when the broker refuses the exchange as declared: the service
+        // stops with this error (reconnecting would never help).
+        let fatal = Arc::new(std::sync::OnceLock::<String>::new());
         let broker = {
             let shutdown = shutdown.clone();
             let settings = self.settings.amqp.clone();
             let connected = self.connected.clone();
             let name = format!("{SERVICE} {}", self.instance);
+            let exchange = self.settings.relay.exchange.clone();
+            let fatal = Arc::clone(&fatal);
             tokio::spawn(async move {
                 kit::amqp::supervise(&settings, &name, &connected, &shutdown, |connection| {
                     let shutdown = shutdown.clone();
                     let relay = relay.clone();
+                    let exchange = exchange.clone();
+                    let fatal = Arc::clone(&fatal);
                     async move {
+                        if let Err(error) = declare_or_refuse(&connection, &exchange).await {
+                            if kit::amqp::reply_code(&error) == Some(kit::amqp::PRECONDITION_FAILED)
+                            {
+                                let why = format!(
+                                    "exchange {exchange} exists with another type or other \
+                                     arguments than a durable topic exchange: {error}"
+                                );
+                                tracing::error!(%why, "refusing to publish");
+                                let _ = fatal.set(why);
+                                shutdown.cancel();
+                                return Ok(());
+                            }
+                            return Err(error);
+                        }
                         let result = relay.run_on(&connection, &shutdown).await;
                         // Bounded: a broker that does not answer must not
                         // hold up a shutdown (the socket goes anyway).
@@ -210,10 +231,30 @@ impl Application {
         drop(wake_tx);
         served?;
         broker?;
+        if let Some(why) = fatal.get() {
+            anyhow::bail!("relay stopped: {why}");
+        }
         floor?;
         gauges?;
         cleanup?;
         tracing::info!("relay stopped");
         Ok(())
     }
+}
+
+/// Declare the exchange the relay publishes to on a channel of its own
+/// before the workers start, so that a refusal (406: it exists as another
+/// type) is seen as what it is, not as a lost connection to retry forever.
+async fn declare_or_refuse(
+    connection: &lapin::Connection,
+    exchange: &str,
+) -> Result<(), lapin::Error> {
+    let channel = connection.create_channel().await?;
+    kit::amqp::declare_topic_exchange(&channel, exchange).await?;
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        channel.close(200, "declared".into()),
+    )
+    .await;
+    Ok(())
 }
