@@ -420,6 +420,54 @@ async fn tenants_are_isolated_even_with_the_same_bare_key() {
     assert_eq!(counts(&b.tenant).await.orders, 1);
 }
 
+/// With order-api's spans turned off (`OTEL_TRACES_FILTER=off`) its
+/// operation span records no context: the outbox row stores the caller's
+/// own `traceparent` and `tracestate`, so the events still continue the
+/// caller's trace (it stored none before); an invalid one is not stored.
+#[tokio::test]
+async fn without_its_own_spans_the_api_stores_the_caller_s_trace_context() {
+    let api = OrderApi::start(&[("OTEL_TRACES_FILTER", "off".to_owned())]).await;
+    let caller = Caller::new("trace-off");
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let post = |key: &'static str, traceparent: &'static str| {
+        caller
+            .client
+            .post(api.url("/orders"))
+            .bearer_auth(&caller.key)
+            .header("Idempotency-Key", key)
+            .header("Content-Type", "application/json")
+            .header("traceparent", traceparent)
+            .header("tracestate", "vendor=1")
+            .body(SEED_ORDER)
+            .timeout(Duration::from_secs(30))
+            .send()
+    };
+    let valid = post("t-valid", traceparent).await.expect("request");
+    assert_eq!(valid.status(), StatusCode::CREATED);
+    let invalid = post("t-invalid", "00-zz-00f067aa0ba902b7-01")
+        .await
+        .expect("request");
+    assert_eq!(invalid.status(), StatusCode::CREATED);
+    let stored = pg(Database::Orders)
+        .await
+        .query(
+            "SELECT traceparent, tracestate FROM outbox_events WHERE tenant_id = $1 \
+             ORDER BY occurred_at",
+            &[&caller.tenant],
+        )
+        .await
+        .expect("outbox rows");
+    let stored: Vec<(Option<String>, Option<String>)> =
+        stored.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(
+        stored,
+        vec![
+            (Some(traceparent.to_owned()), Some("vendor=1".to_owned())),
+            (None, None)
+        ]
+    );
+}
+
 #[tokio::test]
 async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     let api = OrderApi::start(&[]).await;

@@ -171,6 +171,34 @@ pub fn trace_headers(span: &tracing::Span) -> HashMap<String, String> {
     carrier
 }
 
+/// The W3C headers of the remote context carried by `traceparent` /
+/// `tracestate`, as the propagator reads them: empty for a missing or
+/// invalid `traceparent`, normalised otherwise. For when the local span
+/// records no context (turned off by `OTEL_TRACES_FILTER`): the caller's
+/// own context is then stored and forwarded instead of none.
+pub fn remote_trace_headers(
+    traceparent: Option<&str>,
+    tracestate: Option<&str>,
+) -> HashMap<String, String> {
+    let mut carrier = HashMap::new();
+    let Some(traceparent) = traceparent else {
+        return carrier;
+    };
+    let mut incoming = HashMap::new();
+    incoming.insert(
+        events::headers::TRACEPARENT.to_owned(),
+        traceparent.to_owned(),
+    );
+    if let Some(state) = tracestate {
+        incoming.insert(events::headers::TRACESTATE.to_owned(), state.to_owned());
+    }
+    let propagator = TraceContextPropagator::new();
+    let context = propagator.extract(&incoming);
+    propagator.inject_context(&context, &mut carrier);
+    carrier.retain(|_, value| !value.is_empty());
+    carrier
+}
+
 /// Make `span` a child of the remote context carried by `traceparent` /
 /// `tracestate` (a malformed or missing header leaves the span a root).
 pub fn set_remote_parent(
@@ -192,5 +220,34 @@ pub fn set_remote_parent(
     let context = TraceContextPropagator::new().extract(&carrier);
     if let Err(error) = span.set_parent(context) {
         tracing::debug!(?error, "could not set the remote parent");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remote_context_is_kept_when_valid_and_dropped_when_not() {
+        let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let headers = remote_trace_headers(Some(traceparent), Some("vendor=1"));
+        assert_eq!(
+            headers.get("traceparent").map(String::as_str),
+            Some(traceparent)
+        );
+        assert_eq!(
+            headers.get("tracestate").map(String::as_str),
+            Some("vendor=1")
+        );
+        for invalid in [
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "not a traceparent",
+        ] {
+            assert!(
+                remote_trace_headers(Some(invalid), None).is_empty(),
+                "{invalid}"
+            );
+        }
+        assert!(remote_trace_headers(None, Some("vendor=1")).is_empty());
     }
 }

@@ -98,7 +98,15 @@ fn operation_span(request: &HttpRequest, name: &'static str) -> (tracing::Span, 
         header(events::headers::TRACEPARENT),
         header(events::headers::TRACESTATE),
     );
-    let trace = kit::telemetry::trace_headers(&span);
+    let mut trace = kit::telemetry::trace_headers(&span);
+    if !trace.contains_key(events::headers::TRACEPARENT) {
+        // The span records no context (OTEL_TRACES_FILTER leaves order-api
+        // out): store the caller's, so that the events still continue it.
+        trace = kit::telemetry::remote_trace_headers(
+            header(events::headers::TRACEPARENT),
+            header(events::headers::TRACESTATE),
+        );
+    }
     (span, trace)
 }
 
