@@ -57,13 +57,20 @@ async fn db(tenant: &str) -> Client {
 /// publish there (`OUTBOX_RELAY__RELAY__EXCHANGE`), so no other binding on
 /// the shared `order-events` (consumers bind `#`) makes an event routable,
 /// and no other consumer receives test events.
-async fn amqp(exchange: &str) -> (Connection, Channel) {
+/// A connection to RabbitMQ and a channel on it.
+async fn broker() -> (Connection, Channel) {
     let shutdown = kit::CancellationToken::new();
     let settings = kit::settings::AmqpSettings { url: amqp_url() };
     let connection = kit::amqp::connect(&settings, "relay-test", &shutdown)
         .await
         .expect("connect to RabbitMQ");
     let channel = connection.create_channel().await.expect("channel");
+    (connection, channel)
+}
+
+/// [`broker`], with the test's topic exchange `exchange` declared.
+async fn amqp(exchange: &str) -> (Connection, Channel) {
+    let (connection, channel) = broker().await;
     kit::amqp::declare_topic_exchange(&channel, exchange)
         .await
         .expect("test exchange");
@@ -1563,12 +1570,7 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exchange_of_another_type_stops_the_relay_with_an_error() {
     let tenant = format!("relaytest-{}", short_id());
-    let shutdown = kit::CancellationToken::new();
-    let settings = kit::settings::AmqpSettings { url: amqp_url() };
-    let connection = kit::amqp::connect(&settings, "relay-test", &shutdown)
-        .await
-        .expect("connect to RabbitMQ");
-    let channel = connection.create_channel().await.expect("channel");
+    let (connection, channel) = broker().await;
     channel
         .exchange_declare(
             tenant.as_str().into(),

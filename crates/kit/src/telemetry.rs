@@ -181,22 +181,29 @@ pub fn remote_trace_headers(
     tracestate: Option<&str>,
 ) -> HashMap<String, String> {
     let mut carrier = HashMap::new();
-    let Some(traceparent) = traceparent else {
-        return carrier;
-    };
-    let mut incoming = HashMap::new();
-    incoming.insert(
+    if let Some(context) = remote_context(traceparent, tracestate) {
+        TraceContextPropagator::new().inject_context(&context, &mut carrier);
+        carrier.retain(|_, value| !value.is_empty());
+    }
+    carrier
+}
+
+/// The remote context of `traceparent` / `tracestate` as the propagator
+/// reads it (`None` without a `traceparent`).
+fn remote_context(
+    traceparent: Option<&str>,
+    tracestate: Option<&str>,
+) -> Option<opentelemetry::Context> {
+    let traceparent = traceparent?;
+    let mut carrier = HashMap::new();
+    carrier.insert(
         events::headers::TRACEPARENT.to_owned(),
         traceparent.to_owned(),
     );
     if let Some(state) = tracestate {
-        incoming.insert(events::headers::TRACESTATE.to_owned(), state.to_owned());
+        carrier.insert(events::headers::TRACESTATE.to_owned(), state.to_owned());
     }
-    let propagator = TraceContextPropagator::new();
-    let context = propagator.extract(&incoming);
-    propagator.inject_context(&context, &mut carrier);
-    carrier.retain(|_, value| !value.is_empty());
-    carrier
+    Some(TraceContextPropagator::new().extract(&carrier))
 }
 
 /// Make `span` a child of the remote context carried by `traceparent` /
@@ -206,18 +213,9 @@ pub fn set_remote_parent(
     traceparent: Option<&str>,
     tracestate: Option<&str>,
 ) {
-    let Some(traceparent) = traceparent else {
+    let Some(context) = remote_context(traceparent, tracestate) else {
         return;
     };
-    let mut carrier = HashMap::new();
-    carrier.insert(
-        events::headers::TRACEPARENT.to_owned(),
-        traceparent.to_owned(),
-    );
-    if let Some(state) = tracestate {
-        carrier.insert(events::headers::TRACESTATE.to_owned(), state.to_owned());
-    }
-    let context = TraceContextPropagator::new().extract(&carrier);
     if let Err(error) = span.set_parent(context) {
         tracing::debug!(?error, "could not set the remote parent");
     }
