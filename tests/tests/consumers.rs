@@ -1381,8 +1381,9 @@ async fn a_second_instance_takes_over_when_the_active_one_is_killed() {
     let tenant = unique("t5-ha");
     let name = unique("t5-ha-inv");
     let slow = Options {
-        // Slow enough that the kill lands mid-stream.
-        failpoints: Some("consumer.in_handler=sleep(40)".to_owned()),
+        // Slow enough that the kill lands mid-stream: 30 messages take the
+        // two partitions about 3 s, far longer than publishing them.
+        failpoints: Some("consumer.in_handler=sleep(200)".to_owned()),
         ..Options::default()
     };
     let active = Consumer::start(Kind::Inventory, &name, slow.clone()).await;

@@ -287,6 +287,13 @@ async fn relay_crash_during_cleanup() {
     // rows of every tenant first: its first batch must be ten of these).
     let aged_tenant = system_tests::unique_tenant("fault-aged");
     let db = pg(Database::Orders).await;
+    // Rows an aborted earlier run left would share these timestamps.
+    db.execute(
+        "DELETE FROM outbox_events WHERE event_type = 'FaultTestAged'",
+        &[],
+    )
+    .await
+    .expect("leftover aged rows");
     for i in 0..25 {
         let order = Uuid::now_v7().to_string();
         db.execute(

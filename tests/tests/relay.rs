@@ -52,11 +52,6 @@ async fn db(tenant: &str) -> Client {
     client
 }
 
-/// A broker connection, with the test's own topic exchange (named like its
-/// tenant) declared the way the relay declares it: the relays of a test
-/// publish there (`OUTBOX_RELAY__RELAY__EXCHANGE`), so no other binding on
-/// the shared `order-events` (consumers bind `#`) makes an event routable,
-/// and no other consumer receives test events.
 /// A connection to RabbitMQ and a channel on it.
 async fn broker() -> (Connection, Channel) {
     let shutdown = kit::CancellationToken::new();
@@ -68,7 +63,11 @@ async fn broker() -> (Connection, Channel) {
     (connection, channel)
 }
 
-/// [`broker`], with the test's topic exchange `exchange` declared.
+/// A broker connection, with the test's own topic exchange (named like its
+/// tenant) declared the way the relay declares it: the relays of a test
+/// publish there (`OUTBOX_RELAY__RELAY__EXCHANGE`), so no other binding on
+/// the shared `order-events` (consumers bind `#`) makes an event routable,
+/// and no other consumer receives test events.
 async fn amqp(exchange: &str) -> (Connection, Channel) {
     let (connection, channel) = broker().await;
     kit::amqp::declare_topic_exchange(&channel, exchange)

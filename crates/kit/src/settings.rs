@@ -8,6 +8,9 @@
 //!    (e.g. `ORDER_API__CONFIG_FILE=/etc/order-api.toml`);
 //! 3. environment variables `<PREFIX>__<SECTION>__<FIELD>`, e.g.
 //!    `ORDER_API__DATABASE__URL` or `INVENTORY_CONSUMER__HTTP__PORT`.
+//!
+//! A `<PREFIX>__...` variable that names no setting (a typo) stops the
+//! service at start-up with the list of its settings.
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
@@ -17,7 +20,10 @@ pub fn load<T>(prefix: &str, defaults: &T) -> Result<T, config::ConfigError>
 where
     T: Serialize + DeserializeOwned,
 {
-    reject_unknown_variables(prefix, defaults, std::env::vars())?;
+    // Names only, and never a panic on a name or value that is not UTF-8
+    // (`std::env::vars` would; config skips such names too).
+    let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
+    reject_unknown_variables(prefix, defaults, names)?;
     let mut builder = config::Config::builder().add_source(config::Config::try_from(defaults)?);
     if let Ok(file) = std::env::var(format!("{prefix}__CONFIG_FILE")) {
         builder = builder.add_source(config::File::with_name(&file).required(true));
@@ -44,7 +50,7 @@ where
 fn reject_unknown_variables<T: Serialize>(
     prefix: &str,
     defaults: &T,
-    variables: impl Iterator<Item = (String, String)>,
+    names: impl Iterator<Item = String>,
 ) -> Result<(), config::ConfigError> {
     fn leaves(value: &serde_json::Value, path: String, into: &mut Vec<String>) {
         match value {
@@ -66,9 +72,10 @@ fn reject_unknown_variables<T: Serialize>(
         serde_json::to_value(defaults).map_err(|e| config::ConfigError::Message(e.to_string()))?;
     leaves(&tree, String::new(), &mut known);
     let start = format!("{prefix}__");
-    let unknown: Vec<String> = variables
-        .filter_map(|(name, _)| {
-            let key = name.strip_prefix(&start)?.to_uppercase();
+    // config matches the prefix in any case (it lowercases the names).
+    let unknown: Vec<String> = names
+        .filter_map(|name| {
+            let key = name.to_uppercase().strip_prefix(&start)?.to_owned();
             (!known.contains(&key)).then_some(name)
         })
         .collect();
@@ -181,9 +188,20 @@ pub fn redact_url(url: &str) -> String {
         let value = at + "password=".len();
         redacted.push_str(&rest[..value]);
         redacted.push_str("***");
-        let end = rest[value..]
-            .find(|c: char| c == '&' || c.is_whitespace())
-            .map_or(rest.len(), |n| value + n);
+        let end = if rest[value..].starts_with('\'') {
+            // A quoted key=value password may hold spaces: up to its
+            // closing quote (a backslash escapes a quote inside).
+            let bytes = rest.as_bytes();
+            let mut i = value + 1;
+            while i < bytes.len() && bytes[i] != b'\'' {
+                i += if bytes[i] == b'\\' { 2 } else { 1 };
+            }
+            (i + 1).min(rest.len())
+        } else {
+            rest[value..]
+                .find(|c: char| c == '&' || c.is_whitespace())
+                .map_or(rest.len(), |n| value + n)
+        };
         rest = &rest[end..];
     }
     redacted.push_str(rest);
@@ -262,6 +280,10 @@ mod tests {
             redact_url("host=db user=app PASSWORD=S3cret dbname=orders"),
             "host=db user=app PASSWORD=*** dbname=orders"
         );
+        assert_eq!(
+            redact_url(r"host=db password='a b\' c' dbname=orders"),
+            "host=db password=*** dbname=orders"
+        );
     }
 
     #[test]
@@ -288,7 +310,7 @@ mod tests {
         let vars = |names: &[&str]| {
             names
                 .iter()
-                .map(|n| ((*n).to_owned(), "1".to_owned()))
+                .map(|n| (*n).to_owned())
                 .collect::<Vec<_>>()
                 .into_iter()
         };
@@ -302,7 +324,12 @@ mod tests {
             "OTHER__X",
         ];
         reject_unknown_variables("SVC", &defaults, vars(&known)).expect("all known");
-        for typo in ["SVC__DATABASE_URL", "SVC__HTTP__PROT", "SVC__DATABASE"] {
+        for typo in [
+            "SVC__DATABASE_URL",
+            "SVC__HTTP__PROT",
+            "SVC__DATABASE",
+            "svc__http__prot",
+        ] {
             let error = reject_unknown_variables("SVC", &defaults, vars(&[typo]))
                 .expect_err(typo)
                 .to_string();

@@ -79,13 +79,15 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     }
     let mut provider = SdkTracerProvider::builder().with_resource(resource.build());
     let mut export_error = None;
+    // The traces endpoint wins over the general one when both are set.
     let https = [
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
     ]
     .iter()
     .filter_map(|name| std::env::var(name).ok())
-    .find(|endpoint| endpoint.trim().to_ascii_lowercase().starts_with("https:"));
+    .find(|endpoint| !endpoint.trim().is_empty())
+    .filter(|endpoint| endpoint.trim().to_ascii_lowercase().starts_with("https:"));
     if let Some(endpoint) = https {
         // The exporter's HTTP client is built without TLS (no TLS stack in
         // the images): every export would fail. Say so once, at start-up.
