@@ -7,10 +7,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export LOG_FORMAT="${LOG_FORMAT:-text}" RUST_LOG="${RUST_LOG:-info,lapin=error,actix_server=warn,tokio_postgres=warn}"
 BIN="${BIN:-target/debug}"
 # The consumers first: each declares its exchange, partition queues and
-# binding to order-events right after it connects (its /readyz turns ready
-# on the connection, moments before). A relay publishing before that would
-# see its first events returned (no queue bound; retried) or, worse, routed
-# to the consumers already bound only (a later one would miss them).
+# binding to order-events when it connects, and only then answers /readyz
+# as ready. A relay publishing before that would see its first events
+# returned (no queue bound; retried) or, worse, routed to the consumers
+# already bound only (a later one would miss them).
 SERVICES=(inventory-consumer ledger-consumer loyalty-consumer outbox-relay order-api)
 PORTS=(8081 8082 8083 9100 8080)
 CONSUMERS=3

@@ -363,6 +363,11 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
             "{}: {ready}",
             service.name
         );
+        if service.name.ends_with("-consumer") {
+            // Ready means its topology is declared: the relay may start.
+            let last = format!("{private}-{}.p3", service.name);
+            assert_eq!(system_tests::consumers::queue_depth(&last).await, 0);
+        }
         let metrics = reqwest::get(format!("{base}/metrics"))
             .await
             .expect("metrics");

@@ -305,10 +305,15 @@ impl<D: Domain> Application<D> {
             let loop_ends = shutdown.clone();
             let fatal = Arc::new(std::sync::OnceLock::new());
             let broker = tokio::spawn(async move {
+                // The supervisor's own flag says "connected"; /readyz reads
+                // `connected`, which the worker sets once the topology is
+                // declared: a ready consumer has its queues and bindings
+                // (the relay starts after the consumers are ready).
+                let socket = kit::amqp::Connected::default();
                 kit::amqp::supervise(
                     &settings,
                     &connection_name,
-                    &connected,
+                    &socket,
                     &shutdown,
                     |connection| {
                         worker::run_connection(
@@ -317,6 +322,7 @@ impl<D: Domain> Application<D> {
                             prefetch,
                             shutdown.clone(),
                             fatal.clone(),
+                            connected.clone(),
                         )
                     },
                 )

@@ -46,13 +46,19 @@ pub(crate) async fn run_connection<D: Domain>(
     prefetch: u16,
     shutdown: CancellationToken,
     fatal: Arc<OnceLock<String>>,
+    ready: kit::amqp::Connected,
 ) -> Result<(), lapin::Error> {
     let result = match processor
         .topology
         .check_and_declare(&connection, false)
         .await
     {
-        Ok(()) => consume(&connection, processor, prefetch, &shutdown).await,
+        Ok(()) => {
+            ready.set(true);
+            let consumed = consume(&connection, processor, prefetch, &shutdown).await;
+            ready.set(false);
+            consumed
+        }
         Err(DeclareError::Broker(error)) => Err(error),
         Err(DeclareError::Busy(why)) => {
             tracing::warn!(%why, "declaring the topology: reconnecting to try again");
