@@ -909,6 +909,61 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     fixed.wait_metric_eq("consumer_dlq_messages", "", 0.0).await;
 }
 
+/// A crash after a failed attempt's copy is confirmed in the retry tier and
+/// before the message is acknowledged: the broker redelivers the message
+/// too. The restarted consumer applies one copy and takes the other as a
+/// duplicate: one effect, nothing lost, nothing dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_retry_copy_before_the_ack_applies_once() {
+    let tenant = unique("t5-crash-retry");
+    let s = story(&tenant);
+    let name = unique("t5-crash-retry-inv");
+    let crashing = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            failpoints: Some(format!(
+                "consumer.handler_error=1*return({});consumer.after_republish_before_ack=1*return",
+                s.order
+            )),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.placed).await;
+    let status = exit_of(crashing).await;
+    assert!(
+        status.0.as_ref().is_some_and(system_tests::system::aborted),
+        "aborted at the fail point: {:?}",
+        status.0
+    );
+    // The failed attempt was rolled back: nothing applied yet.
+    assert_eq!(progress(Database::Inventory, &name, s.order).await, None);
+    assert!(movements(&tenant).await.is_empty());
+
+    let restarted = Consumer::start(Kind::Inventory, &name, Options::default()).await;
+    restarted
+        .wait_metric("consumer_duplicates_total", "", 1.0)
+        .await;
+    assert_eq!(
+        restarted.metric("consumer_events_applied_total", "").await,
+        1.0
+    );
+    assert_eq!(restarted.metric("consumer_retried_total", "").await, 0.0);
+    assert_eq!(
+        restarted.metric("consumer_dead_lettered_total", "").await,
+        0.0
+    );
+    assert_eq!(
+        progress(Database::Inventory, &name, s.order).await,
+        Some((1, false))
+    );
+    let m = movements(&tenant).await;
+    assert_eq!(m.len(), 1, "one reservation: {m:?}");
+    assert_eq!(level(&tenant).await, Some((0, 2, -2)));
+}
+
 /// (5) A crash after the commit and before the ack: the broker redelivers, the
 /// inbox recognises it, the effect stays single.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -46,6 +46,8 @@
 //!   handler (`return` aborts the process; `sleep(ms)` slows it down);
 //! - `consumer.after_commit_before_ack`: a crash point after the commit,
 //!   before the acknowledgement;
+//! - `consumer.after_republish_before_ack`: a crash point after a retry or
+//!   deferral copy is confirmed, before the message is acknowledged;
 //! - `consumer.handler_error`: the handler fails (not a crash): `return` for
 //!   every event, `return(<order id or event id>)` for one order or event,
 //!   `N*return(...)` for the first N evaluations;

@@ -541,7 +541,13 @@ impl<D: Domain> Processor<D> {
             &incoming.delivery.properties,
             table,
         )
-        .await
+        .await?;
+        // Crash window: the copy is confirmed in the retry tier, the message
+        // not yet acknowledged. A crash here redelivers the message as well:
+        // two copies, the second a duplicate (inbox) or stale once the first
+        // is applied; nothing lost.
+        kit::failpoint::crash_point("consumer.after_republish_before_ack");
+        Ok(())
     }
 
     async fn dead_letter(
