@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use kit::amqp::reply_code;
 use lapin::{
     options::{
         ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -107,7 +108,7 @@ impl Topology {
         }
         let channel = connection.create_channel().await?;
         match self.declare(&channel).await {
-            Err(error) if amqp_reply_code(&error) == Some(PRECONDITION_FAILED) => {
+            Err(error) if reply_code(&error) == Some(kit::amqp::PRECONDITION_FAILED) => {
                 Err(DeclareError::Conflict(format!(
                     "the broker holds this consumer's topology with other arguments \
                      (a retry tier, the delivery limit or a queue type changed): {error}. \
@@ -244,8 +245,8 @@ async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<boo
             }
             Err(error)
                 if matches!(
-                    amqp_reply_code(&error),
-                    Some(RESOURCE_LOCKED | PRECONDITION_FAILED)
+                    reply_code(&error),
+                    Some(RESOURCE_LOCKED | kit::amqp::PRECONDITION_FAILED)
                 ) =>
             {
                 let check = connection.create_channel().await?;
@@ -259,7 +260,7 @@ async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<boo
                     }
                     // Another connection's exclusive queue, or gone since.
                     Err(error)
-                        if matches!(amqp_reply_code(&error), Some(RESOURCE_LOCKED | NOT_FOUND)) =>
+                        if matches!(reply_code(&error), Some(RESOURCE_LOCKED | NOT_FOUND)) =>
                     {
                         tracing::info!(queue, "another connection is probing this queue name");
                     }
@@ -298,12 +299,6 @@ const RESOURCE_LOCKED: u16 = 405;
 /// Tries of the queue probe, 500 ms apart, before it gives the connection
 /// up (and the supervisor tries on a new one).
 const PROBE_TRIES: u32 = 10;
-const PRECONDITION_FAILED: u16 = kit::amqp::PRECONDITION_FAILED;
-
-/// The AMQP reply code a broker closed a channel or connection with.
-fn amqp_reply_code(error: &lapin::Error) -> Option<u16> {
-    kit::amqp::reply_code(error)
-}
 
 /// Header names the runtime adds to the messages it re-publishes.
 pub mod headers {

@@ -62,13 +62,16 @@ const TRACE_FILTER: &str = "info,lapin=off,tokio_postgres=off,deadpool=off,refin
 actix_server=off,actix_http=off,h2=off,hyper=off,hyper_util=off,reqwest=off,\
 opentelemetry=off,opentelemetry_sdk=off,opentelemetry_otlp=off,opentelemetry_http=off";
 
-fn otlp_configured() -> bool {
+/// The OTLP endpoint spans go to, if one is configured: the traces
+/// endpoint wins over the general one.
+fn otlp_endpoint() -> Option<String> {
     [
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
     ]
     .iter()
-    .any(|name| std::env::var(name).is_ok_and(|v| !v.trim().is_empty()))
+    .filter_map(|name| std::env::var(name).ok())
+    .find(|endpoint| !endpoint.trim().is_empty())
 }
 
 /// Install logging and tracing for `service`. Call once, early in `main`.
@@ -79,15 +82,10 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     }
     let mut provider = SdkTracerProvider::builder().with_resource(resource.build());
     let mut export_error = None;
-    // The traces endpoint wins over the general one when both are set.
-    let https = [
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-    ]
-    .iter()
-    .filter_map(|name| std::env::var(name).ok())
-    .find(|endpoint| !endpoint.trim().is_empty())
-    .filter(|endpoint| endpoint.trim().to_ascii_lowercase().starts_with("https:"));
+    let endpoint = otlp_endpoint();
+    let https = endpoint
+        .as_deref()
+        .filter(|endpoint| endpoint.trim().to_ascii_lowercase().starts_with("https:"));
     if let Some(endpoint) = https {
         // The exporter's HTTP client is built without TLS (no TLS stack in
         // the images): every export would fail. Say so once, at start-up.
@@ -95,7 +93,7 @@ pub fn init(service: &'static str) -> TelemetryGuard {
             "OTLP endpoint {endpoint}: https is not supported by this build; \
              send to an http:// collector (e.g. a local OpenTelemetry Collector that forwards over TLS)"
         ));
-    } else if otlp_configured() {
+    } else if endpoint.is_some() {
         match opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .build()
@@ -114,7 +112,7 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     });
     // Without an exporter the spans only carry the trace context (stored and
     // propagated): log events are not recorded into them.
-    let exporting = otlp_configured() && export_error.is_none();
+    let exporting = endpoint.is_some() && export_error.is_none();
     EXPORTING.store(exporting, Ordering::Relaxed);
     // The closure filters by kind, not level: its level hint is TRACE, so the
     // combined hint is the EnvFilter's. Without a hint the subscriber's

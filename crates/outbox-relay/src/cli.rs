@@ -112,11 +112,12 @@ pub async fn main() -> anyhow::Result<()> {
                 let pool = kit::db::pool(&settings.database)?;
                 let (released, held) = requeue::requeue(&pool, &target).await?;
                 if released.is_empty() {
+                    let why = requeue::describe_unreleased(&pool, &target).await?;
+                    // `--all` with nothing quarantined has done its job.
                     if matches!(target, requeue::Target::All { .. }) {
-                        println!("nothing is quarantined: nothing to release");
+                        println!("{why}: nothing to release");
                         return Ok(());
                     }
-                    let why = requeue::describe_unreleased(&pool, &target).await?;
                     anyhow::bail!("nothing released for {target:?}: {why}");
                 }
                 for r in &released {
