@@ -379,25 +379,15 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
             .is_some_and(|v| v.starts_with("text/plain")));
         // The readiness gauge the ServiceNotReady alert reads follows
         // /readyz (refreshed every 5 s).
-        let ready_line = format!("service_ready{{service=\"{}\"}} 1", service.name);
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let text = reqwest::get(format!("{base}/metrics"))
-                .await
-                .expect("metrics")
-                .text()
-                .await
-                .expect("metrics body");
-            if text.lines().any(|line| line == ready_line) {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{}: no {ready_line:?} in /metrics",
-                service.name
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        system_tests::consumers::wait_for_metric(
+            &base,
+            &service.name,
+            "service_ready",
+            &format!("service=\"{}\"", service.name),
+            1.0,
+            Duration::from_secs(30),
+        )
+        .await;
     }
     for (mut service, _) in running {
         service.signal("TERM");
@@ -409,6 +399,40 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
             // Default partitions (4) and tiers (5).
             system_tests::consumers::teardown(&format!("{private}-{}", service.name), 4, 5).await;
         }
+    }
+}
+
+/// A misspelled setting (one underscore: `ORDER_API__DATABASE_URL`) stops
+/// every service at start-up, naming the variable, instead of running on the
+/// default it meant to replace; text that looks like a number stays text
+/// (checked in kit's own tests).
+#[tokio::test]
+async fn a_misspelled_setting_stops_the_service_and_names_it() {
+    for (name, variable) in [
+        ("order-api", "ORDER_API__DATABASE_URL"),
+        ("outbox-relay", "OUTBOX_RELAY__RELAY__BATCHSIZE"),
+        ("ledger-consumer", "LEDGER_CONSUMER__CONSUMER__PARTITION"),
+    ] {
+        let run = tokio::process::Command::new(system_tests::bin(name))
+            .env(variable, "1")
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let output = tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .unwrap_or_else(|_| panic!("{name} with {variable} is still running after 30 s"))
+            .expect("run");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(output.status.code(), Some(1), "{name}: {text}");
+        assert!(
+            text.contains(&format!("unknown setting(s) {variable}")),
+            "{name}: {text}"
+        );
     }
 }
 

@@ -351,6 +351,7 @@ async fn admin(args: &[&str], env: &[(&str, String)]) -> (bool, String) {
         .env("RUST_LOG", "warn,lapin=error")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
         .output()
         .await
         .expect("run outbox-relay");
@@ -1582,12 +1583,17 @@ async fn an_exchange_of_another_type_stops_the_relay_with_an_error() {
         )
         .await
         .expect("a fanout exchange under the relay's exchange name");
-    let mut relay = Relay::start(&tenant, &[]);
-    let status = relay
-        .service
-        .wait_exit(Duration::from_secs(60))
+    let env = relay_env(&tenant, &format!("relaytest-{}", short_id()), free_port());
+    let (ok, output) = tokio::time::timeout(Duration::from_secs(60), admin(&["serve"], &env))
+        .await
         .expect("the relay stops by itself");
-    assert_eq!(status.code(), Some(1), "an error exit: {status:?}");
+    assert!(!ok, "an error exit: {output}");
+    assert!(
+        output.contains(&format!(
+            "relay stopped: exchange {tenant} exists with another type or other arguments"
+        )),
+        "{output}"
+    );
     finish(connection, &channel, &tenant).await;
 }
 
