@@ -402,6 +402,60 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
     }
 }
 
+/// A consumer that runs but cannot reach its broker answers /readyz 503 and
+/// exports `service_ready 0` (what ServiceNotReady alerts on), while its
+/// /healthz and /metrics still answer.
+#[tokio::test]
+async fn a_service_without_its_broker_is_not_ready_and_says_so_in_its_metrics() {
+    let port = free_port();
+    let nowhere = free_port();
+    let private = format!("notready-{}", uuid::Uuid::new_v4().simple());
+    let mut service = Service::start(
+        "ledger-consumer",
+        &[],
+        &[
+            ("LEDGER_CONSUMER__HTTP__PORT", port.to_string()),
+            (
+                "LEDGER_CONSUMER__AMQP__URL",
+                format!("amqp://app:app@127.0.0.1:{nowhere}/%2f"),
+            ),
+            ("LEDGER_CONSUMER__CONSUMER__NAME", private),
+            ("RUST_LOG", "error".to_owned()),
+        ],
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    service
+        .wait_ready(&format!("{base}/healthz"), Duration::from_secs(60))
+        .await
+        .expect("healthz");
+    let ready = reqwest::get(format!("{base}/readyz"))
+        .await
+        .expect("readyz");
+    assert_eq!(ready.status().as_u16(), 503);
+    let body = ready.text().await.expect("body");
+    assert!(body.contains("\"broker\":\"disconnected\""), "{body}");
+    let line = "service_ready{service=\"ledger-consumer\"} 0";
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = reqwest::get(format!("{base}/metrics"))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics body");
+        if metrics.lines().any(|l| l == line) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {line:?}: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    service.signal("TERM");
+    assert!(service.wait_exit(Duration::from_secs(20)).is_some());
+}
+
 /// A misspelled setting (one underscore: `ORDER_API__DATABASE_URL`) stops
 /// every service at start-up, naming the variable, instead of running on the
 /// default it meant to replace; text that looks like a number stays text
