@@ -9,7 +9,7 @@ ENV := source scripts/infra-env.sh &&
 # FAILPOINTS is set), so crash tests can abort them at named boundaries; every
 # target builds them the same way so target/debug never flips between the two.
 # Release images (deploy/Dockerfile) are built without them.
-FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,inventory-consumer/failpoints,ledger-consumer/failpoints,loyalty-consumer/failpoints
+FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,inventory-consumer/failpoints,ledger-consumer/failpoints,loyalty-consumer/failpoints,ops/failpoints
 
 .PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-api bench-relay bench-consumers bench-e2e soak
 

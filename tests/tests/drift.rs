@@ -132,3 +132,83 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
         .await
         .expect("clean");
 }
+
+/// The consumers' snapshots are taken before the orders one, so an order
+/// placed and applied while the check runs is at most "in flight", never
+/// "movements for an unknown order". The check is held between its
+/// snapshots (fail point `drift.between_snapshots`) while the test commits
+/// an order and its reservation; taken the other way round (orders first),
+/// the reservation shows as drift whatever the grace.
+#[tokio::test]
+async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
+    let tenant = unique_tenant("drift-window");
+    let order = Uuid::now_v7();
+    let check = tokio::process::Command::new(bin("drift-check"))
+        .args(["--tenant", &tenant, "--grace-seconds", "600"])
+        .env("FAILPOINTS", "drift.between_snapshots=sleep(10000)")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn drift-check");
+    let name = format!("drift-check/{}", check.id().expect("pid"));
+
+    // Wait until the check holds its three consumer snapshots and has not
+    // opened the orders one.
+    let orders = pg(Database::Orders).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(8);
+    loop {
+        let row = orders
+            .query_one(
+                "SELECT count(*) FILTER (WHERE datname IN ('inventory', 'ledger', 'loyalty') \
+                                           AND state = 'idle in transaction'), \
+                        count(*) FILTER (WHERE datname = 'orders') \
+                   FROM pg_stat_activity WHERE application_name = $1",
+                &[&name],
+            )
+            .await
+            .expect("pg_stat_activity");
+        let (consumers, orders_sessions): (i64, i64) = (row.get(0), row.get(1));
+        assert_eq!(orders_sessions, 0, "the orders snapshot was taken first");
+        if consumers == 3 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "drift-check never held its consumer snapshots ({consumers} of 3)"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+
+    // An order placed and reserved now, between the snapshots.
+    system_tests::insert_seed_order(&orders, &tenant, order).await;
+    let inventory = pg(Database::Inventory).await;
+    inventory
+        .execute(
+            "INSERT INTO stock_levels (tenant_id, sku, location, on_hand, reserved) VALUES ($1, 'JKT-M', 'WH-1', 0, 2)",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    inventory
+        .execute(
+            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta, \
+             reserved_delta, order_id, event_id) VALUES ($1, 'JKT-M', 'WH-1', 'reserve', 2, 0, 2, $2, $3)",
+            &[&tenant, &order, &Uuid::now_v7()],
+        )
+        .await
+        .expect("reserve");
+
+    let output = tokio::time::timeout(std::time::Duration::from_secs(60), check.wait_with_output())
+        .await
+        .expect("drift-check finishes")
+        .expect("drift-check output");
+    let out = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{out}");
+    assert!(out.contains("zero drift"), "{out}");
+    assert!(!out.contains("unknown order"), "{out}");
+    // Seen by the orders snapshot only: in flight.
+    assert!(
+        out.contains("1 orders (0 paid, 0 delivered, 1 skipped in flight)"),
+        "{out}"
+    );
+}

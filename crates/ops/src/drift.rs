@@ -83,11 +83,15 @@ async fn connect(url: &str) -> anyhow::Result<Client> {
     // Read-only, and one consistent snapshot per database, taken now: a
     // REPEATABLE READ snapshot is taken at the transaction's first query,
     // not at BEGIN.
+    // Named after the process, so an operator (and the test of the snapshot
+    // order) can tell its sessions in pg_stat_activity.
     client
-        .batch_execute(
-            "SET default_transaction_read_only = on; \
+        .batch_execute(&format!(
+            "SET application_name = 'drift-check/{}'; \
+             SET default_transaction_read_only = on; \
              BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1",
-        )
+            std::process::id()
+        ))
         .await?;
     Ok(client)
 }
@@ -120,6 +124,10 @@ pub async fn check(
     let inventory = connect(&dbs.inventory).await?;
     let ledger = connect(&dbs.ledger).await?;
     let loyalty = connect(&dbs.loyalty).await?;
+    // Not a durability boundary (the check writes nothing): the point where
+    // the fault suite holds the check to commit an order between the
+    // snapshots.
+    kit::failpoint::crash_point("drift.between_snapshots");
     let orders_db = connect(&dbs.orders).await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
 

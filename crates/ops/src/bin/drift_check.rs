@@ -19,6 +19,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    kit::failpoint::init_from_env();
     let databases = ops::drift::Databases::from_env();
     match ops::drift::check(
         &databases,
