@@ -1044,6 +1044,107 @@ async fn failures_of_the_infrastructure_do_not_count_towards_quarantine() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A queue that refuses a message for its own state (full, `x-overflow:
+/// reject-publish`, as the consumers' partition queues are declared) makes
+/// the broker nack it: the infrastructure's failure, retried with backoff
+/// past the maximum attempts and never quarantined; once the queue takes
+/// messages again every event is published, in order.
+#[tokio::test]
+async fn nacks_of_a_full_queue_back_off_and_never_quarantine() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestNacked").await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".as_bytes().into()),
+    );
+    let full = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            args,
+        )
+        .await
+        .expect("full queue")
+        .name()
+        .to_string();
+    bind(&channel, &tenant, &full, &event_type).await;
+    let events = orders_with_events(2, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+    let mut settings = patient();
+    settings.extend([
+        ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "2".to_owned()),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "50".to_owned()),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "200".to_owned()),
+    ]);
+    let mut relay = Relay::start(&tenant, &settings);
+    relay.ready().await;
+    // Both orders' first events fail well past the maximum attempts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let failed = count(
+            &db,
+            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND aggregate_sequence = 1 \
+               AND attempt_count >= 5 AND last_error = 'negatively acknowledged by the broker'",
+            &tenant,
+        )
+        .await;
+        if failed == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{failed} of 2 nacked five times");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 \
+               AND (quarantined_at IS NOT NULL OR own_failure_count <> 0 OR published_at IS NOT NULL)",
+            &tenant,
+        )
+        .await,
+        0,
+        "a nack is never the message's own failure, and nothing was marked published"
+    );
+    let metrics = reqwest::get(format!("http://127.0.0.1:{}/metrics", relay.port))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    let nacked: f64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("outbox_publish_failures_total{") && l.contains("reason=\"nacked\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        nacked >= 10.0,
+        "nacked failures counted: {nacked}\n{metrics}"
+    );
+    assert_eq!(relay.metric("outbox_quarantined_total").await, 0);
+
+    // The queue takes messages again (gone): everything goes out, in order.
+    channel
+        .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .expect("delete the full queue");
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(4, Duration::from_secs(30)).await;
+    let received = collector.snapshot();
+    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
+    assert_in_sequence_order(&received, &expect);
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// A relay killed right before it records a failed publish (fail point
 /// `relay.before_mark_failed`) leaves the row leased and the attempt
 /// unrecorded; after the lease another relay takes it over, records the

@@ -12,7 +12,8 @@
 //!    still leased to this instance); record failures in one statement
 //!    (`attempt_count + 1`, `last_error`, backoff with jitter in
 //!    `available_at`, lease released; quarantine after the maximum attempts
-//!    for failures of the message's own: returned, nacked, unencodable).
+//!    for failures of the message's own: returned, unencodable; a timeout,
+//!    a broken channel or a nack is the infrastructure's and never counts).
 //!
 //! A crash between 2 and 3 republishes (a duplicate, never a loss); an
 //! expired lease is taken over. Sequence k+1 is never claimed while k is

@@ -153,16 +153,20 @@ impl PublishFailure {
         }
     }
 
-    /// Whether the failure is the message's own (its route, the broker's
-    /// verdict on it, its encoding), so that repeating it counts towards
-    /// quarantine. A timeout or a broken channel is the infrastructure's (a
-    /// memory or disk alarm, a restart): retried with backoff, never
-    /// quarantined, so a broker incident cannot quarantine healthy orders;
-    /// the oldest-pending-age alert covers it.
+    /// Whether the failure is the message's own (its route, its encoding),
+    /// so that repeating it counts towards quarantine. A timeout, a broken
+    /// channel or a nack is the infrastructure's: RabbitMQ nacks a message
+    /// a queue refused for the queue's state (`x-overflow: reject-publish`
+    /// on a full queue, as the consumers' partition queues are declared
+    /// under a length limit; an internal queue error), never for the
+    /// message itself. Retried with backoff, never quarantined, so a broker
+    /// incident or a consumer down long enough to fill its queue cannot
+    /// quarantine healthy orders; the publish-failure and oldest-pending-age
+    /// alerts cover it.
     pub fn counts_towards_quarantine(&self) -> bool {
         matches!(
             self,
-            PublishFailure::Returned(_) | PublishFailure::Nacked | PublishFailure::Encode(_)
+            PublishFailure::Returned(_) | PublishFailure::Encode(_)
         )
     }
 
@@ -630,7 +634,7 @@ mod tests {
     #[test]
     fn only_the_message_s_own_failures_count_towards_quarantine() {
         assert!(PublishFailure::Returned("312 NO_ROUTE".into()).counts_towards_quarantine());
-        assert!(PublishFailure::Nacked.counts_towards_quarantine());
+        assert!(!PublishFailure::Nacked.counts_towards_quarantine());
         assert!(PublishFailure::Encode("x".into()).counts_towards_quarantine());
         assert!(!PublishFailure::Timeout.counts_towards_quarantine());
         assert!(!PublishFailure::Channel("closed".into()).counts_towards_quarantine());

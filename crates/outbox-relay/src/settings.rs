@@ -45,10 +45,11 @@ pub struct RelaySettings {
     pub poll_interval_ms: u64,
     /// Bound on publishing a batch and receiving all its confirms.
     pub confirm_timeout_ms: u64,
-    /// Failures of the message's own (returned, nacked, not encodable) after
-    /// which a row is quarantined (it and the later events of its order stop
-    /// until `outbox-relay requeue`). Infrastructure failures (timeouts, a
-    /// broken channel) back off like them but never count.
+    /// Failures of the message's own (returned, not encodable) after which a
+    /// row is quarantined (it and the later events of its order stop until
+    /// `outbox-relay requeue`). Infrastructure failures (timeouts, a broken
+    /// channel, a nack: a queue refusing for its state) back off like them
+    /// but never count.
     pub max_attempts: i32,
     /// Retry delay after the first failure; doubles per attempt, with jitter.
     pub backoff_base_ms: u64,
