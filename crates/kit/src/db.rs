@@ -77,6 +77,17 @@ pub async fn connect(
     config.connect(NoTls).await
 }
 
+/// The service's session options followed by the URL's own (`options=-c
+/// search_path=...`): both apply, and a setting the URL names again wins
+/// (PostgreSQL takes the last `-c` of a name), as URL values do in
+/// [`bound_network_waits`].
+fn merged_options(ours: &str, url: Option<&str>) -> String {
+    match url.map(str::trim).filter(|url| !url.is_empty()) {
+        Some(url) => format!("{ours} {url}"),
+        None => ours.to_owned(),
+    }
+}
+
 /// Build a pool. Connections are opened lazily, so this never touches the
 /// network; use [`wait_until_ready`] to wait for the server.
 pub fn pool(settings: &DatabaseSettings) -> Result<Pool, DbError> {
@@ -100,7 +111,8 @@ pub fn pool_with_options(
             source,
         })?;
     if let Some(options) = options {
-        pg.options(options);
+        let merged = merged_options(options, pg.get_options());
+        pg.options(&merged);
     }
     bound_network_waits(&mut pg);
     let manager = Manager::from_config(
@@ -167,6 +179,20 @@ pub async fn ping(pool: &Pool) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_url_s_session_options_are_kept_after_the_service_s() {
+        let url: tokio_postgres::Config = "postgres://u@h/db?options=-c%20search_path%3Dapp"
+            .parse()
+            .expect("url");
+        assert_eq!(url.get_options(), Some("-c search_path=app"));
+        assert_eq!(
+            merged_options(SESSION_LIMITS, url.get_options()),
+            format!("{SESSION_LIMITS} -c search_path=app")
+        );
+        assert_eq!(merged_options(SESSION_LIMITS, None), SESSION_LIMITS);
+        assert_eq!(merged_options(SESSION_LIMITS, Some(" ")), SESSION_LIMITS);
+    }
 
     #[test]
     fn network_waits_are_bounded_unless_the_url_says_otherwise() {
