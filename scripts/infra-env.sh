@@ -131,6 +131,27 @@ rabbitmq_wait_ready() {   # [timeout_seconds]
     rabbitmq-diagnostics -q check_port_listener "$AMQP_PORT" >/dev/null
 }
 
+# rabbitmq_memory_alarm on  => memory high watermark 0: the broker raises its
+#   memory alarm and blocks every connection that publishes (the value it
+#   had is kept in $RUN_DIR/rabbitmq-watermark)
+# rabbitmq_memory_alarm off => the kept watermark again (0.4 if none kept)
+rabbitmq_memory_alarm() {     # on|off
+    case "${1:-}" in
+        on)
+            if [ ! -f "$RUN_DIR/rabbitmq-watermark" ]; then
+                rabbitmqctl -q eval 'vm_memory_monitor:get_vm_memory_high_watermark().' \
+                    > "$RUN_DIR/rabbitmq-watermark" || return 1
+            fi
+            rabbitmqctl -q set_vm_memory_high_watermark 0 ;;
+        off)
+            _w=$(cat "$RUN_DIR/rabbitmq-watermark" 2>/dev/null || echo 0.4)
+            case "$_w" in 0.*|1.0|1) ;; *) _w=0.4 ;; esac
+            rabbitmqctl -q set_vm_memory_high_watermark "$_w" && rm -f "$RUN_DIR/rabbitmq-watermark"
+            unset _w ;;
+        *) echo "usage: rabbitmq_memory_alarm on|off" >&2; return 2 ;;
+    esac
+}
+
 # rabbitmq_restart app  => stop_app/start_app (VM stays up, all connections dropped)
 # rabbitmq_restart full => stop the whole node and start it again
 rabbitmq_restart() {      # [app|full]

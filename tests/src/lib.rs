@@ -337,3 +337,63 @@ impl OrderApi {
 pub mod consumers;
 pub mod otlp;
 pub mod system;
+
+/// Every test binary of this crate (`tests/tests/*.rs`).
+const TEST_BINARIES: &[&str] = &[
+    "broker_alarm",
+    "consumers",
+    "drift",
+    "faults",
+    "foundation",
+    "full_flow",
+    "order_api",
+    "relay",
+    "soak",
+    "tracing",
+];
+
+/// Other engineers' tests break when PostgreSQL or RabbitMQ restart (or
+/// block) under them: wait (at most 10 minutes) until no test binary but
+/// `own` runs on this machine. (`cargo test` runs its binaries one after
+/// another; this guards against other checkouts' runs.)
+pub async fn wait_for_quiet_machine(own: &str) {
+    let others: Vec<&str> = TEST_BINARIES
+        .iter()
+        .copied()
+        .filter(|name| *name != own)
+        .collect();
+    let pattern = format!("target/debug/deps/({})-", others.join("|"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    loop {
+        let busy = std::process::Command::new("pgrep")
+            .args(["-f", &pattern])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !busy || std::time::Instant::now() >= deadline {
+            return;
+        }
+        println!(
+            "{own}: waiting for other test binaries to finish before touching the infrastructure"
+        );
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    }
+}
+
+/// `scripts/infra-restart.sh <args>` (restarts, the broker's memory alarm).
+pub async fn infra_script(args: &[&str]) -> String {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/infra-restart.sh");
+    let output = tokio::process::Command::new("bash")
+        .arg(script)
+        .args(args)
+        .output()
+        .await
+        .expect("infra-restart.sh");
+    assert!(
+        output.status.success(),
+        "infra-restart {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}

@@ -62,46 +62,10 @@ impl Soak {
     }
 }
 
-/// Other engineers' tests break when PostgreSQL or RabbitMQ restart under
-/// them: wait (at most 10 minutes) until no other test binary runs.
-async fn wait_for_quiet_machine() {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let busy = std::process::Command::new("pgrep")
-            .args([
-                "-f",
-                "target/debug/deps/(consumers|relay|order_api|full_flow|foundation|faults)-",
-            ])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false);
-        if !busy || Instant::now() >= deadline {
-            return;
-        }
-        println!(
-            "soak: waiting for other test binaries to finish before an infrastructure restart"
-        );
-        tokio::time::sleep(Duration::from_secs(5)).await;
-    }
-}
-
 /// `scripts/infra-restart.sh <args>`.
 async fn infra_restart(args: &[&str]) -> String {
-    wait_for_quiet_machine().await;
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/infra-restart.sh");
-    let output = tokio::process::Command::new("bash")
-        .arg(script)
-        .args(args)
-        .output()
-        .await
-        .expect("infra-restart.sh");
-    assert!(
-        output.status.success(),
-        "infra-restart {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    system_tests::wait_for_quiet_machine("soak").await;
+    system_tests::infra_script(args).await
 }
 
 /// Kill -9 a member every `interval` (each round of kills goes through

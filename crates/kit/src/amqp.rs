@@ -42,8 +42,12 @@ impl Connected {
     }
 }
 
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Connect, retrying with capped exponential backoff (100 ms .. 5 s) until the
-/// broker accepts or `shutdown` is cancelled.
+/// broker accepts or `shutdown` is cancelled. One attempt takes at most 10 s
+/// (a host that drops the handshake's packets would otherwise hold it for
+/// the kernel's connect timeout, minutes) and ends at once on shutdown.
 pub async fn connect(
     settings: &AmqpSettings,
     connection_name: &str,
@@ -53,7 +57,20 @@ pub async fn connect(
     loop {
         let properties =
             ConnectionProperties::default().with_connection_name(connection_name.into());
-        match Connection::connect(&settings.url, properties).await {
+        let attempt = tokio::select! {
+            _ = shutdown.cancelled() => return Err(AmqpError::Cancelled),
+            attempt = tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                Connection::connect(&settings.url, properties),
+            ) => attempt,
+        };
+        let attempt = attempt.unwrap_or_else(|_| {
+            Err(
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out after 10 s")
+                    .into(),
+            )
+        });
+        match attempt {
             Ok(connection) => {
                 tracing::info!(url = %redact_url(&settings.url), "connected to RabbitMQ");
                 return Ok(connection);

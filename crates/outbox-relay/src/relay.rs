@@ -80,11 +80,21 @@ impl Relay {
     ) -> Result<(), lapin::Error> {
         let mut broker_pause = Duration::from_millis(500);
         loop {
-            let channel = connection.create_channel().await?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await?;
-            kit::amqp::declare_topic_exchange(&channel, &self.settings.exchange).await?;
+            // A blocked connection (a broker memory or disk alarm) answers
+            // none of these until the alarm clears; holding no rows, the
+            // worker may leave at once on shutdown.
+            let setup = async {
+                let channel = connection.create_channel().await?;
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await?;
+                kit::amqp::declare_topic_exchange(&channel, &self.settings.exchange).await?;
+                Ok::<_, lapin::Error>(channel)
+            };
+            let channel = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                channel = setup => channel?,
+            };
             tracing::info!(worker, instance = %self.instance, "relay worker ready");
             match self
                 .work_channel(&channel, connection, shutdown, &mut broker_pause)
@@ -172,7 +182,9 @@ impl Relay {
                     "pausing after a broker failure"
                 );
                 tokio::select! {
-                    _ = shutdown.cancelled() => {}
+                    // The batch is settled: nothing holds the exit (reopening
+                    // first would wait on the broker in trouble).
+                    _ = shutdown.cancelled() => return Ok(ChannelEnd::Shutdown),
                     _ = tokio::time::sleep(*broker_pause) => {}
                 }
                 *broker_pause = (*broker_pause * 2).min(Duration::from_secs(30));
