@@ -152,6 +152,11 @@ pub struct Claimed {
     pub undecodable: Vec<(Uuid, i32, String)>,
     /// How many of them had an expired lease of another instance.
     pub taken_over: u64,
+    /// The lease's end as written (one value for the whole claim: `now()`
+    /// is the transaction's start). It names this claim: a later claim of
+    /// the same rows, by another worker of the same instance, writes
+    /// another. `None` when nothing was claimed.
+    pub lease_until: Option<OffsetDateTime>,
 }
 
 /// The claim statement. `$1` instance id, `$2` lease in ms, `$3` batch
@@ -205,6 +210,8 @@ pub async fn claim(
     tx.commit().await?;
     let mut claimed = Claimed::default();
     for row in rows {
+        // now() + a lease in ms: always finite, always readable.
+        claimed.lease_until = Some(row.get(13));
         let previous_owner: Option<String> = row.get(12);
         if previous_owner.is_some() {
             claimed.taken_over += 1;
@@ -267,9 +274,18 @@ pub struct Failure {
 /// released; rows whose own failures reach `max_attempts` are quarantined
 /// (infrastructure failures before them do not count).
 /// Returns the event ids quarantined.
+///
+/// Only rows still under the lease of the claim that published them
+/// (`claimed_by` and `claim_until` = `lease_until`): a write retried past
+/// the lease must not release, back off and count a failure against a
+/// later claim of the same rows (another worker of this instance, which may
+/// be publishing them right now; its confirm could then no longer be
+/// marked). Marking published needs no such guard: a confirmed event is
+/// published whoever holds the row.
 pub async fn mark_failed(
     pool: &PgPool,
     instance: &str,
+    lease_until: OffsetDateTime,
     failures: &[Failure],
     max_attempts: i32,
 ) -> anyhow::Result<Vec<Uuid>> {
@@ -294,7 +310,8 @@ pub async fn mark_failed(
                  claim_until = NULL
              FROM unnest($1::uuid[], $2::text[], $3::bigint[], $6::bool[])
                   AS f(event_id, error, delay_ms, quarantinable)
-             WHERE o.event_id = f.event_id AND o.claimed_by = $5 AND o.published_at IS NULL
+             WHERE o.event_id = f.event_id AND o.claimed_by = $5 AND o.claim_until = $7
+               AND o.published_at IS NULL
              RETURNING o.event_id, o.quarantined_at IS NOT NULL",
             &[
                 &ids,
@@ -303,6 +320,7 @@ pub async fn mark_failed(
                 &max_attempts,
                 &instance,
                 &quarantinable,
+                &lease_until,
             ],
         )
         .await?;

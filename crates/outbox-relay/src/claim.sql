@@ -23,4 +23,4 @@ FROM due
 WHERE t.event_id = due.event_id
 RETURNING t.event_id, t.tenant_id, t.aggregate_type, t.aggregate_id, t.aggregate_sequence,
           t.event_type, t.schema_version, t.payload, t.traceparent, t.tracestate,
-          t.occurred_at, t.attempt_count, due.previous_owner
+          t.occurred_at, t.attempt_count, due.previous_owner, t.claim_until

@@ -161,17 +161,22 @@ impl Relay {
                     continue;
                 }
             };
-            if claimed.rows.is_empty() && claimed.undecodable.is_empty() {
+            let Some(lease_until) = claimed.lease_until else {
                 self.idle(connection, shutdown).await?;
                 continue;
-            }
+            };
             self.metrics
                 .claimed
                 .inc_by((claimed.rows.len() + claimed.undecodable.len()) as u64);
             self.metrics.expired_claims.inc_by(claimed.taken_over);
             kit::failpoint::crash_point("relay.before_publish");
             if self
-                .publish_and_settle(channel, claimed.rows, claimed.undecodable, lease_deadline)
+                .publish_and_settle(
+                    channel,
+                    claimed.rows,
+                    claimed.undecodable,
+                    (lease_until, lease_deadline),
+                )
                 .await
             {
                 // A timeout or channel failure: the broker is in trouble (an
@@ -216,14 +221,15 @@ impl Relay {
     }
 
     /// Publish a claimed batch and record the outcome, retrying the writes
-    /// until `lease_deadline` (after it the rows may be another instance's).
+    /// until `lease_deadline` (after it the rows may be another claim's).
+    /// `lease_until` is the lease as the claim wrote it (it names the claim).
     /// Returns whether the channel should be replaced.
     async fn publish_and_settle(
         &self,
         channel: &Channel,
         rows: Vec<OutboxRow>,
         undecodable: Vec<(Uuid, i32, String)>,
-        lease_deadline: tokio::time::Instant,
+        (lease_until, lease_deadline): (time::OffsetDateTime, tokio::time::Instant),
     ) -> bool {
         let attempts: HashMap<Uuid, i32> = rows
             .iter()
@@ -344,7 +350,7 @@ impl Relay {
             // failure is recorded and the lease released: nothing is pending.
             kit::failpoint::crash_point("relay.before_mark_failed");
             if let Some(quarantined) = retry_until("record failures", lease_deadline, || {
-                claim::mark_failed(pool, instance, failures_ref, max_attempts)
+                claim::mark_failed(pool, instance, lease_until, failures_ref, max_attempts)
             })
             .await
             {
