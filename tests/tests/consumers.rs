@@ -1103,7 +1103,9 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
 
 /// (7) Poison (a malformed body, an unknown major version) goes to the DLQ
 /// with a reason; nothing is lost; the partition keeps flowing. An unknown
-/// event type is acknowledged and advances the order's sequence.
+/// event type is acknowledged and advances the order's sequence, and so is
+/// any version of a type the consumer does not apply (inventory never reads
+/// payments: a `PaymentReceived` v99 is not its poison).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows() {
     let (tenant, name, inventory, publisher) = one_partition_inventory("t5-poison").await;
@@ -1126,6 +1128,10 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         json!({"order_id": good, "paper": "red"}),
     );
     let delivered = parcel_delivered(&tenant, good, 3, 2);
+    let newer_payments = Uuid::now_v7();
+    let newer_placed = order_placed(&tenant, newer_payments, 1, "78", 1);
+    let payment_v99 = payment_received(&tenant, newer_payments, 2, "53.00").as_version_99();
+    let newer_delivered = parcel_delivered(&tenant, newer_payments, 3, 1);
     assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
 
     for m in [
@@ -1135,10 +1141,14 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         &placed,
         &cancelled_type,
         &delivered,
+        &newer_placed,
+        &payment_v99,
+        &newer_delivered,
     ] {
         publisher.to_consumer(&name, m).await;
     }
     wait_sequence(Database::Inventory, &name, good, 3).await;
+    wait_sequence(Database::Inventory, &name, newer_payments, 3).await;
     inventory
         .wait_metric("consumer_dead_lettered_total", "", 3.0)
         .await;
@@ -1146,11 +1156,11 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         inventory
             .metric("consumer_events_applied_total", "event_type=\"ignored\"")
             .await,
-        1.0,
-        "the unknown type was acknowledged and advanced the sequence"
+        2.0,
+        "the unknown type and the payment v99 were acknowledged and advanced the sequence"
     );
     let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
-    assert_eq!(kinds, vec!["receipt", "reserve", "sale"]);
+    assert_eq!(kinds, vec!["receipt", "reserve", "sale", "reserve", "sale"]);
     assert_eq!(
         progress(Database::Inventory, &name, future_order).await,
         Some((0, true)),

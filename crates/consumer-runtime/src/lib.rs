@@ -167,6 +167,11 @@ pub trait Domain: Send + Sync + Sized + 'static {
     const DATABASE: Database;
     /// Default HTTP port (8081, 8082, 8083).
     const DEFAULT_PORT: u16;
+    /// The event types [`Domain::apply`] applies (`events::event_types`).
+    /// Any other type, in any version, only advances the order's sequence:
+    /// its payload is not decoded, so a new major version of it is no
+    /// poison here.
+    const HANDLES: &'static [&'static str];
 
     /// Build the domain (register its own metrics in `registry`).
     fn new(registry: &kit::metrics::prometheus::Registry) -> Self;

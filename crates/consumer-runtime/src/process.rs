@@ -196,9 +196,16 @@ pub async fn open_message(
     })
 }
 
-fn decode(body: &[u8]) -> Decoded {
+/// The envelope, and the event when `handles` names its type. The payload of
+/// a type the domain does not apply is not decoded: whatever its version or
+/// content, it is acknowledged and advances the order's sequence like an
+/// unknown type (DESIGN.md section 4: a change to a type must not require
+/// touching a consumer that ignores it; a `PaymentReceived` v2 must not
+/// park every order in the inventory consumer, which never reads payments).
+fn decode(body: &[u8], handles: &[&str]) -> Decoded {
     match RawEnvelope::parse_raw(body) {
         Err(error) => Decoded::Malformed(error),
+        Ok(raw) if !handles.contains(&raw.event_type.as_str()) => Decoded::Ok(raw, None),
         Ok(raw) => match raw.decode() {
             Ok(event) => Decoded::Ok(raw, Some(event)),
             Err(error) if error.is_unknown_event_type() => Decoded::Ok(raw, None),
@@ -269,7 +276,7 @@ impl<D: Domain> Processor<D> {
                 .and_then(|v| u32::try_from(v).ok())
                 .unwrap_or(0),
         };
-        let decoded = decode(&delivery.data);
+        let decoded = decode(&delivery.data, D::HANDLES);
         if let (Some(only), Decoded::Ok(raw, _) | Decoded::PoisonPayload(raw, _)) =
             (&self.only_tenants, &decoded)
         {

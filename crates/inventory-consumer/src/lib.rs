@@ -45,6 +45,10 @@ impl consumer_runtime::Domain for Inventory {
     const ENV_PREFIX: &'static str = "INVENTORY_CONSUMER";
     const DATABASE: Database = Database::Inventory;
     const DEFAULT_PORT: u16 = 8081;
+    const HANDLES: &'static [&'static str] = &[
+        events::event_types::ORDER_PLACED,
+        events::event_types::PARCEL_DELIVERED,
+    ];
 
     fn new(registry: &Registry) -> Self {
         let shortages = IntCounter::new(

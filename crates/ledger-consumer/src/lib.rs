@@ -127,6 +127,11 @@ impl consumer_runtime::Domain for Ledger {
     const ENV_PREFIX: &'static str = "LEDGER_CONSUMER";
     const DATABASE: Database = Database::Ledger;
     const DEFAULT_PORT: u16 = 8082;
+    const HANDLES: &'static [&'static str] = &[
+        events::event_types::ORDER_PLACED,
+        events::event_types::PAYMENT_RECEIVED,
+        events::event_types::PARCEL_DELIVERED,
+    ];
 
     fn new(_registry: &Registry) -> Self {
         Ledger

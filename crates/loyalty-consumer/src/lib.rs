@@ -35,6 +35,10 @@ impl consumer_runtime::Domain for Loyalty {
     const ENV_PREFIX: &'static str = "LOYALTY_CONSUMER";
     const DATABASE: Database = Database::Loyalty;
     const DEFAULT_PORT: u16 = 8083;
+    const HANDLES: &'static [&'static str] = &[
+        events::event_types::ORDER_PLACED,
+        events::event_types::PARCEL_DELIVERED,
+    ];
 
     fn new(_registry: &Registry) -> Self {
         Loyalty
