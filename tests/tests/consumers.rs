@@ -2113,6 +2113,10 @@ async fn a_database_connection_lost_mid_message_is_retried_in_place() {
         ledger.metric("consumer_events_applied_total", "").await,
         1.0
     );
+    assert!(
+        ledger.metric("consumer_retried_in_place_total", "").await >= 1.0,
+        "the retry in place is counted (ConsumerRetryingInPlace reads it)"
+    );
 }
 
 /// `ONLY_TENANTS` (isolation of test systems that share the broker): events of

@@ -36,6 +36,11 @@ pub struct Metrics {
     /// (a cumulative ack counts every message it covers). Settled minus this
     /// is what a crash now would redeliver as duplicates.
     pub acknowledged: IntCounter,
+    /// Messages processed again in place because the database failed for
+    /// the infrastructure's reasons (not counted as attempts). Rising for
+    /// minutes means a partition is stuck on its database: nothing else
+    /// shows it (no event is applied, so the lag is not even measured).
+    pub retried_in_place: IntCounter,
 }
 
 fn opts(name: &str, help: &str, consumer: &str) -> Opts {
@@ -136,6 +141,11 @@ impl Metrics {
                 "Messages whose acknowledgement was written to the broker connection",
                 consumer,
             ))?,
+            retried_in_place: IntCounter::with_opts(opts(
+                "consumer_retried_in_place_total",
+                "Messages processed again in place because the database was unavailable",
+                consumer,
+            ))?,
         };
         for tier in 0..tiers {
             metrics.retried.with_label_values(&[&tier.to_string()]);
@@ -156,6 +166,7 @@ impl Metrics {
         kit::metrics::register(registry, &metrics.inbox_cleaned);
         kit::metrics::register(registry, &metrics.filtered);
         kit::metrics::register(registry, &metrics.acknowledged);
+        kit::metrics::register(registry, &metrics.retried_in_place);
         Ok(metrics)
     }
 }

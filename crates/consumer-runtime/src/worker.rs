@@ -380,6 +380,7 @@ async fn settle<D: Domain>(
                 if stop.is_cancelled() {
                     return Ok(false);
                 }
+                processor.metrics.retried_in_place.inc();
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
             }
