@@ -1187,6 +1187,53 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
     );
 }
 
+/// An event naming another tenant's order (a producer bug, a forged
+/// message): dead-lettered alone as poison, never applied. Applied, the
+/// ledger booked the payment under the wrong tenant and moved the order's
+/// sequence, and the order's genuine payment was then dropped as stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_naming_another_tenant_s_order_is_dead_lettered_and_the_order_flows() {
+    let tenant = unique("t5-tenant");
+    let name = unique("t5-tenant-led");
+    let ledger = Consumer::start(Kind::Ledger, &name, Options::one_partition()).await;
+    let publisher = Publisher::connect().await;
+    let s = story(&tenant);
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Ledger, &name, s.order, 1).await;
+
+    let intruder = unique("t5-tenant-other");
+    publisher
+        .to_consumer(&name, &payment_received(&intruder, s.order, 2, "93.00"))
+        .await;
+    ledger
+        .wait_metric("consumer_dead_lettered_total", "reason=\"poison\"", 1.0)
+        .await;
+    assert_eq!(
+        progress(Database::Ledger, &name, s.order).await,
+        Some((1, false)),
+        "the order's sequence did not move and it is not parked"
+    );
+    assert!(journal(&intruder, s.order).await.is_empty());
+
+    // The genuine payment and delivery are applied.
+    publisher.to_consumer(&name, &s.paid).await;
+    publisher.to_consumer(&name, &s.delivered).await;
+    wait_sequence(Database::Ledger, &name, s.order, 3).await;
+    assert_eq!(
+        journal(&tenant, s.order).await.len(),
+        2,
+        "the payment and the delivery"
+    );
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(
+        letters[0].reason.contains(&format!(
+            "belongs to tenant {tenant:?}, the event names tenant {intruder:?}"
+        )),
+        "{letters:?}"
+    );
+}
+
 /// An event the database refuses to store (here an order id too long for the
 /// progress row's index: SQLSTATE 54000) fails like a handler error: retried
 /// through the tiers, then dead-lettered with the database's reason (its

@@ -119,9 +119,10 @@ pub const INSERT_PROGRESS: &str = "INSERT INTO order_progress (consumer_name, ag
      tenant_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
 /// The order's progress, locked for the transaction; whether the order is
 /// parked for sequence `$3` (at or after its lowest dead-lettered event;
-/// a row parked without a sequence holds the whole order).
+/// a row parked without a sequence holds the whole order); the tenant its
+/// first event named.
 pub const LOCK_PROGRESS: &str = "SELECT last_sequence, parked_at IS NOT NULL \
-     AND $3::bigint >= COALESCE(parked_sequence, 0), parked_event_id, parked_reason \
+     AND $3::bigint >= COALESCE(parked_sequence, 0), parked_event_id, parked_reason, tenant_id \
      FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE";
 /// The last applied sequence moves on, only if `$3` is the next one and the
 /// order is not parked for it (it runs before the runtime has seen the
@@ -142,6 +143,8 @@ pub struct Opened {
     pub parked: Option<(Option<uuid::Uuid>, Option<String>)>,
     /// The progress moved to this event's sequence (in order, not parked).
     pub advanced: bool,
+    /// The order's tenant, as its first event named it.
+    pub tenant: String,
 }
 
 /// Open a message's transaction: the inbox row, the order's progress row
@@ -193,6 +196,7 @@ pub async fn open_message(
         last: progress.get(0),
         parked,
         advanced,
+        tenant: progress.get(4),
     })
 }
 
@@ -341,6 +345,26 @@ impl<D: Domain> Processor<D> {
             self.metrics.duplicates.inc();
             tracing::info!(event_id = %raw.event_id, "duplicate delivery acknowledged");
             return Ok(Outcome::Duplicate);
+        }
+        if opened.tenant != raw.tenant_id {
+            // An event naming another tenant's order (a producer bug, or a
+            // message forged on the broker): applied, it would move that
+            // order's sequence and book its effect under the wrong tenant,
+            // and the order's genuine event would then be dropped as stale.
+            // Dead-lettered alone: parking would hold the genuine order.
+            tx.rollback().await?;
+            drop(client);
+            let reason = format!(
+                "poison: order {} belongs to tenant {:?}, the event names tenant {:?}",
+                raw.aggregate_id, opened.tenant, raw.tenant_id
+            );
+            tracing::error!(event_id = %raw.event_id, %reason, "dead-lettering an event of another tenant's order");
+            self.dead_letter(publisher, incoming, &reason).await?;
+            self.metrics
+                .dead_lettered
+                .with_label_values(&["poison"])
+                .inc();
+            return Ok(Outcome::DeadLettered { reason });
         }
         let last = opened.last;
         let sequence = raw.aggregate_sequence;
