@@ -4,6 +4,7 @@
 //! inbox cleanup. Every test runs its consumers under a private consumer name
 //! (own exchange and queues) and a private tenant, and counts only its rows.
 
+use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -2070,6 +2071,35 @@ async fn a_sale_without_stock_is_dead_lettered_and_redriven_per_order_after_the_
     assert_eq!(level(&tenant).await, Some((0, 4, -4)));
 
     assert_eq!(receipt(&inventory, &tenant, "R-10", 10).await.0, 201);
+    // A redrive that dies after un-parking the order, before moving its
+    // letter (`consumer.redrive.after_unpark_before_publish`): the order is
+    // un-parked, the letter back in the DLQ; the next run moves it.
+    let crashed = run_redrive(
+        Kind::Inventory,
+        &name,
+        &["--order", &a.order.to_string()],
+        &Options {
+            failpoints: Some("consumer.redrive.after_unpark_before_publish=return".to_owned()),
+            ..Options::default()
+        },
+    )
+    .await;
+    assert!(
+        crashed.status.signal() == Some(6),
+        "aborted at the fail point: {:?}",
+        crashed.status
+    );
+    assert_eq!(
+        progress(Database::Inventory, &name, a.order).await,
+        Some((2, false)),
+        "un-parked"
+    );
+    system_tests::consumers::eventually(
+        "both letters back in the dead-letter queue",
+        WAIT,
+        || async { (live_counts(&format!("{name}.dlq")).await.0 == 2).then_some(()) },
+    )
+    .await;
     let stdout = redrive(Kind::Inventory, &name, &["--order", &a.order.to_string()]).await;
     assert!(
         stdout.contains(&format!("moved {}", a.delivered.event_id)),

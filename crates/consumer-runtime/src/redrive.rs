@@ -202,6 +202,11 @@ async fn move_letters(
         if unpark(pool, &topology.name, &order).await? {
             report.unparked.push(order.clone());
         }
+        // Crash window: the order is un-parked, its letters unacknowledged
+        // (back in the DLQ when the process dies). Its next events wait at
+        // the gap (deferred, then failed and parked again); the next redrive
+        // moves the letters and the order flows.
+        kit::failpoint::crash_point("consumer.redrive.after_unpark_before_publish");
         let mut letters = letters.into_iter();
         for letter in letters.by_ref() {
             let mut table = topology::clean_headers(letter.delivery.properties.headers().as_ref());
