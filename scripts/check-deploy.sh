@@ -124,6 +124,7 @@ for plugin in ("rabbitmq_management", "rabbitmq_consistent_hash_exchange"):
 
 prometheus = yaml.safe_load(open("deploy/prometheus/prometheus.yml"))
 jobs = {job["job_name"]: [t for c in job.get("static_configs", []) for t in c["targets"]]
+        + [f"{n}:{c['port']}" for c in job.get("dns_sd_configs", []) for n in c["names"]]
         for job in prometheus["scrape_configs"]}
 for name, (_, port) in apps.items():
     check(f"{name}:{port}" in jobs.get(name, []), f"prometheus: job {name} scrapes {name}:{port}")
