@@ -220,6 +220,7 @@ impl Bench {
     async fn start(title: &str, relays: usize, consumers_running: bool) -> anyhow::Result<Bench> {
         phase(title);
         let orders = pg(Database::Orders).await;
+        check_commit_timestamps(&orders).await?;
         clear_aborted_runs(&orders).await;
         let system = start_system(relays).await;
         system.stock_up().await;
@@ -380,15 +381,17 @@ async fn receive_raw_stock(system: &System, tenant: &str) {
 /// The events of a run and when all three consumers had applied each.
 ///
 /// Both ends are commit times (`pg_xact_commit_timestamp`, which needs
-/// `track_commit_timestamp = on`: `make up` sets it): the order row's
-/// transaction and each consumer's inbox row's. The columns `occurred_at`
-/// and `processed_at` are their transactions' *start* times (`now()`), earlier
-/// than the commits by each transaction's duration (sessions 1-7 measured
-/// with them; `start_to_start` keeps that measure for comparison).
+/// `track_commit_timestamp = on`: `make up` sets it, [`Bench::start`] checks
+/// it): the order row's transaction and each consumer's inbox row's. The
+/// columns `occurred_at` and `processed_at` are their transactions' *start*
+/// times (`now()`), earlier than the commits by each transaction's duration
+/// (sessions 1-7 measured with them; `start_to_start` keeps that measure for
+/// comparison).
 struct Applied {
     /// (event id, its order's commit) of every event since the start.
     events: Vec<(uuid::Uuid, time::OffsetDateTime)>,
-    /// Per event, the latest of the three consumers' commits.
+    /// Per event, the latest of the three consumers' commits (every event
+    /// of `events` is here: [`applied_by_all`] fails otherwise).
     done: BTreeMap<uuid::Uuid, time::OffsetDateTime>,
     /// Per event, `occurred_at` to the latest of the three `processed_at`
     /// in ms (the measure before commit timestamps).
@@ -410,13 +413,14 @@ impl Applied {
     }
 }
 
-/// Wait (up to 5 minutes) until every event of the tenant since `since` is
-/// applied by all three consumers; prints where the time went.
-async fn applied_by_all(
-    system: &System,
-    orders: &tokio_postgres::Client,
-    since: time::OffsetDateTime,
-) -> anyhow::Result<Applied> {
+/// How long each consumer may take to apply the run's events once the load
+/// has stopped; past it the run fails.
+const APPLY_DEADLINE: Duration = Duration::from_secs(300);
+
+/// Fail unless PostgreSQL records commit timestamps (the end-to-end latency
+/// is measured between commits): checked at start-up, so a misconfigured
+/// server fails the run in seconds, not after the phases before phase 4.
+async fn check_commit_timestamps(orders: &tokio_postgres::Client) -> anyhow::Result<()> {
     let tracked: String = orders
         .query_one("SHOW track_commit_timestamp", &[])
         .await?
@@ -426,6 +430,17 @@ async fn applied_by_all(
         "PostgreSQL runs with track_commit_timestamp = {tracked}: the end-to-end latency is \
          measured between commits; `make up` turns it on (scripts/infra-up.sh)"
     );
+    Ok(())
+}
+
+/// Wait until every event of the tenant since `since` is applied by all
+/// three consumers (each one has [`APPLY_DEADLINE`]; an event missing from
+/// any of them then fails the run); prints where the time went.
+async fn applied_by_all(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    since: time::OffsetDateTime,
+) -> anyhow::Result<Applied> {
     // The order row is written once, by the order's transaction (nothing in
     // the bench pays or delivers), so its xmin is that transaction; the
     // outbox row's is not (the relay's claim and mark rewrite it).
@@ -459,16 +474,23 @@ async fn applied_by_all(
         relay_part.p50_ms, relay_part.p99_ms, relay_part.max_ms
     );
     let committed: BTreeMap<uuid::Uuid, time::OffsetDateTime> = events.iter().copied().collect();
-    let mut done: BTreeMap<uuid::Uuid, time::OffsetDateTime> = BTreeMap::new();
-    let mut processed: BTreeMap<uuid::Uuid, time::OffsetDateTime> = BTreeMap::new();
-    for consumer in system.consumers.iter().filter(|c| c.label.ends_with("-0")) {
+    // Per event, each consumer's commit and transaction start, in the
+    // consumers' order: an event is done when all three are in.
+    let mut commits: BTreeMap<uuid::Uuid, Vec<time::OffsetDateTime>> = BTreeMap::new();
+    let mut starts: BTreeMap<uuid::Uuid, Vec<time::OffsetDateTime>> = BTreeMap::new();
+    let kinds: Vec<&Member> = system
+        .consumers
+        .iter()
+        .filter(|c| c.label.ends_with("-0"))
+        .collect();
+    let want = i64::try_from(events.len()).unwrap_or(i64::MAX);
+    for consumer in &kinds {
         let kind = consumer.kind.expect("kind");
         let db = consumers::db(kind).await;
-        let deadline = Instant::now() + Duration::from_secs(300);
+        let started = Instant::now();
+        let mut last_print = Instant::now();
         // While the consumer catches up only its count is asked (the same
-        // PostgreSQL serves it); the rows once it has them all (an event
-        // missing then fails the run in `end_to_end`).
-        let want = i64::try_from(events.len()).unwrap_or(i64::MAX);
+        // PostgreSQL serves it); the rows once it has them all.
         loop {
             let applied: i64 = db
                 .query_one(
@@ -478,8 +500,21 @@ async fn applied_by_all(
                 )
                 .await?
                 .get(0);
-            if applied >= want || Instant::now() > deadline {
+            if applied >= want {
                 break;
+            }
+            anyhow::ensure!(
+                started.elapsed() < APPLY_DEADLINE,
+                "{}: {applied} of {want} events applied after {APPLY_DEADLINE:?}: the run fails",
+                kind.binary()
+            );
+            if last_print.elapsed() >= Duration::from_secs(5) {
+                println!(
+                    "  waiting for {}: {applied}/{want} applied after {:.0?}",
+                    kind.binary(),
+                    started.elapsed()
+                );
+                last_print = Instant::now();
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -502,23 +537,41 @@ async fn applied_by_all(
                 continue;
             };
             part.push(ms((applied - *order).unsigned_abs()));
-            let entry = done.entry(id).or_insert(applied);
-            *entry = (*entry).max(applied);
-            let entry = processed.entry(id).or_insert(started);
-            *entry = (*entry).max(started);
+            // The inbox's key is (consumer, event): one row per consumer.
+            commits.entry(id).or_default().push(applied);
+            starts.entry(id).or_default().push(started);
         }
         let part = Latency::of(part);
         println!(
-            "  order commit -> {} commit: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            "  order commit -> {} commit: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
             kind.binary(),
             part.p50_ms,
             part.p99_ms,
-            part.max_ms
+            part.max_ms,
+            part.count
         );
     }
-    let start_to_start = processed
-        .iter()
-        .filter_map(|(id, at)| occurred.get(id).map(|o| ms((*at - *o).unsigned_abs())))
+    // Done: applied by every consumer; the latest of their commits.
+    let all = |times: Vec<time::OffsetDateTime>| {
+        (times.len() == kinds.len())
+            .then(|| times.into_iter().max())
+            .flatten()
+    };
+    let done: BTreeMap<uuid::Uuid, time::OffsetDateTime> = commits
+        .into_iter()
+        .filter_map(|(id, times)| all(times).map(|at| (id, at)))
+        .collect();
+    anyhow::ensure!(
+        kinds.len() == 3 && done.len() == events.len(),
+        "{} of {} events applied by all {} consumers: the run fails",
+        done.len(),
+        events.len(),
+        kinds.len()
+    );
+    let start_to_start = starts
+        .into_iter()
+        .filter_map(|(id, times)| all(times).map(|at| (id, at)))
+        .filter_map(|(id, at)| occurred.get(&id).map(|o| ms((at - *o).unsigned_abs())))
         .collect();
     Ok(Applied {
         events,
@@ -577,14 +630,15 @@ async fn end_to_end(
     let mut samples = Vec::new();
     let mut per_second: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
     for (id, committed) in &events {
-        if let Some(done) = applied.get(id) {
-            let latency = ms((*done - *committed).unsigned_abs());
-            samples.push(latency);
-            per_second
-                .entry((*committed - since).whole_seconds())
-                .or_default()
-                .push(latency);
-        }
+        let done = applied
+            .get(id)
+            .ok_or_else(|| anyhow::anyhow!("event {id} not applied by all three consumers"))?;
+        let latency = ms((*done - *committed).unsigned_abs());
+        samples.push(latency);
+        per_second
+            .entry((*committed - since).whole_seconds())
+            .or_default()
+            .push(latency);
     }
     let timeline = per_second
         .into_iter()
@@ -598,12 +652,6 @@ async fn end_to_end(
             )
         })
         .collect();
-    anyhow::ensure!(
-        samples.len() == events.len(),
-        "{} of {} events applied by all three consumers",
-        samples.len(),
-        events.len()
-    );
     Ok((Latency::of(samples), timeline))
 }
 
