@@ -137,9 +137,19 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Sample every member's peak RSS until the token is cancelled.
-fn sample_memory(system: Arc<System>, peaks: PeakMemory) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
+/// Aborts a background task when dropped (on every path out of a phase:
+/// the task's `Arc<System>` must not outlive the run).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Sample every member's peak RSS until the returned guard is dropped.
+fn sample_memory(system: Arc<System>, peaks: PeakMemory) -> AbortOnDrop {
+    AbortOnDrop(tokio::spawn(async move {
         loop {
             for member in system.members() {
                 if let Some(pid) = member.pid() {
@@ -148,7 +158,7 @@ fn sample_memory(system: Arc<System>, peaks: PeakMemory) -> tokio::task::JoinHan
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-    })
+    }))
 }
 
 async fn start_system(relays: usize) -> Arc<System> {
@@ -212,6 +222,29 @@ struct Bench {
     system: Arc<System>,
     orders: tokio_postgres::Client,
     raw_tenant: String,
+    /// The connection holding the run's advisory lock ([`run_lock`]) for the
+    /// run's whole life: while it is open, no other bench's
+    /// [`clear_aborted_runs`] deletes this run's rows.
+    _lock: tokio_postgres::Client,
+}
+
+/// The key of a run's session-level advisory lock, from its tenant id (the
+/// raw loops' tenants `<tenant>-raw` and `<tenant>-raw2` share their run's).
+const RUN_LOCK: &str = "hashtextextended('bench-run:' || $1, 0)";
+
+/// The run's tenant of one of its tenants ("bench-<12 hex>", the prefix of
+/// the raw loops' `…-raw` and `…-raw2`).
+fn run_tenant(tenant: &str) -> String {
+    tenant.splitn(3, '-').take(2).collect::<Vec<_>>().join("-")
+}
+
+/// Take the run's advisory lock on a connection of its own, kept open
+/// until the process ends (a killed run's lock goes with its connection).
+async fn run_lock(tenant: &str) -> anyhow::Result<tokio_postgres::Client> {
+    let lock = pg(Database::Orders).await;
+    lock.execute(&format!("SELECT pg_advisory_lock({RUN_LOCK})"), &[&tenant])
+        .await?;
+    Ok(lock)
 }
 
 impl Bench {
@@ -223,6 +256,9 @@ impl Bench {
         check_commit_timestamps(&orders).await?;
         clear_aborted_runs(&orders).await;
         let system = start_system(relays).await;
+        // Before the run writes any outbox row (what `clear_aborted_runs`
+        // looks for).
+        let lock = run_lock(&system.tenant).await?;
         system.stock_up().await;
         let raw_tenant = format!("{}-raw", system.tenant);
         orders
@@ -242,6 +278,7 @@ impl Bench {
             system,
             orders,
             raw_tenant,
+            _lock: lock,
         })
     }
 
@@ -260,7 +297,8 @@ impl Bench {
     }
 
     /// Stop every service and delete what the run wrote: the consumers'
-    /// inbox rows, the tenants' orders and outbox rows.
+    /// inbox rows, the tenants' orders, outbox rows and the consumers'
+    /// effects (see [`cleanup_effects`] for what stays).
     async fn teardown(self) {
         for member in self.system.members() {
             block(|| member.stop());
@@ -276,24 +314,55 @@ impl Bench {
             format!("{}2", self.raw_tenant),
         ] {
             cleanup_orders(&self.orders, &tenant).await;
+            cleanup_effects(&tenant).await;
+        }
+    }
+
+    /// Tear down after the run's body, whatever became of it: returned,
+    /// failed or panicked (a failed run does not leave its backlog behind).
+    async fn finish<T>(self, outcome: std::thread::Result<anyhow::Result<T>>) -> anyhow::Result<T> {
+        if !matches!(outcome, Ok(Ok(_))) {
+            phase("the run failed: tearing down");
+        }
+        self.teardown().await;
+        match outcome {
+            Ok(result) => result,
+            Err(panic) => std::panic::resume_unwind(panic),
         }
     }
 }
 
+/// Run a mode's body on `bench` (panics caught, for [`Bench::finish`]).
+async fn guarded<T>(
+    body: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> std::thread::Result<anyhow::Result<T>> {
+    use futures_util::FutureExt;
+    std::panic::AssertUnwindSafe(body).catch_unwind().await
+}
+
 async fn suite(settings: Settings) -> anyhow::Result<()> {
     let run_started = Instant::now();
-    let mut results = Results {
-        date: report::now_utc(),
-        machine: report::Machine::read(),
-        settings: Some(settings.clone()),
-        ..Results::default()
-    };
     let bench = Bench::start(
         "start: order-api, 2 relays (stopped), 3 consumers (private names)",
         2,
         false,
     )
     .await?;
+    let outcome = guarded(suite_phases(&bench, &settings)).await;
+    bench.finish(outcome).await?;
+    println!("done in {:.0?}", run_started.elapsed());
+    Ok(())
+}
+
+/// Every phase of `bench suite`, then the results written.
+async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<()> {
+    let settings = settings.clone();
+    let mut results = Results {
+        date: report::now_utc(),
+        machine: report::Machine::read(),
+        settings: Some(settings.clone()),
+        ..Results::default()
+    };
     let (system, orders, raw_tenant) = (&bench.system, &bench.orders, &bench.raw_tenant);
     let peaks = PeakMemory::default();
     let sampler = sample_memory(system.clone(), peaks.clone());
@@ -346,7 +415,7 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     results.e2e_timeline = timeline;
 
     // 5. Memory.
-    sampler.abort();
+    drop(sampler);
     for member in system.members() {
         if let Some(pid) = member.pid() {
             peaks.record(member.binary, pid);
@@ -360,8 +429,6 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
 
     phase("writing results");
     report::write(&settings.out, &results)?;
-    bench.teardown().await;
-    println!("done in {:.0?}", run_started.elapsed());
     Ok(())
 }
 
@@ -743,19 +810,23 @@ async fn relay_only(settings: Settings) -> anyhow::Result<()> {
         false,
     )
     .await?;
-    bench.template_orders().await;
-    relay_phase(&bench.system, &bench.orders, &settings, &mut results).await;
-    report::print_ratio(
-        "1 relay",
-        results.relay_one.per_second,
-        results.relay_raw.per_second,
-    );
-    report::print_ratio(
-        "2 relays",
-        results.relay_two.per_second,
-        results.relay_raw.per_second,
-    );
-    bench.teardown().await;
+    let outcome = guarded(async {
+        bench.template_orders().await;
+        relay_phase(&bench.system, &bench.orders, &settings, &mut results).await;
+        report::print_ratio(
+            "1 relay",
+            results.relay_one.per_second,
+            results.relay_raw.per_second,
+        );
+        report::print_ratio(
+            "2 relays",
+            results.relay_two.per_second,
+            results.relay_raw.per_second,
+        );
+        Ok(())
+    })
+    .await;
+    bench.finish(outcome).await?;
     println!("done in {:.0?}", run_started.elapsed());
     Ok(())
 }
@@ -909,21 +980,24 @@ async fn consumers_only(settings: Settings) -> anyhow::Result<()> {
         false,
     )
     .await?;
-    let backlog = i64::try_from(bench.template_orders().await).unwrap_or(i64::MAX);
-    consumer_phase(
-        &bench.system,
-        &bench.orders,
-        &settings,
-        &bench.raw_tenant,
-        backlog,
-        &mut results,
-    )
+    let outcome = guarded(async {
+        let backlog = i64::try_from(bench.template_orders().await).unwrap_or(i64::MAX);
+        consumer_phase(
+            &bench.system,
+            &bench.orders,
+            &settings,
+            &bench.raw_tenant,
+            backlog,
+            &mut results,
+        )
+        .await;
+        for (name, (applied, raw, _)) in &results.consumers {
+            report::print_ratio(name, applied.per_second, raw.per_second);
+        }
+        Ok(())
+    })
     .await;
-    for (name, (applied, raw, _)) in &results.consumers {
-        report::print_ratio(name, applied.per_second, raw.per_second);
-    }
-    bench.teardown().await;
-    Ok(())
+    bench.finish(outcome).await
 }
 
 /// Phase 1: `POST /orders` against the same transaction run raw.
@@ -976,17 +1050,20 @@ async fn api_only(settings: Settings) -> anyhow::Result<()> {
         false,
     )
     .await?;
-    api_phase(
-        &bench.system,
-        &bench.orders,
-        &settings,
-        &bench.raw_tenant,
-        &mut results,
-    )
+    let outcome = guarded(async {
+        api_phase(
+            &bench.system,
+            &bench.orders,
+            &settings,
+            &bench.raw_tenant,
+            &mut results,
+        )
+        .await;
+        report::print_ratio("API", results.api.per_second, results.api_raw.per_second);
+        Ok(())
+    })
     .await;
-    report::print_ratio("API", results.api.per_second, results.api_raw.per_second);
-    bench.teardown().await;
-    Ok(())
+    bench.finish(outcome).await
 }
 
 /// `bench e2e`: the end-to-end phase alone, at `BENCH_E2E_RATE` orders/s
@@ -1003,15 +1080,18 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
         true,
     )
     .await?;
-    let (system, orders) = (&bench.system, &bench.orders);
-    start_relays(system, 1).await;
-    phase(&format!(
-        "e2e: {rate:.0} orders/s for {} s",
-        settings.e2e_seconds
-    ));
-    paced_run(system, orders, rate, settings.e2e_seconds).await?;
-    bench.teardown().await;
-    Ok(())
+    let outcome = guarded(async {
+        let (system, orders) = (&bench.system, &bench.orders);
+        start_relays(system, 1).await;
+        phase(&format!(
+            "e2e: {rate:.0} orders/s for {} s",
+            settings.e2e_seconds
+        ));
+        paced_run(system, orders, rate, settings.e2e_seconds).await?;
+        Ok(())
+    })
+    .await;
+    bench.finish(outcome).await
 }
 
 /// Delete what aborted bench runs left behind (their teardown never ran), and
@@ -1020,8 +1100,13 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
 /// of the outbox: 6,000 rows left by one interrupted `make bench-consumers`
 /// (its relays never drained them) took the end-to-end p50 from 10 to 40-95
 /// ms. (Production relays have no tenant filter.)
+///
+/// A run is aborted when its advisory lock ([`run_lock`]) is free: its
+/// process, and with it the connection holding the lock, is gone. A bench
+/// running at the same time in another process holds its lock and keeps
+/// its rows.
 async fn clear_aborted_runs(db: &tokio_postgres::Client) {
-    let tenants = db
+    let tenants: Vec<String> = db
         .query(
             "SELECT DISTINCT tenant_id FROM outbox_events
               WHERE published_at IS NULL AND tenant_id LIKE 'bench-%'",
@@ -1030,9 +1115,27 @@ async fn clear_aborted_runs(db: &tokio_postgres::Client) {
         .await
         .map(|rows| rows.iter().map(|r| r.get::<_, String>(0)).collect())
         .unwrap_or_else(|_| Vec::new());
-    for tenant in &tenants {
-        println!("  deleting the rows of an aborted run: tenant {tenant}");
-        cleanup_orders(db, tenant).await;
+    let mut runs: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for tenant in tenants {
+        runs.entry(run_tenant(&tenant)).or_default().push(tenant);
+    }
+    for (run, tenants) in &runs {
+        let free = db
+            .query_one(&format!("SELECT pg_try_advisory_lock({RUN_LOCK})"), &[run])
+            .await
+            .is_ok_and(|row| row.get::<_, bool>(0));
+        if !free {
+            println!("  leaving the rows of tenant {run}: a bench running in another process");
+            continue;
+        }
+        for tenant in tenants {
+            println!("  deleting the rows of an aborted run: tenant {tenant}");
+            cleanup_orders(db, tenant).await;
+            cleanup_effects(tenant).await;
+        }
+        let _ = db
+            .execute(&format!("SELECT pg_advisory_unlock({RUN_LOCK})"), &[run])
+            .await;
     }
     let pending: i64 = db
         .query_one(
@@ -1050,8 +1153,7 @@ async fn clear_aborted_runs(db: &tokio_postgres::Client) {
     }
 }
 
-/// Delete a tenant's orders, idempotency records and outbox rows (the bench
-/// leaves the shared database as small as it found it).
+/// Delete a tenant's orders, idempotency records and outbox rows.
 async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
     for statement in [
         "DELETE FROM outbox_events WHERE tenant_id = $1",
@@ -1065,10 +1167,70 @@ async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
     }
 }
 
+/// Delete the consumers' effects of a tenant, children before parents
+/// (migrations/{inventory,ledger,loyalty}), and its progress rows. What
+/// stays: the ledger's journal (`journal_entries`, `journal_lines`: their
+/// triggers reject DELETE, the journal is immutable) and the tenant's
+/// `ledger_accounts`, which the journal lines reference. A run leaves those
+/// behind: one entry of a few lines per `OrderPlaced` it applied.
+async fn cleanup_effects(tenant: &str) {
+    for (kind, statements) in [
+        (
+            Kind::Inventory,
+            &[
+                "DELETE FROM stock_movements WHERE tenant_id = $1",
+                "DELETE FROM inventory_orders WHERE tenant_id = $1",
+                "DELETE FROM stock_receipts WHERE tenant_id = $1",
+                "DELETE FROM stock_levels WHERE tenant_id = $1",
+                "DELETE FROM order_progress WHERE tenant_id = $1",
+            ][..],
+        ),
+        (
+            Kind::Ledger,
+            &[
+                "DELETE FROM ledger_orders WHERE tenant_id = $1",
+                "DELETE FROM order_progress WHERE tenant_id = $1",
+            ][..],
+        ),
+        (
+            Kind::Loyalty,
+            &[
+                "DELETE FROM loyalty_entries WHERE tenant_id = $1",
+                "DELETE FROM loyalty_orders WHERE tenant_id = $1",
+                "DELETE FROM order_progress WHERE tenant_id = $1",
+            ][..],
+        ),
+    ] {
+        let db = consumers::db(kind).await;
+        for statement in statements {
+            if let Err(error) = db.execute(*statement, &[&tenant]).await {
+                eprintln!("cleanup ({}): {error}", kind.binary());
+            }
+        }
+    }
+}
+
 /// `bench backlog`: one relay draining a backlog of `BENCH_BACKLOG_EVENTS`,
 /// sampling the claim query's latency and the outbox's dead tuples.
 async fn backlog(settings: Settings) -> anyhow::Result<()> {
     let mut bench = Bench::start("backlog: start order-api, 1 relay (stopped)", 1, false).await?;
+    let outcome = guarded(backlog_drain(&mut bench, &settings)).await;
+    bench.finish(outcome).await?;
+    // The deleted backlog leaves ~2 GB of free space in outbox_events (half
+    // of every page is kept free by the fillfactor); the next `make bench`
+    // on that table spread its rows over it and its relay phase cost a
+    // third more PostgreSQL CPU per event. This is a development database:
+    // give the space back.
+    phase("backlog: VACUUM FULL outbox_events (returns the drained backlog's space)");
+    let orders = pg(Database::Orders).await;
+    orders
+        .batch_execute("VACUUM (FULL, ANALYZE) outbox_events")
+        .await?;
+    Ok(())
+}
+
+/// The backlog run's body: the backlog, the drain sampled, the results.
+async fn backlog_drain(bench: &mut Bench, settings: &Settings) -> anyhow::Result<()> {
     for consumer in &bench.system.consumers {
         if consumer.label.ends_with("-0") {
             unbind_consumer(&consumer.name, &bench.system.exchange).await;
@@ -1105,16 +1267,5 @@ async fn backlog(settings: Settings) -> anyhow::Result<()> {
     stop_relays(&system);
     sink.delete().await;
     report::write_backlog(&settings.out, &drain, &samples)?;
-    bench.teardown().await;
-    // The deleted backlog leaves ~2 GB of free space in outbox_events (half
-    // of every page is kept free by the fillfactor); the next `make bench`
-    // on that table spread its rows over it and its relay phase cost a
-    // third more PostgreSQL CPU per event. This is a development database:
-    // give the space back.
-    phase("backlog: VACUUM FULL outbox_events (returns the drained backlog's space)");
-    let orders = pg(Database::Orders).await;
-    orders
-        .batch_execute("VACUUM (FULL, ANALYZE) outbox_events")
-        .await?;
     Ok(())
 }
