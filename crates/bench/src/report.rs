@@ -298,11 +298,121 @@ pub fn write(out: &str, r: &Results) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn write_backlog(out: &str, drain: &Drain, samples: &[BacklogSample]) -> anyhow::Result<()> {
+/// One series of the backlog run against "must stay flat": the median of
+/// its last third of samples against the median of its first third.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Trend {
+    pub first_third_median: f64,
+    pub last_third_median: f64,
+    /// `last_third_median` may be at most this: [`Flatness::FACTOR`] times
+    /// the first third's, plus the series' slack.
+    pub limit: f64,
+    pub flat: bool,
+}
+
+impl Trend {
+    /// `None` with fewer than 3 values (no thirds to compare).
+    fn of(values: &[f64], slack: f64) -> Option<Trend> {
+        let third = values.len() / 3;
+        if third == 0 {
+            return None;
+        }
+        let median = |part: &[f64]| {
+            let mut part = part.to_vec();
+            part.sort_by(f64::total_cmp);
+            crate::stats::percentile(&part, 0.5)
+        };
+        let first = median(&values[..third]);
+        let last = median(&values[values.len() - third..]);
+        let limit = first * Flatness::FACTOR + slack;
+        Some(Trend {
+            first_third_median: first,
+            last_third_median: last,
+            limit,
+            flat: last <= limit,
+        })
+    }
+}
+
+/// The backlog run's verdict: the claim latency and the outbox's dead tuples
+/// must stay flat while the backlog drains (a growth from the first third of
+/// the samples to the last beyond noise fails the run).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Flatness {
+    pub rule: String,
+    pub claim_ms: Option<Trend>,
+    pub dead_tuples: Option<Trend>,
+    /// Both flat; `None`: too few samples for a verdict.
+    pub flat: Option<bool>,
+}
+
+impl Flatness {
+    /// How much the last third's median may exceed the first third's, times.
+    pub const FACTOR: f64 = 2.0;
+    /// The claim's slack, ms.
+    pub const CLAIM_SLACK_MS: f64 = 5.0;
+    /// The dead tuples' slack, as a fraction of the backlog (an autovacuum
+    /// pass every few seconds makes them a sawtooth).
+    pub const DEAD_SLACK: f64 = 0.05;
+
+    pub fn of(samples: &[BacklogSample], backlog: i64) -> Flatness {
+        let claim: Vec<f64> = samples.iter().map(|s| s.claim_ms).collect();
+        let dead: Vec<f64> = samples.iter().map(|s| s.dead_tuples as f64).collect();
+        let claim_ms = Trend::of(&claim, Self::CLAIM_SLACK_MS);
+        let dead_tuples = Trend::of(&dead, backlog as f64 * Self::DEAD_SLACK);
+        let flat = match (&claim_ms, &dead_tuples) {
+            (Some(c), Some(d)) => Some(c.flat && d.flat),
+            _ => None,
+        };
+        Flatness {
+            rule: format!(
+                "flat: median of the last third of the samples <= {} x the first third's + \
+                 slack ({} ms for the claim, {} % of the backlog for dead tuples)",
+                Self::FACTOR,
+                Self::CLAIM_SLACK_MS,
+                Self::DEAD_SLACK * 100.0
+            ),
+            claim_ms,
+            dead_tuples,
+            flat,
+        }
+    }
+
+    pub fn print(&self) {
+        println!("  verdict ({})", self.rule);
+        for (name, trend) in [
+            ("claim ms", &self.claim_ms),
+            ("dead tuples", &self.dead_tuples),
+        ] {
+            if let Some(t) = trend {
+                println!(
+                    "    {name}: first third {:.1}, last third {:.1}, limit {:.1}: {}",
+                    t.first_third_median,
+                    t.last_third_median,
+                    t.limit,
+                    if t.flat { "flat" } else { "NOT FLAT" }
+                );
+            }
+        }
+        match self.flat {
+            Some(true) => println!("  both flat"),
+            Some(false) => println!("  NOT FLAT"),
+            None => println!("  no verdict: fewer than 3 samples (a backlog too small to judge)"),
+        }
+    }
+}
+
+pub fn write_backlog(
+    out: &str,
+    drain: &Drain,
+    samples: &[BacklogSample],
+    verdict: &Flatness,
+) -> anyhow::Result<()> {
     let json = serde_json::to_string_pretty(&serde_json::json!({
         "date": now_utc(),
         "machine": Machine::read(),
         "drain": drain,
+        "verdict": verdict,
         "samples": samples,
     }))?;
     std::fs::write(format!("{out}/backlog.json"), json)?;
@@ -317,7 +427,7 @@ pub fn write_backlog(out: &str, drain: &Drain, samples: &[BacklogSample]) -> any
             }],
         },
         Panel {
-            title: "outbox_events tuples".into(),
+            title: "outbox_events dead tuples; events not yet received by the sink".into(),
             unit: "".into(),
             series: vec![
                 Series {
@@ -329,7 +439,9 @@ pub fn write_backlog(out: &str, drain: &Drain, samples: &[BacklogSample]) -> any
                         .collect(),
                 },
                 Series {
-                    name: "unpublished left".into(),
+                    // Backlog minus the sink's count (not a count of the
+                    // table's unpublished rows).
+                    name: "not yet received by the sink".into(),
                     color: "#2ca02c",
                     points: samples.iter().map(|s| (s.seconds, s.left as f64)).collect(),
                 },
@@ -345,4 +457,44 @@ pub fn write_backlog(out: &str, drain: &Drain, samples: &[BacklogSample]) -> any
     )?;
     println!("wrote {out}/backlog.json, {out}/backlog.svg");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples(claim: &[f64], dead: &[i64]) -> Vec<BacklogSample> {
+        claim
+            .iter()
+            .zip(dead)
+            .enumerate()
+            .map(|(i, (claim_ms, dead_tuples))| BacklogSample {
+                seconds: i as f64 * 2.0,
+                left: 0,
+                claim_ms: *claim_ms,
+                dead_tuples: *dead_tuples,
+                live_tuples: 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_sawtooth_is_flat_a_climb_is_not() {
+        let claim = [3.0, 9.0, 4.0, 5.0, 8.0, 3.0, 4.0, 10.0, 3.0];
+        let saw = [
+            1_000, 60_000, 120_000, 2_000, 70_000, 110_000, 5_000, 50_000, 123_000,
+        ];
+        let verdict = Flatness::of(&samples(&claim, &saw), 1_000_000);
+        assert_eq!(verdict.flat, Some(true), "{verdict:?}");
+        let climb = [
+            1_000, 100_000, 200_000, 300_000, 400_000, 500_000, 600_000, 700_000, 800_000,
+        ];
+        let verdict = Flatness::of(&samples(&claim, &climb), 1_000_000);
+        assert_eq!(verdict.flat, Some(false), "{verdict:?}");
+        assert!(!verdict.dead_tuples.expect("a trend").flat);
+        let slower = [3.0, 4.0, 3.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0];
+        let verdict = Flatness::of(&samples(&slower, &saw), 1_000_000);
+        assert_eq!(verdict.flat, Some(false), "{verdict:?}");
+        assert_eq!(Flatness::of(&samples(&[1.0, 2.0], &[1, 2]), 10).flat, None);
+    }
 }
