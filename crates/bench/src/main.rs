@@ -91,7 +91,13 @@ pub struct Results {
     pub relay_one: relay::Drain,
     pub relay_two: relay::Drain,
     pub relay_raw: relay::Drain,
+    /// The raw loop's channels and messages in flight on each (the relay's
+    /// default workers and batch size).
     pub relay_workers: usize,
+    pub relay_window: usize,
+    /// The consumers' partitions (the tests harness's, 2; the production
+    /// default is 4) and so the raw loop's sequential workers.
+    pub consumer_partitions: usize,
     /// Per consumer: (applied by the service, raw prepared, raw unprepared).
     pub consumers: BTreeMap<String, (consumers::Apply, consumers::Apply, consumers::Apply)>,
     /// The closed-loop load of the sustained-maximum run.
@@ -738,11 +744,39 @@ async fn relay_phase(
         }
     }
     let sink = relay::Sink::bind(&system.exchange).await;
+    let drained = relay_drains(system, orders, settings, &sink, results).await;
+    // Deleted on every path: nothing else removes the sink's queue.
+    sink.delete().await;
+    let backlog = drained?;
+    for consumer in &system.consumers {
+        if consumer.label.ends_with("-0") {
+            bind_consumer(&consumer.name, &system.exchange).await;
+        }
+    }
+    Ok(backlog)
+}
+
+/// The raw loop, then one relay, then two, into `sink`.
+async fn relay_drains(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    settings: &Settings,
+    sink: &relay::Sink,
+    results: &mut Results,
+) -> anyhow::Result<i64> {
     let backlog = relay::top_up(orders, &system.tenant, settings.events).await?;
     println!("  backlog: {backlog} unpublished events");
-    let workers = 2;
+    // The relay's own defaults (what `start_system` runs it with): the raw
+    // loop cannot drift from them.
+    let defaults = outbox_relay::settings::RelaySettings::default();
+    let workers = defaults.workers;
+    let window = usize::try_from(defaults.batch_size).unwrap_or(500);
     results.relay_workers = workers;
-    phase("2. raw: lapin confirm-publish of the same messages (2 channels x 500 in flight)");
+    results.relay_window = window;
+    phase(&format!(
+        "2. raw: lapin confirm-publish of the same messages ({workers} channels x {window} \
+         in flight, a connection of its own)"
+    ));
     let rows = relay::rows(orders, &system.tenant, backlog).await;
     let messages: Arc<Vec<_>> = Arc::new(
         rows.iter()
@@ -750,28 +784,31 @@ async fn relay_phase(
             .collect(),
     );
     drop(rows);
+    // Like the relay, which has its own connection (the sink's consumes).
+    let connection = system_tests::consumers::connect().await;
+    settle(orders).await;
     let before = sink.delivered();
     let meter = cpu::Meter::start();
-    results.relay_raw = relay::raw_publish(&sink.connection, messages.clone(), workers, 500).await;
-    sink.wait_delivered(before + messages.len() as u64).await;
+    results.relay_raw = relay::raw_publish(&connection, messages.clone(), workers, window).await;
+    let delivered = sink
+        .wait_delivered(before + messages.len() as u64, RAW_DELIVERY_DEADLINE)
+        .await;
+    let _ = connection.close(200, "done".into()).await;
+    delivered?;
     report::print_drain("raw confirm-publish", &results.relay_raw);
     let events = results.relay_raw.events;
     record_cpu(results, "2. relay raw", events, meter.stop());
     drop(messages);
     phase("2. one relay draining the backlog");
-    results.relay_one = drain(system, orders, &sink, backlog, 1, results).await;
+    results.relay_one = drain(system, orders, sink, backlog, 1, results).await;
     phase("2. two relays draining the same backlog again");
     relay::reset(orders, &system.tenant).await;
-    results.relay_two = drain(system, orders, &sink, backlog, 2, results).await;
-    sink.delete().await;
-    for consumer in &system.consumers {
-        if consumer.label.ends_with("-0") {
-            bind_consumer(&consumer.name, &system.exchange).await;
-        }
-    }
-
+    results.relay_two = drain(system, orders, sink, backlog, 2, results).await;
     Ok(backlog)
 }
+
+/// How long the sink may take to receive the raw loop's confirmed messages.
+const RAW_DELIVERY_DEADLINE: Duration = Duration::from_secs(600);
 
 /// `relays` relays draining the tenant's backlog of `backlog` events into the
 /// sink: the drain, its CPU per event (recorded), the relays stopped again.
@@ -787,6 +824,9 @@ async fn drain(
         1 => "1 relay".to_owned(),
         n => format!("{n} relays"),
     };
+    // The same state as before the raw loop: the database vacuumed, RabbitMQ
+    // done with the previous side's publishes.
+    settle(orders).await;
     let meter = cpu::Meter::start();
     let before = sink.delivered();
     let started = start_relays(system, relays).await;
@@ -871,6 +911,10 @@ async fn consumer_phase(
             })
             .collect()
     };
+    // The consumers run with the tests harness's partitions (2; the
+    // production default is 4): the raw loop gets as many workers.
+    let partitions = usize::from(system_tests::consumers::Options::default().partitions);
+    results.consumer_partitions = partitions;
     let raw_bodies = bodies_for(raw_tenant);
     let unprepared_bodies = bodies_for(&format!("{raw_tenant}2"));
     for consumer in &system.consumers {
@@ -881,11 +925,13 @@ async fn consumer_phase(
         let raw_name = format!("{}-raw", consumer.name);
         settle(&db).await;
         let meter = cpu::Meter::start();
-        let raw_first = consumers::raw(kind, &raw_name, &raw_bodies[..half], 2, true).await;
+        let raw_first =
+            consumers::raw(kind, &raw_name, &raw_bodies[..half], partitions, true).await;
         let raw_cpu = meter.stop();
         settle(&db).await;
         let meter = cpu::Meter::start();
-        let raw_second = consumers::raw(kind, &raw_name, &raw_bodies[half..], 2, true).await;
+        let raw_second =
+            consumers::raw(kind, &raw_name, &raw_bodies[half..], partitions, true).await;
         let raw_cpu = raw_cpu.plus(meter.stop());
         // The second half; the consumer then stays up for phase 4.
         let (second, second_cpu) = consumer_half(consumer, &db, &rows[half..]).await;
@@ -909,7 +955,8 @@ async fn consumer_phase(
         // The transaction as the runtime sent it before the benchmark
         // (statements as text, one round trip each): the gain of preparing
         // and pipelining them, same run (informative: in one piece, after).
-        let unprepared = consumers::raw(kind, &raw_name, &unprepared_bodies, 2, false).await;
+        let unprepared =
+            consumers::raw(kind, &raw_name, &unprepared_bodies, partitions, false).await;
         report::print_apply(
             "raw (statements one at a time as text, as before)",
             &unprepared,

@@ -36,7 +36,8 @@ pub struct Drain {
     /// (or the last confirm).
     pub wall_seconds: f64,
     /// First to last `published_at` (the relay's steady rate, without its
-    /// start-up); equals the wall time for the raw loop.
+    /// start-up); equals the wall time for the raw loop. The relay's rate
+    /// is the events marked after the first mark over this span.
     pub span_seconds: f64,
     pub per_second: f64,
 }
@@ -113,11 +114,19 @@ impl Sink {
         self.delivered.load(Ordering::Relaxed)
     }
 
-    pub async fn wait_delivered(&self, want: u64) {
-        let deadline = Instant::now() + Duration::from_secs(600);
-        while self.delivered() < want && Instant::now() < deadline {
+    /// Wait until the sink has received `want` messages in all; an error
+    /// after `at_most`.
+    pub async fn wait_delivered(&self, want: u64, at_most: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + at_most;
+        while self.delivered() < want {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the sink received {} of {want} messages in {at_most:?}",
+                self.delivered()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        Ok(())
     }
 
     pub async fn delete(self) {
@@ -281,10 +290,15 @@ pub async fn measure_drain(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let wall = started.elapsed();
+    // The rows of the first mark were published before the span starts:
+    // the rate counts the events marked after it, over first to last mark.
     let row = db
         .query_one(
-            "SELECT count(*), EXTRACT(EPOCH FROM max(published_at) - min(published_at))::float8
-               FROM outbox_events WHERE tenant_id = $1",
+            "WITH d AS (SELECT published_at FROM outbox_events WHERE tenant_id = $1),
+                  f AS (SELECT min(published_at) AS first FROM d)
+             SELECT count(*), count(*) FILTER (WHERE d.published_at > f.first),
+                    EXTRACT(EPOCH FROM max(d.published_at) - f.first)::float8
+               FROM d, f GROUP BY f.first",
             &[&tenant],
         )
         .await
@@ -292,13 +306,14 @@ pub async fn measure_drain(
     let events = u64::try_from(row.get::<_, i64>(0))
         .unwrap_or_default()
         .max(total);
-    let span: f64 = row.get::<_, Option<f64>>(1).unwrap_or_default();
+    let after_first = u64::try_from(row.get::<_, i64>(1)).unwrap_or_default();
+    let span: f64 = row.get::<_, Option<f64>>(2).unwrap_or_default();
     Drain {
         events,
         wall_seconds: wall.as_secs_f64(),
         span_seconds: span,
         per_second: if span > 0.0 {
-            events as f64 / span
+            after_first as f64 / span
         } else {
             rate(events, wall)
         },

@@ -132,17 +132,17 @@ pub fn table(r: &Results) -> String {
         let q = ratio(drain.per_second, r.relay_raw.per_second);
         let _ = writeln!(
             md,
-            "| Relay drain, {label} ({} events) | {:.0} events/s (wall {:.1} s) | {:.0} msg/s confirm-publish ({} channels × 500 in flight) | {:.1} % | ≥ 80 % | {} |",
+            "| Relay drain, {label} ({} events) | {:.0} events/s (wall {:.1} s) | {:.0} msg/s confirm-publish ({} channels × {} in flight) | {:.1} % | ≥ 80 % | {} |",
             drain.events, drain.per_second, drain.wall_seconds, r.relay_raw.per_second,
-            r.relay_workers, q, verdict(q >= 80.0)
+            r.relay_workers, r.relay_window, q, verdict(q >= 80.0)
         );
     }
     for (name, (applied, raw, unprepared)) in &r.consumers {
         let q = ratio(applied.per_second, raw.per_second);
         let _ = writeln!(
             md,
-            "| {name} apply ({} events, 2 partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect ({:.0} tx/s with them one at a time as text, as before) | {:.1} % | ≥ 80 % | {} |",
-            applied.events, applied.per_second, raw.per_second, unprepared.per_second, q, verdict(q >= 80.0)
+            "| {name} apply ({} events, {} partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect ({:.0} tx/s with them one at a time as text, as before) | {:.1} % | ≥ 80 % | {} |",
+            applied.events, r.consumer_partitions, applied.per_second, raw.per_second, unprepared.per_second, q, verdict(q >= 80.0)
         );
     }
     let _ = writeln!(
