@@ -19,6 +19,29 @@ use order_api::operations::{INSERT_LINES, INSERT_ORDER, INSERT_OUTBOX};
 
 use crate::stats::{ms, rate, Latency};
 
+/// Bound on one request (HTTP) or one transaction (raw): past it the request
+/// counts as an error (and the error counts show in the table and verdicts).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Print "`label`: N done after T" every 5 s until the returned guard is
+/// dropped (a run's progress).
+fn progress(
+    label: &'static str,
+    done: Arc<std::sync::atomic::AtomicU64>,
+    started: Instant,
+) -> crate::AbortOnDrop {
+    crate::AbortOnDrop(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            println!(
+                "  {label}: {} done after {:.0?}",
+                done.load(std::sync::atomic::Ordering::Relaxed),
+                started.elapsed()
+            );
+        }
+    }))
+}
+
 /// One side of the comparison.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Load {
@@ -128,18 +151,22 @@ pub async fn http_run(
 ) -> Run {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(concurrency)
+        .timeout(REQUEST_TIMEOUT)
         .build()
         .expect("http client");
     let next = Arc::new(std::sync::atomic::AtomicU64::new(first));
     let started = Instant::now();
     let deadline = started + duration;
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let _progress = progress("order-api", done.clone(), started);
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (client, next, url, key) = (
+        let (client, next, url, key, done) = (
             client.clone(),
             next.clone(),
             format!("{base}/orders"),
             key.to_owned(),
+            done.clone(),
         );
         tasks.spawn(async move {
             let mut samples = Vec::new();
@@ -159,8 +186,15 @@ pub async fn http_run(
                     Ok(r) if r.status().as_u16() == 201 => {
                         let _ = r.bytes().await;
                         samples.push((sent - started, sent.elapsed()));
+                        done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
-                    _ => errors += 1,
+                    other => {
+                        // The first failure of each client on stderr.
+                        if errors == 0 {
+                            eprintln!("order {i}: {:?}", other.map(|r| r.status()));
+                        }
+                        errors += 1;
+                    }
                 }
             }
             (samples, errors)
@@ -189,15 +223,17 @@ fn minor(text: &Value) -> i64 {
 
 /// One create-order transaction, raw: BEGIN, claim the key, order, lines,
 /// outbox row, store the response, COMMIT (7 round trips, like the API's).
+/// The order's body and key are built before the caller's timer starts, as
+/// the HTTP side's are; the fingerprint (the API hashes the request) and
+/// everything after are timed.
 async fn raw_order(
     client: &mut tokio_postgres::Client,
     statements: &[tokio_postgres::Statement; 5],
     tenant: &str,
-    i: u64,
+    key: &str,
+    body: &Value,
 ) -> Result<(), tokio_postgres::Error> {
-    let body = order_body(i);
-    let key = format!("raw-{i}");
-    let fingerprint = blake_like(&body);
+    let fingerprint = blake_like(body);
     let tx = client.transaction().await?;
     let claimed = tx
         .query_opt(
@@ -331,20 +367,34 @@ pub async fn raw_run(
     }
     let started = Instant::now();
     let deadline = started + duration;
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let _progress = progress("raw", done.clone(), started);
     let mut tasks = tokio::task::JoinSet::new();
     for (mut client, statements) in clients {
-        let (next, tenant) = (next.clone(), tenant.to_owned());
+        let (next, tenant, done) = (next.clone(), tenant.to_owned(), done.clone());
         tasks.spawn(async move {
             let mut samples = Vec::new();
             let mut errors = 0;
             while Instant::now() < deadline {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let (body, key) = (order_body(i), format!("raw-{i}"));
                 let sent = Instant::now();
-                match raw_order(&mut client, &statements, &tenant, i).await {
-                    Ok(()) => samples.push((sent - started, sent.elapsed())),
-                    Err(error) => {
+                let order = raw_order(&mut client, &statements, &tenant, &key, &body);
+                match tokio::time::timeout(REQUEST_TIMEOUT, order).await {
+                    Ok(Ok(())) => {
+                        samples.push((sent - started, sent.elapsed()));
+                        done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Ok(Err(error)) => {
                         errors += 1;
                         eprintln!("raw order: {error}");
+                    }
+                    Err(_) => {
+                        // The connection is mid-transaction: this client
+                        // stops (the error counts).
+                        errors += 1;
+                        eprintln!("raw order {i}: no answer in {REQUEST_TIMEOUT:?}");
+                        break;
                     }
                 }
             }
@@ -375,18 +425,25 @@ pub async fn paced_load(
     duration: Duration,
 ) -> Load {
     let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
+        .timeout(REQUEST_TIMEOUT)
         .build()
         .expect("http client");
     let interval = Duration::from_secs_f64(1.0 / per_second.max(1.0));
     let started = Instant::now();
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let _progress = progress("paced order-api", done.clone(), started);
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = tokio::task::JoinSet::new();
     let mut i = first;
     while started.elapsed() < duration {
         ticker.tick().await;
-        let (client, url, key) = (client.clone(), format!("{base}/orders"), key.to_owned());
+        let (client, url, key, done) = (
+            client.clone(),
+            format!("{base}/orders"),
+            key.to_owned(),
+            done.clone(),
+        );
         let n = i;
         i += 1;
         tasks.spawn(async move {
@@ -401,9 +458,13 @@ pub async fn paced_load(
             match response {
                 Ok(r) if r.status().as_u16() == 201 => {
                     let _ = r.bytes().await;
+                    done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     Ok((sent - started, sent.elapsed()))
                 }
-                _ => Err(()),
+                other => {
+                    eprintln!("paced order {n}: {:?}", other.map(|r| r.status()));
+                    Err(())
+                }
             }
         });
     }

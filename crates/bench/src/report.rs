@@ -19,7 +19,11 @@ use crate::{
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Machine {
     pub cores: usize,
+    /// `MemTotal` of `/proc/meminfo`.
     pub memory_mib: u64,
+    /// The cgroup's memory limit (`/sys/fs/cgroup/memory.max`), when one is
+    /// set: what the run may really use.
+    pub memory_limit_mib: Option<u64>,
     pub cpu: String,
 }
 
@@ -41,9 +45,14 @@ impl Machine {
                     .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
             })
             .unwrap_or_default();
+        let memory_limit_mib = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+            .ok()
+            .and_then(|limit| limit.trim().parse::<u64>().ok())
+            .map(|bytes| bytes / (1024 * 1024));
         Machine {
             cores: std::thread::available_parallelism().map_or(1, usize::from),
             memory_mib: memory_kib / 1024,
+            memory_limit_mib,
             cpu,
         }
     }
@@ -107,9 +116,14 @@ pub fn print_ratio(label: &str, measured: f64, raw: f64) {
 
 pub fn table(r: &Results) -> String {
     let mut md = String::new();
+    let limit = r
+        .machine
+        .memory_limit_mib
+        .map(|mib| format!(", cgroup memory limit {mib} MiB"))
+        .unwrap_or_default();
     let _ = writeln!(
         md,
-        "Run {} on {} cores, {} MiB ({}).\n",
+        "Run {} on {} cores, {} MiB{limit} ({}).\n",
         r.date, r.machine.cores, r.machine.memory_mib, r.machine.cpu
     );
     let _ = writeln!(
