@@ -321,6 +321,7 @@ impl Bench {
         ] {
             cleanup_orders(&self.orders, &tenant).await;
             cleanup_effects(&tenant).await;
+            forget_tenant(&self.orders, &tenant).await;
         }
     }
 
@@ -1179,6 +1180,7 @@ async fn clear_aborted_runs(db: &tokio_postgres::Client) {
             println!("  deleting the rows of an aborted run: tenant {tenant}");
             cleanup_orders(db, tenant).await;
             cleanup_effects(tenant).await;
+            forget_tenant(db, tenant).await;
         }
         let _ = db
             .execute(&format!("SELECT pg_advisory_unlock({RUN_LOCK})"), &[run])
@@ -1214,12 +1216,25 @@ async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
     }
 }
 
+/// Delete a tenant's API keys and its `tenants` row (after its orders).
+async fn forget_tenant(db: &tokio_postgres::Client, tenant: &str) {
+    for statement in [
+        "DELETE FROM api_keys WHERE tenant_id = $1",
+        "DELETE FROM tenants WHERE tenant_id = $1",
+    ] {
+        if let Err(error) = db.execute(statement, &[&tenant]).await {
+            eprintln!("cleanup: {error}");
+        }
+    }
+}
+
 /// Delete the consumers' effects of a tenant, children before parents
-/// (migrations/{inventory,ledger,loyalty}), and its progress rows. What
-/// stays: the ledger's journal (`journal_entries`, `journal_lines`: their
-/// triggers reject DELETE, the journal is immutable) and the tenant's
-/// `ledger_accounts`, which the journal lines reference. A run leaves those
-/// behind: one entry of a few lines per `OrderPlaced` it applied.
+/// (migrations/{inventory,ledger,loyalty}), and its progress rows. The
+/// ledger's journal (`journal_entries`, `journal_lines`) cannot be deleted:
+/// its triggers reject DELETE (the journal is immutable). The bench only
+/// places orders, and the ledger keeps an `OrderPlaced` in `ledger_orders`
+/// without posting (it posts on payment and delivery), so a run leaves no
+/// journal entry (nor the `ledger_accounts` its lines would reference).
 async fn cleanup_effects(tenant: &str) {
     for (kind, statements) in [
         (
