@@ -294,11 +294,11 @@ pub async fn measure_drain(
     // the rate counts the events marked after it, over first to last mark.
     let row = db
         .query_one(
-            "WITH d AS (SELECT published_at FROM outbox_events WHERE tenant_id = $1),
-                  f AS (SELECT min(published_at) AS first FROM d)
-             SELECT count(*), count(*) FILTER (WHERE d.published_at > f.first),
-                    EXTRACT(EPOCH FROM max(d.published_at) - f.first)::float8
-               FROM d, f GROUP BY f.first",
+            "WITH d AS (SELECT published_at FROM outbox_events WHERE tenant_id = $1)
+             SELECT count(*),
+                    count(*) FILTER (WHERE published_at > (SELECT min(published_at) FROM d)),
+                    EXTRACT(EPOCH FROM max(published_at) - min(published_at))::float8
+               FROM d",
             &[&tenant],
         )
         .await
