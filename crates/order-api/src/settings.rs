@@ -72,15 +72,20 @@ impl Settings {
 
     /// Refuse values that would change what a setting means or fail every
     /// request later: `lock_timeout = 0` is *no* timeout in PostgreSQL (a
-    /// waiting request would sit until `statement_timeout`), a value above
-    /// its maximum fails every connection, and a key TTL beyond an interval's
-    /// range fails every POST.
+    /// waiting request would sit until `statement_timeout`), and so is in
+    /// effect one at or above the sessions' `statement_timeout` (the wait
+    /// ends as a cancelled statement, a 503, not 409
+    /// `idempotency_in_progress`); a key TTL beyond an interval's range
+    /// fails every POST.
     pub fn validate(&self) -> anyhow::Result<()> {
         let i = &self.idempotency;
         anyhow::ensure!(
-            (1..=i64::from(i32::MAX) as u64).contains(&i.lock_timeout_ms),
-            "idempotency.lock_timeout_ms must be 1 to {} (0 would mean no timeout)",
-            i32::MAX
+            (1..STATEMENT_TIMEOUT_MS).contains(&i.lock_timeout_ms),
+            "idempotency.lock_timeout_ms must be 1 to {} (0 would mean no timeout; from the \
+             sessions' statement_timeout of {STATEMENT_TIMEOUT_MS} ms on, that timeout ends the \
+             wait first, and a request waiting for its key's owner would get 503 instead of \
+             409 idempotency_in_progress)",
+            STATEMENT_TIMEOUT_MS - 1
         );
         anyhow::ensure!(
             (1..=MAX_TTL_SECONDS).contains(&i.ttl_seconds),
@@ -102,6 +107,10 @@ impl Settings {
     }
 }
 
+/// The `statement_timeout` of every session (`kit::db::SESSION_LIMITS`): a
+/// lock wait must end before it.
+const STATEMENT_TIMEOUT_MS: u64 = 30_000;
+
 /// Ten years: far beyond any retention, far inside an interval's range.
 const MAX_TTL_SECONDS: u64 = 10 * 366 * 24 * 3600;
 
@@ -119,10 +128,27 @@ mod tests {
         };
         assert!(with(|s| s.idempotency.lock_timeout_ms = 0).is_err());
         assert!(with(|s| s.idempotency.lock_timeout_ms = 1 << 31).is_err());
-        assert!(with(|s| s.idempotency.lock_timeout_ms = (1 << 31) - 1).is_ok());
+        assert!(with(|s| s.idempotency.lock_timeout_ms = 29_999).is_ok());
+        let error =
+            with(|s| s.idempotency.lock_timeout_ms = 30_000).expect_err("statement_timeout");
+        assert!(
+            error
+                .to_string()
+                .contains("idempotency.lock_timeout_ms must be 1 to 29999"),
+            "{error}"
+        );
         assert!(with(|s| s.idempotency.ttl_seconds = 0).is_err());
         assert!(with(|s| s.idempotency.ttl_seconds = u64::MAX).is_err());
         assert!(with(|s| s.idempotency.cleanup_batch = 0).is_err());
         assert!(with(|s| s.auth.key_cache_ms = u64::MAX).is_err());
+    }
+
+    #[test]
+    fn the_lock_timeout_bound_is_the_sessions_statement_timeout() {
+        assert!(
+            kit::db::SESSION_LIMITS.contains(&format!("statement_timeout={STATEMENT_TIMEOUT_MS} ")),
+            "{}",
+            kit::db::SESSION_LIMITS
+        );
     }
 }
