@@ -1217,3 +1217,104 @@ async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     let c = counts(&caller.tenant).await;
     assert_eq!((c.orders, c.keys), (2, 1));
 }
+
+/// An event's time is taken under the order's lock: a delivery whose
+/// transaction began before a payment of the same order committed (it
+/// waited, here on its key's in-flight owner, this test's uncommitted row)
+/// is dated after the payment, as its sequence is. With `now()` (the
+/// transaction's start) it was dated before.
+#[tokio::test]
+async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
+    let api = OrderApi::start(&[(
+        "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+        "20000".to_owned(),
+    )])
+    .await;
+    let caller = std::sync::Arc::new(Caller::new("dated"));
+    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    let id = order["order_id"].as_str().expect("id").to_owned();
+
+    let mut holder = pg(Database::Orders).await;
+    let tx = holder.transaction().await.expect("begin");
+    tx.execute(
+        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, request_fingerprint, expires_at) \
+         VALUES ($1, 'POST /orders/{id}/deliveries', 'd', 'in-flight', now() + interval '1 hour')",
+        &[&caller.tenant],
+    )
+    .await
+    .expect("claim");
+    let holder_pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let delivery = tokio::spawn({
+        let caller = caller.clone();
+        let url = api.url(&format!("/orders/{id}/deliveries"));
+        async move {
+            json_of(
+                caller
+                    .post(
+                        &url,
+                        "d",
+                        r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#,
+                    )
+                    .await,
+            )
+            .await
+        }
+    });
+    // Until the delivery's transaction waits for this one.
+    let watcher = pg(Database::Orders).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                &[&holder_pid],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the delivery never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, paid) = json_of(
+        caller
+            .post(
+                &api.url(&format!("/orders/{id}/payments")),
+                "p",
+                r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#,
+            )
+            .await,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{paid}");
+    tx.rollback().await.expect("rollback");
+    let (status, delivered) = delivery.await.expect("delivery task");
+    assert_eq!(status, StatusCode::CREATED, "{delivered}");
+    assert_eq!(delivered["event_sequence"], 3);
+
+    let received_at = paid["received_at"].as_str().expect("received_at");
+    let delivered_at = delivered["delivered_at"].as_str().expect("delivered_at");
+    let row = watcher
+        .query_one(
+            "SELECT $1::text::timestamptz > $2::text::timestamptz,
+                    (SELECT occurred_at FROM outbox_events WHERE aggregate_id = $3 AND aggregate_sequence = 3)
+                  > (SELECT occurred_at FROM outbox_events WHERE aggregate_id = $3 AND aggregate_sequence = 2)",
+            &[&delivered_at, &received_at, &id],
+        )
+        .await
+        .expect("compare");
+    let (later, event_later): (bool, bool) = (row.get(0), row.get(1));
+    assert!(
+        later && event_later,
+        "delivered_at {delivered_at} must be after received_at {received_at} (events too: {event_later})"
+    );
+}

@@ -214,9 +214,15 @@ SELECT status, total_minor, currency FROM orders
  WHERE order_id = $1 AND tenant_id = $2
    FOR UPDATE";
 
-/// Advance the order: new status and the next event sequence, in one statement.
+/// Advance the order: new status, the next event sequence and the event's
+/// time, in one statement under the order's lock. The time is
+/// `clock_timestamp()`, read with the lock held, not `now()` (the
+/// transaction's start, before the lock): a request that began before a
+/// concurrent one on the same order committed, and waited for its lock,
+/// would otherwise date its later event before the earlier one.
 const ADVANCE_ORDER: &str = "\
-UPDATE orders SET status = $2, last_event_sequence = last_event_sequence + 1, updated_at = now()
+UPDATE orders SET status = $2, last_event_sequence = last_event_sequence + 1,
+                  updated_at = clock_timestamp()
  WHERE order_id = $1
 RETURNING last_event_sequence, updated_at";
 
