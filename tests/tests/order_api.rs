@@ -1218,6 +1218,66 @@ async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     assert_eq!((c.orders, c.keys), (2, 1));
 }
 
+fn header<'a>(response: &'a Response, name: &str) -> Option<&'a str> {
+    response.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+/// A client whose first POST /orders succeeded but whose response was lost,
+/// retrying under another key (its first expired, or it made a new one),
+/// learns which order its checkout has: `order_id` and `Location`, and the
+/// stored rejection replays byte for byte.
+#[tokio::test]
+async fn a_checkout_ordered_under_another_key_names_its_order() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("chk-names");
+    let with_checkout = SEED_ORDER.replace(
+        "{\"customer_id\"",
+        "{\"checkout_id\":\"chk-1\",\"customer_id\"",
+    );
+    let (status, first) =
+        json_of(caller.post(&api.url("/orders"), "k1", &with_checkout).await).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let order_id = first["order_id"].as_str().expect("id").to_owned();
+
+    let second = caller.post(&api.url("/orders"), "k2", &with_checkout).await;
+    assert_eq!(second.status(), StatusCode::CONFLICT);
+    assert!(!is_replay(&second));
+    let location = format!("/orders/{order_id}");
+    assert_eq!(header(&second, "Location"), Some(location.as_str()));
+    assert_eq!(
+        header(&second, "content-type"),
+        Some("application/problem+json")
+    );
+    let second_body = second.bytes().await.expect("body");
+    let problem: Value = serde_json::from_slice(&second_body).expect("problem");
+    assert_eq!(problem["code"], "checkout_already_ordered");
+    assert_eq!(problem["field"], "checkout_id");
+    assert_eq!(problem["order_id"], order_id.as_str(), "{problem}");
+
+    let replay = caller.post(&api.url("/orders"), "k2", &with_checkout).await;
+    assert_eq!(replay.status(), StatusCode::CONFLICT);
+    assert!(is_replay(&replay));
+    assert_eq!(header(&replay, "Location"), Some(location.as_str()));
+    assert_eq!(replay.bytes().await.expect("body"), second_body);
+    let (_, stored_status, stored) = stored_body(&caller.tenant, "POST /orders", "k2")
+        .await
+        .expect("stored");
+    assert_eq!((stored_status, stored), (409, second_body.to_vec()));
+
+    let (status, found) = json_of(caller.get(&api.url(&location)).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(found["checkout_id"], "chk-1");
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 2,
+            outbox: 1
+        }
+    );
+}
+
 /// An event's time is taken under the order's lock: a delivery whose
 /// transaction began before a payment of the same order committed (it
 /// waited, here on its key's in-flight owner, this test's uncommitted row)

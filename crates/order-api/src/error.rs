@@ -3,16 +3,29 @@
 
 use actix_web::{http::StatusCode, HttpResponse, ResponseError};
 use kit::http::Problem;
+use serde::Serialize;
+use uuid::Uuid;
 
 /// A deterministic business rejection decided inside the transaction. It is
 /// stored with the idempotency key and replayed like a success.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rejection {
-    CheckoutAlreadyOrdered { checkout_id: String },
+    /// `order_id`: the checkout's order, so that a client whose first
+    /// response was lost can find it.
+    CheckoutAlreadyOrdered {
+        checkout_id: String,
+        order_id: Uuid,
+    },
     OrderNotFound,
     OrderAlreadyPaid,
-    AmountMismatch { expected: String, got: String },
-    CurrencyMismatch { expected: String, got: String },
+    AmountMismatch {
+        expected: String,
+        got: String,
+    },
+    CurrencyMismatch {
+        expected: String,
+        got: String,
+    },
     OrderNotPaid,
     OrderAlreadyDelivered,
     DeliveryLinesMismatch,
@@ -29,13 +42,17 @@ impl Rejection {
     pub fn problem(&self) -> Problem {
         use Rejection::*;
         match self {
-            CheckoutAlreadyOrdered { checkout_id } => Problem::new(
+            CheckoutAlreadyOrdered {
+                checkout_id,
+                order_id,
+            } => Problem::new(
                 StatusCode::CONFLICT,
                 "checkout_already_ordered",
                 "This checkout already has an order",
             )
             .detail(format!(
-                "checkout_id {checkout_id} was ordered under another idempotency key"
+                "checkout_id {checkout_id} was ordered under another idempotency key: \
+                 order {order_id} (GET /orders/{order_id})"
             ))
             .field("checkout_id"),
             OrderNotFound => {
@@ -77,6 +94,33 @@ impl Rejection {
                 "The delivered lines must match the order's lines",
             )
             .field("lines"),
+        }
+    }
+
+    /// The order the rejection points at (sent as `Location` and stored as
+    /// the key's resource id).
+    pub fn resource_id(&self) -> Option<Uuid> {
+        match self {
+            Rejection::CheckoutAlreadyOrdered { order_id, .. } => Some(*order_id),
+            _ => None,
+        }
+    }
+
+    /// The exact body: the problem, plus `order_id` (an RFC 9457 extension
+    /// member) where the rejection points at an order.
+    pub fn to_body(&self) -> Vec<u8> {
+        #[derive(Serialize)]
+        struct WithOrder {
+            #[serde(flatten)]
+            problem: Problem,
+            order_id: Uuid,
+        }
+        let problem = self.problem();
+        match self.resource_id() {
+            Some(order_id) => {
+                serde_json::to_vec(&WithOrder { problem, order_id }).unwrap_or_default()
+            }
+            None => problem.to_body(),
         }
     }
 }

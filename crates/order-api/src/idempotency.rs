@@ -76,7 +76,9 @@ impl Stored {
         } else {
             kit::http::PROBLEM_CONTENT_TYPE
         });
-        if let (true, Some(id)) = (status == StatusCode::CREATED, self.resource_id) {
+        // The created order, or the one a rejection points at (a checkout
+        // already ordered under another key).
+        if let Some(id) = self.resource_id {
             response.insert_header(("Location", format!("/orders/{id}")));
         }
         if replayed {
@@ -281,8 +283,8 @@ pub async fn execute(
             metrics.rejections.with_label_values(&[problem.code]).inc();
             Stored {
                 status: problem.status,
-                body: problem.to_body(),
-                resource_id: None,
+                body: rejection.to_body(),
+                resource_id: rejection.resource_id(),
             }
         }
         Err(error) => return Err(rollback(error)),

@@ -120,6 +120,10 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 1)
 ON CONFLICT (tenant_id, checkout_id) WHERE checkout_id IS NOT NULL DO NOTHING
 RETURNING created_at";
 
+/// The order of the tenant's checkout (after [`INSERT_ORDER`] found one).
+const CHECKOUT_ORDER: &str =
+    "SELECT order_id FROM orders WHERE tenant_id = $1 AND checkout_id = $2";
+
 /// All the order's lines in one statement (`$7`: the tenant).
 pub const INSERT_LINES: &str = "\
 INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor, tenant_id)
@@ -154,8 +158,22 @@ async fn create_order(
         .await?
         .map(|row| row.get(0));
     let Some(created_at) = created_at else {
+        // The checkout's order committed (the insert waited for it): this
+        // statement's snapshot sees it.
+        let checkout_id = order.checkout_id.unwrap_or_default();
+        let find = tx.prepare_cached(CHECKOUT_ORDER).await?;
+        let order_id = tx
+            .query_opt(&find, &[&tenant, &checkout_id])
+            .await?
+            .map(|row| row.get(0))
+            .ok_or_else(|| {
+                ApiError::Internal(format!(
+                    "checkout {checkout_id} conflicted but has no order"
+                ))
+            })?;
         return Ok(Err(Rejection::CheckoutAlreadyOrdered {
-            checkout_id: order.checkout_id.unwrap_or_default(),
+            checkout_id,
+            order_id,
         }));
     };
 
