@@ -1278,6 +1278,45 @@ async fn a_checkout_ordered_under_another_key_names_its_order() {
     );
 }
 
+/// RFC 9110 section 15.5.6: a 405 names the resource's methods in `Allow`;
+/// the body is the usual problem.
+#[tokio::test]
+async fn a_method_not_allowed_names_the_allowed_ones() {
+    let api = OrderApi::start(&[]).await;
+    let client = Client::new();
+    let id = uuid::Uuid::now_v7();
+    let expected = json!({
+        "type": "/problems/method_not_allowed",
+        "title": "Method not allowed on this resource",
+        "status": 405,
+        "code": "method_not_allowed",
+    });
+    for (method, path, allow) in [
+        ("DELETE", "/orders".to_owned(), "POST"),
+        ("GET", "/orders".to_owned(), "POST"),
+        ("PUT", format!("/orders/{id}"), "GET"),
+        ("DELETE", format!("/orders/{id}"), "GET"),
+        ("GET", format!("/orders/{id}/payments"), "POST"),
+        ("GET", format!("/orders/{id}/deliveries"), "POST"),
+        ("POST", "/openapi.json".to_owned(), "GET"),
+    ] {
+        let response = client
+            .request(method.parse().expect("method"), api.url(&path))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(header(&response, "Allow"), Some(allow), "{method} {path}");
+        assert_eq!(
+            header(&response, "content-type"),
+            Some("application/problem+json"),
+            "{method} {path}"
+        );
+        let (status, problem) = json_of(response).await;
+        assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        assert_eq!(problem, expected, "{method} {path}");
+    }
+}
+
 /// An event's time is taken under the order's lock: a delivery whose
 /// transaction began before a payment of the same order committed (it
 /// waited, here on its key's in-flight owner, this test's uncommitted row)

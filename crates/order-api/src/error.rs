@@ -1,7 +1,10 @@
 //! The one error type of order-api and its one mapping to HTTP
 //! (`application/problem+json` with a stable `code`).
 
-use actix_web::{http::StatusCode, HttpResponse, ResponseError};
+use actix_web::{
+    http::{header, StatusCode},
+    HttpResponse, ResponseError,
+};
 use kit::http::Problem;
 use serde::Serialize;
 use uuid::Uuid;
@@ -141,8 +144,9 @@ pub enum ApiError {
     PayloadTooLarge { limit: usize },
     #[error("not found")]
     NotFound,
+    /// `allow`: the resource's methods, for the `Allow` header.
     #[error("method not allowed")]
-    MethodNotAllowed,
+    MethodNotAllowed { allow: &'static str },
     #[error("idempotency key reused with a different request")]
     KeyReused,
     #[error("a request with this idempotency key is still in progress")]
@@ -239,7 +243,7 @@ impl ApiError {
             )
             .detail(format!("at most {limit} bytes")),
             Self::NotFound => Problem::new(StatusCode::NOT_FOUND, "not_found", "No such resource"),
-            Self::MethodNotAllowed => Problem::new(
+            Self::MethodNotAllowed { .. } => Problem::new(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
                 "Method not allowed on this resource",
@@ -308,7 +312,13 @@ impl ResponseError for ApiError {
             }
             _ => tracing::debug!(error = %self, "request rejected"),
         }
-        self.problem().error_response()
+        let mut response = self.problem().error_response();
+        if let Self::MethodNotAllowed { allow } = self {
+            response
+                .headers_mut()
+                .insert(header::ALLOW, header::HeaderValue::from_static(allow));
+        }
+        response
     }
 }
 

@@ -21,30 +21,31 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::resource("/orders")
             .route(web::post().to(create_order))
-            .default_service(web::to(method_not_allowed)),
+            .default_service(web::to(method_not_allowed("POST"))),
     )
     .service(
         web::resource("/orders/{id}")
             .route(web::get().to(get_order))
-            .default_service(web::to(method_not_allowed)),
+            .default_service(web::to(method_not_allowed("GET"))),
     )
     .service(
         web::resource("/orders/{id}/payments")
             .route(web::post().to(order_command::<PaymentRequest>))
-            .default_service(web::to(method_not_allowed)),
+            .default_service(web::to(method_not_allowed("POST"))),
     )
     .service(
         web::resource("/orders/{id}/deliveries")
             .route(web::post().to(order_command::<DeliveryRequest>))
-            .default_service(web::to(method_not_allowed)),
+            .default_service(web::to(method_not_allowed("POST"))),
     )
-    .route(
-        "/openapi.json",
-        web::get().to(|| async {
-            HttpResponse::Ok()
-                .content_type("application/json")
-                .body(OPENAPI)
-        }),
+    .service(
+        web::resource("/openapi.json")
+            .route(web::get().to(|| async {
+                HttpResponse::Ok()
+                    .content_type("application/json")
+                    .body(OPENAPI)
+            }))
+            .default_service(web::to(method_not_allowed("GET"))),
     );
 }
 
@@ -52,8 +53,12 @@ pub async fn not_found() -> Result<HttpResponse, ApiError> {
     Err(ApiError::NotFound)
 }
 
-async fn method_not_allowed() -> Result<HttpResponse, ApiError> {
-    Err(ApiError::MethodNotAllowed)
+/// A resource's answer to any other method: 405 with `Allow`, the methods
+/// it has (RFC 9110 section 15.5.6).
+fn method_not_allowed(
+    allow: &'static str,
+) -> impl Fn() -> std::future::Ready<Result<HttpResponse, ApiError>> + Clone {
+    move || std::future::ready(Err(ApiError::MethodNotAllowed { allow }))
 }
 
 /// Read the body up to the configured limit; only JSON (or no content type).
