@@ -1218,6 +1218,36 @@ async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     assert_eq!((c.orders, c.keys), (2, 1));
 }
 
+/// The payments and deliveries rows of `tenant`.
+async fn effects(tenant: &str) -> (i64, i64) {
+    let row = pg(Database::Orders)
+        .await
+        .query_one(
+            "SELECT (SELECT count(*) FROM payments WHERE tenant_id = $1),
+                    (SELECT count(*) FROM deliveries WHERE tenant_id = $1)",
+            &[&tenant],
+        )
+        .await
+        .expect("effect counts");
+    (row.get(0), row.get(1))
+}
+
+/// The order's outbox rows: (aggregate_sequence, event_type).
+async fn outbox_of(order_id: &str) -> Vec<(i64, String)> {
+    pg(Database::Orders)
+        .await
+        .query(
+            "SELECT aggregate_sequence, event_type FROM outbox_events \
+             WHERE aggregate_id = $1 ORDER BY aggregate_sequence",
+            &[&order_id],
+        )
+        .await
+        .expect("outbox")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
 fn header<'a>(response: &'a Response, name: &str) -> Option<&'a str> {
     response.headers().get(name).and_then(|v| v.to_str().ok())
 }
@@ -1315,6 +1345,64 @@ async fn a_method_not_allowed_names_the_allowed_ones() {
         assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
         assert_eq!(problem, expected, "{method} {path}");
     }
+}
+
+/// A payment's currency is moot without the order (another tenant's, or
+/// none): with or without it, a retry under the same key is the same
+/// request and replays the stored 404, not 409 idempotency_key_reused.
+#[tokio::test]
+async fn without_the_order_a_payment_retry_replays_its_404_whatever_its_currency() {
+    let api = OrderApi::start(&[]).await;
+    let owner = Caller::new("moot-a");
+    let caller = Caller::new("moot-b");
+    let (_, order) = json_of(owner.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    let others = order["order_id"].as_str().expect("id").to_owned();
+    let missing = uuid::Uuid::now_v7().to_string();
+    let absent = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+    let with = |currency: &str| {
+        absent.replace(
+            "\"method\"",
+            &format!("\"currency\":\"{currency}\",\"method\""),
+        )
+    };
+    for (what, order_id, first, retries) in [
+        (
+            "missing",
+            &missing,
+            absent.to_owned(),
+            vec![with("USD"), with("EUR")],
+        ),
+        (
+            "another tenant's",
+            &others,
+            with("USD"),
+            vec![absent.to_owned(), with("EUR")],
+        ),
+    ] {
+        let url = api.url(&format!("/orders/{order_id}/payments"));
+        let key = format!("pay-{}", what.replace([' ', '\''], "-"));
+        let response = caller.post(&url, &key, &first).await;
+        assert_eq!(response.status(), StatusCode::NOT_FOUND, "{what}");
+        assert!(!is_replay(&response));
+        let body = response.bytes().await.expect("body");
+        for retry in retries {
+            let response = caller.post(&url, &key, &retry).await;
+            assert_eq!(response.status(), StatusCode::NOT_FOUND, "{what}: {retry}");
+            assert!(is_replay(&response), "{what}: {retry}");
+            assert_eq!(
+                response.bytes().await.expect("body"),
+                body,
+                "{what}: {retry}"
+            );
+        }
+    }
+    let c = counts(&caller.tenant).await;
+    assert_eq!((c.orders, c.keys, c.outbox), (0, 2, 0));
+    assert_eq!(effects(&owner.tenant).await, (0, 0));
+    assert_eq!(
+        outbox_of(&others).await,
+        vec![(1, "OrderPlaced".to_owned())]
+    );
 }
 
 /// An event's time is taken under the order's lock: a delivery whose

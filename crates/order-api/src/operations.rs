@@ -267,20 +267,19 @@ async fn lock_order(
         }))
 }
 
-/// The currency of `order_id` in `tenant` (`None`: no such order, or a
-/// currency this build does not support any more).
+/// The currency code of `order_id` in `tenant` (`None`: no such order).
 pub async fn order_currency(
     client: &deadpool_postgres::Client,
     tenant: &str,
     order_id: Uuid,
-) -> Result<Option<events::Currency>, ApiError> {
+) -> Result<Option<String>, ApiError> {
     let statement = client
         .prepare_cached("SELECT currency FROM orders WHERE order_id = $1 AND tenant_id = $2")
         .await?;
     Ok(client
         .query_opt(&statement, &[&order_id, &tenant])
         .await?
-        .and_then(|row| events::Currency::parse(row.get::<_, &str>(0)).ok()))
+        .map(|row| row.get(0)))
 }
 
 async fn advance(

@@ -150,10 +150,12 @@ pub trait OrderCommand: serde::de::DeserializeOwned {
     fn defaults_from_order(&self) -> bool {
         false
     }
-    /// Leave out what equals the order's default: the fingerprint is over
-    /// the request without it (the seed's payment has no currency; a retry
-    /// stored by a binary from before this rule keeps its fingerprint).
-    fn omit_defaults(&mut self, _order_currency: &events::Currency) {}
+    /// Leave out what equals the order's default, or every value the order
+    /// would decide when there is no such order (the answer is 404 whatever
+    /// it says): the fingerprint is over the request without it (the seed's
+    /// payment has no currency; a retry stored by a binary from before this
+    /// rule keeps its fingerprint).
+    fn omit_defaults(&mut self, _order: &OrderDefaults) {}
     fn fingerprint(&self, order_id: Uuid) -> String;
     /// The fingerprints the previous release computed for this request,
     /// where its canonical form has changed since (see
@@ -173,8 +175,15 @@ impl OrderCommand for PaymentRequest {
     fn defaults_from_order(&self) -> bool {
         self.currency.is_some()
     }
-    fn omit_defaults(&mut self, order_currency: &events::Currency) {
-        if self.currency.as_ref() == Some(order_currency) {
+    fn omit_defaults(&mut self, order: &OrderDefaults) {
+        let moot = match order {
+            OrderDefaults::NotRead => false,
+            OrderDefaults::NoOrder => true,
+            OrderDefaults::Order { currency } => {
+                self.currency.as_ref().map(events::Currency::as_str) == Some(currency.as_str())
+            }
+        };
+        if moot {
             self.currency = None;
         }
     }
@@ -203,18 +212,32 @@ impl OrderCommand for DeliveryRequest {
     }
 }
 
+/// What the order says about a command's defaults, read before the
+/// fingerprint (an order's currency never changes, and an order that is not
+/// the tenant's now never will be: its id is the server's).
+pub enum OrderDefaults {
+    /// The command gives no value whose default comes from the order.
+    NotRead,
+    /// No such order in the caller's tenant.
+    NoOrder,
+    Order {
+        currency: String,
+    },
+}
+
 /// The fingerprint of `command` (its defaults from the order left out) and
 /// the ones an earlier release computed for it (for [`idempotency::execute`]).
 fn fingerprints<C: OrderCommand>(
     command: &mut C,
     order_id: Uuid,
-    order_currency: Option<&events::Currency>,
+    order: &OrderDefaults,
 ) -> (String, Vec<String>) {
     let mut earlier = command.earlier_fingerprints(order_id);
-    if let Some(currency) = order_currency {
-        // Until session 10 a given currency was hashed as sent.
+    if !matches!(order, OrderDefaults::NotRead) {
+        // Until session 10 a given currency was hashed as sent; and when
+        // there was no such order, until the rule above said it is moot.
         earlier.push(command.fingerprint(order_id));
-        command.omit_defaults(currency);
+        command.omit_defaults(order);
     }
     let fingerprint = command.fingerprint(order_id);
     earlier.retain(|f| *f != fingerprint);
@@ -233,16 +256,16 @@ async fn order_command<C: OrderCommand>(
     let body = body(&state, &request, payload).await?;
     let mut command = request::parse::<C>(&body)?;
     command.validate()?;
-    // An order's currency never changes. No order (or a currency this build
-    // no longer knows): the value stays, and the operation answers for the
-    // order.
-    let order_currency = if command.defaults_from_order() {
+    let order = if command.defaults_from_order() {
         let client = state.pool.get().await?;
-        operations::order_currency(&client, &tenant, order_id).await?
+        match operations::order_currency(&client, &tenant, order_id).await? {
+            Some(currency) => OrderDefaults::Order { currency },
+            None => OrderDefaults::NoOrder,
+        }
     } else {
-        None
+        OrderDefaults::NotRead
     };
-    let (fingerprint, earlier) = fingerprints(&mut command, order_id, order_currency.as_ref());
+    let (fingerprint, earlier) = fingerprints(&mut command, order_id, &order);
     let (span, trace) = operation_span(&request, C::SPAN);
     idempotency::execute(
         &state,
@@ -281,19 +304,25 @@ mod tests {
     #[test]
     fn a_retry_fingerprinted_by_the_previous_release_is_the_same_request() {
         let order_id = Uuid::nil();
-        let usd = events::Currency::parse("USD").expect("usd");
+        let usd = OrderDefaults::Order {
+            currency: "USD".to_owned(),
+        };
         let absent = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
         let spelled = r#"{"payment_id":"9001","amount":"93.00","currency":"USD","method":"card"}"#;
         // Session 9 hashed the payment as sent.
         let stored_then = parse::<PaymentRequest>(spelled).fingerprint(order_id);
-        let (now, earlier) =
-            fingerprints(&mut parse::<PaymentRequest>(spelled), order_id, Some(&usd));
-        let (without, _) = fingerprints(&mut parse::<PaymentRequest>(absent), order_id, None);
+        let (now, earlier) = fingerprints(&mut parse::<PaymentRequest>(spelled), order_id, &usd);
+        let (without, _) = fingerprints(
+            &mut parse::<PaymentRequest>(absent),
+            order_id,
+            &OrderDefaults::NotRead,
+        );
         assert_eq!(now, without, "the currency of the order is left out");
         assert_eq!(earlier, vec![stored_then]);
-        let eur = events::Currency::parse("EUR").expect("eur");
-        let (other, earlier) =
-            fingerprints(&mut parse::<PaymentRequest>(spelled), order_id, Some(&eur));
+        let eur = OrderDefaults::Order {
+            currency: "EUR".to_owned(),
+        };
+        let (other, earlier) = fingerprints(&mut parse::<PaymentRequest>(spelled), order_id, &eur);
         assert_ne!(other, now, "another currency than the order's stays");
         assert!(earlier.is_empty());
 
@@ -301,11 +330,42 @@ mod tests {
         let reordered =
             r#"{"delivery_id":"311","lines":[{"sku":"B","qty":1},{"sku":"A","qty":2}]}"#;
         let stored_then = parse::<DeliveryRequest>(reordered).fingerprint_in_line_order(order_id);
-        let (now, earlier) = fingerprints(&mut parse::<DeliveryRequest>(reordered), order_id, None);
+        let not_read = OrderDefaults::NotRead;
+        let (now, earlier) = fingerprints(
+            &mut parse::<DeliveryRequest>(reordered),
+            order_id,
+            &not_read,
+        );
         assert_eq!(
             now,
-            fingerprints(&mut parse::<DeliveryRequest>(sorted), order_id, None).0
+            fingerprints(&mut parse::<DeliveryRequest>(sorted), order_id, &not_read).0
         );
         assert_eq!(earlier, vec![stored_then]);
+    }
+
+    #[test]
+    fn without_the_order_a_payment_s_currency_is_moot() {
+        let order_id = Uuid::nil();
+        let absent = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+        let (without, _) = fingerprints(
+            &mut parse::<PaymentRequest>(absent),
+            order_id,
+            &OrderDefaults::NotRead,
+        );
+        for currency in ["USD", "EUR"] {
+            let spelled = absent.replace(
+                "\"method\"",
+                &format!("\"currency\":\"{currency}\",\"method\""),
+            );
+            // The previous release hashed it as sent when there was no order.
+            let stored_then = parse::<PaymentRequest>(&spelled).fingerprint(order_id);
+            let (now, earlier) = fingerprints(
+                &mut parse::<PaymentRequest>(&spelled),
+                order_id,
+                &OrderDefaults::NoOrder,
+            );
+            assert_eq!(now, without, "{currency}: the same 404 as without it");
+            assert_eq!(earlier, vec![stored_then]);
+        }
     }
 }
