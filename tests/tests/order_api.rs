@@ -1505,3 +1505,136 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
         "delivered_at {delivered_at} must be after received_at {received_at} (events too: {event_later})"
     );
 }
+
+/// A record the cleanup deletes while a request is about to take it over
+/// (expired, not yet deleted): the request is told to retry, 409
+/// idempotency_in_progress with Retry-After, and counted in
+/// `idempotency_in_progress_total` like any other such answer (it was not).
+/// This test's transaction is the cleanup: it locks the record before it
+/// expires (so before the request reads it), and deletes it while the
+/// takeover waits for that lock.
+#[tokio::test]
+async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
+    let api = OrderApi::start(&[
+        (
+            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+            "3600".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+    ])
+    .await;
+    let caller = std::sync::Arc::new(Caller::new("vanish"));
+    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let filter = "WHERE tenant_id = $1 AND idempotency_key = 'k'";
+    let watcher = pg(Database::Orders).await;
+    // Expiring in two seconds, and locked before that: no other test's
+    // order-api cleanup (`FOR UPDATE SKIP LOCKED`) can take it first.
+    let expiring = watcher
+        .execute(
+            &format!(
+                "UPDATE idempotency_requests SET expires_at = now() + interval '2 seconds' {filter}"
+            ),
+            &[&caller.tenant],
+        )
+        .await
+        .expect("expire soon");
+    assert_eq!(expiring, 1);
+    let mut cleanup = pg(Database::Orders).await;
+    let tx = cleanup.transaction().await.expect("begin");
+    let locked = tx
+        .execute(
+            &format!("SELECT 1 FROM idempotency_requests {filter} FOR UPDATE"),
+            &[&caller.tenant],
+        )
+        .await
+        .expect("lock");
+    assert_eq!(locked, 1);
+    loop {
+        let expired: bool = tx
+            .query_one(
+                &format!(
+                    "SELECT expires_at <= clock_timestamp() FROM idempotency_requests {filter}"
+                ),
+                &[&caller.tenant],
+            )
+            .await
+            .expect("expired yet")
+            .get(0);
+        if expired {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cleanup_pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let in_progress = |api: &OrderApi| {
+        let base = api.base.clone();
+        async move {
+            system_tests::consumers::scrape_metric(
+                &base,
+                "idempotency_in_progress_total",
+                "endpoint=\"POST /orders\"",
+            )
+            .await
+        }
+    };
+    let before = in_progress(&api).await;
+    let request = tokio::spawn({
+        let caller = caller.clone();
+        let url = api.url("/orders");
+        let other = SEED_ORDER.replace("\"77\"", "\"78\"");
+        async move { caller.post(&url, "k", &other).await }
+    });
+    // Until the takeover waits for this transaction's lock.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                &[&cleanup_pid],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the takeover never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let deleted = tx
+        .execute(
+            &format!("DELETE FROM idempotency_requests {filter}"),
+            &[&caller.tenant],
+        )
+        .await
+        .expect("delete");
+    assert_eq!(deleted, 1);
+    tx.commit().await.expect("commit");
+
+    let response = request.await.expect("request task");
+    assert_eq!(header(&response, "Retry-After"), Some("1"));
+    let (status, problem) = json_of(response).await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::CONFLICT, Some("idempotency_in_progress")),
+        "{problem}"
+    );
+    assert_eq!(in_progress(&api).await, before + 1.0, "counted");
+    let c = counts(&caller.tenant).await;
+    assert_eq!(
+        (c.orders, c.keys),
+        (1, 0),
+        "nothing executed, nothing stored"
+    );
+}

@@ -189,9 +189,9 @@ pub async fn execute(
 
     let mut client = state.pool.get().await?;
     let tx = client.transaction().await?;
-    let in_progress = || {
+    let in_progress = |why: &'static str| {
         metrics.in_progress.with_label_values(&[endpoint]).inc();
-        tracing::info!(endpoint, key_hash, "idempotency key in progress");
+        tracing::info!(endpoint, key_hash, why, "idempotency key in progress");
         ApiError::InProgress
     };
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
@@ -199,7 +199,9 @@ pub async fn execute(
     let claim = tx.prepare_cached(CLAIM).await?;
     let mut claimed = match tx.query_opt(&claim, &params).await {
         Ok(row) => row.is_some(),
-        Err(error) if ApiError::is_lock_timeout(&error) => return Err(in_progress()),
+        Err(error) if ApiError::is_lock_timeout(&error) => {
+            return Err(in_progress("the wait for the key's owner ran out"))
+        }
         Err(error) => return Err(error.into()),
     };
     let mut existing = None;
@@ -210,7 +212,9 @@ pub async fn execute(
             let take_over = tx.prepare_cached(TAKE_OVER).await?;
             claimed = match tx.query_opt(&take_over, &params).await {
                 Ok(row) => row.is_some(),
-                Err(error) if ApiError::is_lock_timeout(&error) => return Err(in_progress()),
+                Err(error) if ApiError::is_lock_timeout(&error) => {
+                    return Err(in_progress("the wait for the key's owner ran out"))
+                }
                 Err(error) => return Err(error.into()),
             };
             if !claimed {
@@ -224,7 +228,9 @@ pub async fn execute(
         drop(tx); // read-only: rolled back
         let Some(row) = existing else {
             // Deleted by cleanup between the two statements: ask for a retry.
-            return Err(ApiError::InProgress);
+            return Err(in_progress(
+                "the record was deleted by the cleanup meanwhile",
+            ));
         };
         let stored_fingerprint: String = row.get(0);
         if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
@@ -240,7 +246,7 @@ pub async fn execute(
         let body: Option<Vec<u8>> = row.get(2);
         let (Some(status), Some(body)) = (status, body) else {
             // Cannot be committed without a response (one transaction); defensive.
-            return Err(ApiError::InProgress);
+            return Err(in_progress("the record has no response"));
         };
         metrics.replays.with_label_values(&[endpoint]).inc();
         tracing::info!(endpoint, key_hash, status, "idempotent replay");

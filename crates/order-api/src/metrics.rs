@@ -11,7 +11,8 @@ pub struct Metrics {
     pub replays: IntCounterVec,
     /// Key reused with a different fingerprint (409 idempotency_key_reused).
     pub key_conflicts: IntCounterVec,
-    /// Bounded wait on the winner ran out (409 idempotency_in_progress).
+    /// 409 idempotency_in_progress: the bounded wait on the winner ran out,
+    /// or the record was deleted by the cleanup under the request.
     pub in_progress: IntCounterVec,
     /// Owner transactions rolled back by an infrastructure failure (nothing stored).
     pub rollbacks: IntCounterVec,
@@ -80,7 +81,7 @@ impl Metrics {
             in_progress: counter_vec(
                 &registry,
                 "idempotency_in_progress_total",
-                "Requests that gave up waiting for the key's owner",
+                "Requests answered idempotency_in_progress (the wait for the key's owner ran out, or its record was deleted meanwhile)",
                 "endpoint",
             ),
             rollbacks: counter_vec(
