@@ -1638,3 +1638,276 @@ async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
         "nothing executed, nothing stored"
     );
 }
+
+/// Two different keys racing on one checkout: exactly one order and one
+/// event; every other answer is the stored 409 naming that order (or 503
+/// order_busy if a wait for the winner ran past lock_timeout).
+#[tokio::test]
+async fn different_keys_racing_on_one_checkout_make_one_order() {
+    let api = OrderApi::start(&[]).await;
+    let caller = std::sync::Arc::new(Caller::new("chk-race"));
+    let with_checkout = SEED_ORDER.replace(
+        "{\"customer_id\"",
+        "{\"checkout_id\":\"chk-race\",\"customer_id\"",
+    );
+    let url = api.url("/orders");
+    let answers = futures_util::future::join_all((0..6).map(|n| {
+        let caller = caller.clone();
+        let (url, body) = (url.clone(), with_checkout.clone());
+        async move {
+            let response = caller.post(&url, &format!("race-{n}"), &body).await;
+            let retry_after = header(&response, "Retry-After").map(str::to_owned);
+            let location = header(&response, "Location").map(str::to_owned);
+            let (status, body) = json_of(response).await;
+            (status, body, location, retry_after)
+        }
+    }))
+    .await;
+    let created: Vec<&Value> = answers
+        .iter()
+        .filter(|a| a.0 == StatusCode::CREATED)
+        .map(|a| &a.1)
+        .collect();
+    assert_eq!(created.len(), 1, "{answers:?}");
+    let order_id = created[0]["order_id"].as_str().expect("id");
+    let mut stored = 1;
+    for (status, body, location, retry_after) in &answers {
+        match *status {
+            StatusCode::CREATED => {}
+            StatusCode::CONFLICT => {
+                stored += 1;
+                assert_eq!(body["code"], "checkout_already_ordered", "{body}");
+                assert_eq!(body["order_id"], order_id, "{body}");
+                assert_eq!(location.as_deref(), Some(&*format!("/orders/{order_id}")));
+            }
+            StatusCode::SERVICE_UNAVAILABLE => {
+                assert_eq!(body["code"], "order_busy", "{body}");
+                assert_eq!(retry_after.as_deref(), Some("1"));
+            }
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: stored,
+            outbox: 1
+        }
+    );
+}
+
+/// Two payments for one order under different keys at once: one pays, the
+/// other is 409 order_already_paid (stored) or, if its wait for the order's
+/// lock ran out, 503 order_busy with nothing stored. One PaymentReceived,
+/// sequence 2.
+#[tokio::test]
+async fn concurrent_payments_under_different_keys_pay_once() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("pay-race");
+    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    let id = order["order_id"].as_str().expect("id").to_owned();
+    let pay_url = api.url(&format!("/orders/{id}/payments"));
+    let pay = |key: &'static str, payment_id: &'static str| {
+        let body = format!(r#"{{"payment_id":"{payment_id}","amount":"93.00","method":"card"}}"#);
+        let caller = &caller;
+        let pay_url = &pay_url;
+        async move {
+            let response = caller.post(pay_url, key, &body).await;
+            let retry_after = header(&response, "Retry-After").map(str::to_owned);
+            let (status, body) = json_of(response).await;
+            (key, status, body, retry_after)
+        }
+    };
+    let (a, b) = tokio::join!(pay("pay-a", "9001"), pay("pay-b", "9002"));
+    let (winner, loser) = match (a.1, b.1) {
+        (StatusCode::CREATED, _) => (a, b),
+        (_, StatusCode::CREATED) => (b, a),
+        _ => panic!("no payment succeeded: {a:?} {b:?}"),
+    };
+    assert_eq!(winner.2["event_sequence"], 2);
+    let loser_stored = stored_body(&caller.tenant, "POST /orders/{id}/payments", loser.0).await;
+    match loser.1 {
+        StatusCode::CONFLICT => {
+            assert_eq!(loser.2["code"], "order_already_paid", "{:?}", loser.2);
+            assert_eq!(loser_stored.map(|s| s.1), Some(409));
+        }
+        StatusCode::SERVICE_UNAVAILABLE => {
+            assert_eq!(loser.2["code"], "order_busy", "{:?}", loser.2);
+            assert_eq!(loser.3.as_deref(), Some("1"));
+            assert!(loser_stored.is_none(), "a busy answer stores nothing");
+        }
+        other => panic!("unexpected {other}: {:?}", loser.2),
+    }
+    assert_eq!(
+        outbox_of(&id).await,
+        vec![
+            (1, "OrderPlaced".to_owned()),
+            (2, "PaymentReceived".to_owned())
+        ]
+    );
+    assert_eq!(effects(&caller.tenant).await, (1, 0));
+    let last: i64 = pg(Database::Orders)
+        .await
+        .query_one(
+            "SELECT last_event_sequence FROM orders WHERE order_id = $1::text::uuid",
+            &[&id],
+        )
+        .await
+        .expect("order")
+        .get(0);
+    assert_eq!(last, 2);
+}
+
+/// Rejected attempts (a payment of the wrong amount, stored; a delivery
+/// before the payment, not stored) use no sequence number: the events are
+/// 1, 2, 3.
+#[tokio::test]
+async fn rejected_attempts_leave_no_gap_in_the_sequence() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("no-gap");
+    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    let id = order["order_id"].as_str().expect("id").to_owned();
+    let pay_url = api.url(&format!("/orders/{id}/payments"));
+    let deliver_url = api.url(&format!("/orders/{id}/deliveries"));
+    let payment = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+    let delivery = r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#;
+
+    let (status, problem) = json_of(
+        caller
+            .post(&pay_url, "p-wrong", &payment.replace("93.00", "92.00"))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("amount_mismatch"))
+    );
+    let (status, problem) = json_of(caller.post(&deliver_url, "d-early", delivery).await).await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::CONFLICT, Some("order_not_paid"))
+    );
+    let (status, paid) = json_of(caller.post(&pay_url, "p", payment).await).await;
+    assert_eq!(
+        (status, &paid["event_sequence"]),
+        (StatusCode::CREATED, &json!(2))
+    );
+    let (status, delivered) = json_of(caller.post(&deliver_url, "d", delivery).await).await;
+    assert_eq!(
+        (status, &delivered["event_sequence"]),
+        (StatusCode::CREATED, &json!(3))
+    );
+    assert_eq!(
+        outbox_of(&id).await,
+        vec![
+            (1, "OrderPlaced".to_owned()),
+            (2, "PaymentReceived".to_owned()),
+            (3, "ParcelDelivered".to_owned())
+        ]
+    );
+    assert_eq!(effects(&caller.tenant).await, (1, 1));
+}
+
+/// Malformed JSON, a path id that is no UUID and an oversized body on the
+/// payment and delivery POSTs: a 4xx problem, nothing stored.
+#[tokio::test]
+async fn malformed_payments_and_deliveries_get_a_4xx_and_store_nothing() {
+    let api =
+        OrderApi::start(&[("ORDER_API__IDEMPOTENCY__MAX_BODY_BYTES", "1024".to_owned())]).await;
+    let caller = Caller::new("bad-cmd");
+    let (status, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let id = order["order_id"].as_str().expect("id").to_owned();
+    let payment = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+    let delivery = r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#;
+    let padded = |body: &str| format!("{body}{}", " ".repeat(2048));
+    for (resource, good) in [("payments", payment), ("deliveries", delivery)] {
+        let url = api.url(&format!("/orders/{id}/{resource}"));
+        let cases: Vec<(&str, String, String, u16, &str, &str)> = vec![
+            (
+                "not json",
+                url.clone(),
+                "{not json".to_owned(),
+                400,
+                "invalid_request",
+                "body",
+            ),
+            (
+                "empty",
+                url.clone(),
+                String::new(),
+                400,
+                "invalid_request",
+                "body",
+            ),
+            (
+                "an array",
+                url.clone(),
+                "[]".to_owned(),
+                400,
+                "invalid_request",
+                "body",
+            ),
+            (
+                "unknown field",
+                url.clone(),
+                good.replacen('{', "{\"extra\":1,", 1),
+                400,
+                "invalid_request",
+                "extra",
+            ),
+            (
+                "id not a UUID",
+                api.url(&format!("/orders/not-a-uuid/{resource}")),
+                good.to_owned(),
+                400,
+                "invalid_request",
+                "id",
+            ),
+            (
+                "oversized",
+                url.clone(),
+                padded(good),
+                413,
+                "payload_too_large",
+                "",
+            ),
+        ];
+        for (what, url, body, status, code, field) in cases {
+            let key = format!("k-{resource}-{}", what.replace(' ', "-"));
+            let response = caller.post(&url, &key, &body).await;
+            assert_eq!(
+                header(&response, "content-type"),
+                Some("application/problem+json"),
+                "{resource}: {what}"
+            );
+            let (got, problem) = json_of(response).await;
+            assert_eq!(
+                (got.as_u16(), problem["code"].as_str()),
+                (status, Some(code)),
+                "{resource}: {what}: {problem}"
+            );
+            assert!(
+                problem["field"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .starts_with(field),
+                "{resource}: {what}: {problem}"
+            );
+        }
+    }
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 1,
+            outbox: 1
+        },
+        "only the order's own key and event"
+    );
+    assert_eq!(effects(&caller.tenant).await, (0, 0));
+    assert_eq!(outbox_of(&id).await, vec![(1, "OrderPlaced".to_owned())]);
+}
