@@ -1233,6 +1233,34 @@ async fn an_event_naming_another_tenant_s_order_is_dead_lettered_and_the_order_f
         )),
         "{letters:?}"
     );
+
+    // A progress row a dead letter of another tenant created (parked, then
+    // un-parked by a redrive; nothing applied) proves no tenant: the
+    // order's genuine events apply, and the first of them sets the tenant.
+    let t = story(&tenant);
+    pg(Database::Ledger)
+        .await
+        .execute(
+            "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id) VALUES ($1, $2, $3)",
+            &[&name, &t.order.to_string(), &intruder],
+        )
+        .await
+        .expect("a row left by a dead letter");
+    for m in [&t.placed, &t.paid, &t.delivered] {
+        publisher.to_consumer(&name, m).await;
+    }
+    wait_sequence(Database::Ledger, &name, t.order, 3).await;
+    assert_eq!(journal(&tenant, t.order).await.len(), 2);
+    let owner: String = pg(Database::Ledger)
+        .await
+        .query_one(
+            "SELECT tenant_id FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&name, &t.order.to_string()],
+        )
+        .await
+        .expect("progress")
+        .get(0);
+    assert_eq!(owner, tenant);
 }
 
 /// An event the database refuses to store (here an order id too long for the

@@ -181,8 +181,12 @@ async fn sequential_open(
     let progress = tx.query_one(LOCK_PROGRESS, &lock_args).await?;
     let last: i64 = progress.get(0);
     anyhow::ensure!(raw.aggregate_sequence == last + 1, "in order");
-    let advance_args: [&(dyn ToSql + Sync); 3] =
-        [&name, &raw.aggregate_id, &raw.aggregate_sequence];
+    let advance_args: [&(dyn ToSql + Sync); 4] = [
+        &name,
+        &raw.aggregate_id,
+        &raw.aggregate_sequence,
+        &raw.tenant_id,
+    ];
     tx.execute(ADVANCE_PROGRESS, &advance_args).await?;
     Ok(())
 }

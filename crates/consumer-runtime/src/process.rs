@@ -126,8 +126,11 @@ pub const LOCK_PROGRESS: &str = "SELECT last_sequence, parked_at IS NOT NULL \
      FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE";
 /// The last applied sequence moves on, only if `$3` is the next one and the
 /// order is not parked for it (it runs before the runtime has seen the
-/// progress row: see [`open_message`]).
+/// progress row: see [`open_message`]). The first applied event sets the
+/// order's tenant (`$4`): a row a dead letter created (parked before any
+/// event applied) holds that letter's tenant, which proves nothing.
 pub const ADVANCE_PROGRESS: &str = "UPDATE order_progress SET last_sequence = $3, \
+     tenant_id = CASE WHEN last_sequence = 0 THEN $4 ELSE tenant_id END, \
      updated_at = now() WHERE consumer_name = $1 AND aggregate_id = $2 \
      AND last_sequence = $3::bigint - 1 \
      AND (parked_at IS NULL OR $3::bigint < COALESCE(parked_sequence, 0))";
@@ -143,7 +146,8 @@ pub struct Opened {
     pub parked: Option<(Option<uuid::Uuid>, Option<String>)>,
     /// The progress moved to this event's sequence (in order, not parked).
     pub advanced: bool,
-    /// The order's tenant, as its first event named it.
+    /// The order's tenant: its first applied event's (while nothing is
+    /// applied, `last` = 0, whatever event created the row named).
     pub tenant: String,
 }
 
@@ -179,7 +183,10 @@ pub async fn open_message(
             &[&name, &raw.aggregate_id, &raw.tenant_id],
         ),
         tx.query_one(&lock_progress, &[&name, &raw.aggregate_id, &sequence]),
-        tx.execute(&advance, &[&name, &raw.aggregate_id, &sequence]),
+        tx.execute(
+            &advance,
+            &[&name, &raw.aggregate_id, &sequence, &raw.tenant_id],
+        ),
     )
     .await;
     // The first error is the cause (the later statements then fail with
@@ -346,12 +353,14 @@ impl<D: Domain> Processor<D> {
             tracing::info!(event_id = %raw.event_id, "duplicate delivery acknowledged");
             return Ok(Outcome::Duplicate);
         }
-        if opened.tenant != raw.tenant_id {
+        if opened.last > 0 && opened.tenant != raw.tenant_id {
             // An event naming another tenant's order (a producer bug, or a
             // message forged on the broker): applied, it would move that
             // order's sequence and book its effect under the wrong tenant,
             // and the order's genuine event would then be dropped as stale.
             // Dead-lettered alone: parking would hold the genuine order.
+            // Only once an event is applied: before that the row may have
+            // been created by a dead letter naming any tenant.
             tx.rollback().await?;
             drop(client);
             let reason = format!(
