@@ -745,10 +745,14 @@ async fn relay_phase(
         }
     }
     let sink = relay::Sink::bind(&system.exchange).await;
-    let drained = relay_drains(system, orders, settings, &sink, results).await;
-    // Deleted on every path: nothing else removes the sink's queue.
+    let drained = guarded(relay_drains(system, orders, settings, &sink, results)).await;
+    // Deleted on every path, a panic too: nothing else removes the sink's
+    // queue (durable, bound to everything: it would keep filling).
     sink.delete().await;
-    let backlog = drained?;
+    let backlog = match drained {
+        Ok(result) => result?,
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
     for consumer in &system.consumers {
         if consumer.label.ends_with("-0") {
             bind_consumer(&consumer.name, &system.exchange).await;
@@ -801,10 +805,10 @@ async fn relay_drains(
     record_cpu(results, "2. relay raw", events, meter.stop());
     drop(messages);
     phase("2. one relay draining the backlog");
-    results.relay_one = drain(system, orders, sink, backlog, 1, results).await;
+    results.relay_one = drain(system, orders, sink, backlog, 1, results).await?;
     phase("2. two relays draining the same backlog again");
     relay::reset(orders, &system.tenant).await;
-    results.relay_two = drain(system, orders, sink, backlog, 2, results).await;
+    results.relay_two = drain(system, orders, sink, backlog, 2, results).await?;
     Ok(backlog)
 }
 
@@ -820,7 +824,7 @@ async fn drain(
     backlog: i64,
     relays: usize,
     results: &mut Results,
-) -> relay::Drain {
+) -> anyhow::Result<relay::Drain> {
     let label = match relays {
         1 => "1 relay".to_owned(),
         n => format!("{n} relays"),
@@ -832,13 +836,27 @@ async fn drain(
     let before = sink.delivered();
     let started = start_relays(system, relays).await;
     let total = u64::try_from(backlog).unwrap_or(0);
-    let drain =
-        relay::measure_drain(orders, &system.tenant, started, &label, sink, before, total).await;
-    record_cpu(results, &format!("2. {label}"), drain.events, meter.stop());
+    let drain = relay::measure_drain(
+        orders,
+        &system.tenant,
+        started,
+        &label,
+        sink,
+        before,
+        total,
+        DRAIN_DEADLINE,
+    )
+    .await;
+    let cpu = meter.stop();
     stop_relays(system);
+    let drain = drain?;
+    record_cpu(results, &format!("2. {label}"), drain.events, cpu);
     report::print_drain(&label, &drain);
-    drain
+    Ok(drain)
 }
+
+/// How long one drain of the relay phase may take.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(1800);
 
 /// `bench relay`: phase 2 alone (`BENCH_EVENTS` backlog), after 5 s of API
 /// orders as its templates: a quick loop for profiling the relay.
@@ -1316,21 +1334,30 @@ async fn backlog_drain(bench: &mut Bench, settings: &Settings) -> anyhow::Result
     let sink = relay::Sink::bind(&system.exchange).await;
     phase("backlog: one relay draining; a sample every 2 s");
     let started = start_relays(&system, 1).await;
-    let sampled = sample_backlog(orders, &system.tenant, started, &sink, backlog).await;
-    let drained = match sampled {
-        Ok(_) => {
-            let total = u64::try_from(backlog).unwrap_or(0);
-            Some(
-                relay::measure_drain(orders, &system.tenant, started, "relay", &sink, 0, total)
-                    .await,
-            )
-        }
-        Err(_) => None,
-    };
+    let measured = guarded(async {
+        let samples = sample_backlog(orders, &system.tenant, started, &sink, backlog).await?;
+        let total = u64::try_from(backlog).unwrap_or(0);
+        let drain = relay::measure_drain(
+            orders,
+            &system.tenant,
+            started,
+            "relay",
+            &sink,
+            0,
+            total,
+            BACKLOG_DEADLINE,
+        )
+        .await?;
+        Ok((samples, drain))
+    })
+    .await;
     stop_relays(&system);
+    // Deleted on every path, a panic too (see `relay_phase`).
     sink.delete().await;
-    let samples = sampled?;
-    let drain = drained.unwrap_or_default();
+    let (samples, drain) = match measured {
+        Ok(result) => result?,
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
     report::print_drain("1 relay", &drain);
     let verdict = report::Flatness::of(&samples, backlog);
     verdict.print();
