@@ -42,12 +42,11 @@ impl Connected {
     }
 }
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Connect, retrying with capped exponential backoff (100 ms .. 5 s) until the
-/// broker accepts or `shutdown` is cancelled. One attempt takes at most 10 s
-/// (a host that drops the handshake's packets would otherwise hold it for
-/// the kernel's connect timeout, minutes) and ends at once on shutdown.
+/// broker accepts or `shutdown` is cancelled; an attempt in progress ends at
+/// once on shutdown. (No timeout of our own around an attempt: lapin starts
+/// its I/O loop, which retries the socket by itself, before the handshake,
+/// and dropping the attempt would leave that loop running.)
 pub async fn connect(
     settings: &AmqpSettings,
     connection_name: &str,
@@ -59,17 +58,8 @@ pub async fn connect(
             ConnectionProperties::default().with_connection_name(connection_name.into());
         let attempt = tokio::select! {
             _ = shutdown.cancelled() => return Err(AmqpError::Cancelled),
-            attempt = tokio::time::timeout(
-                CONNECT_TIMEOUT,
-                Connection::connect(&settings.url, properties),
-            ) => attempt,
+            attempt = Connection::connect(&settings.url, properties) => attempt,
         };
-        let attempt = attempt.unwrap_or_else(|_| {
-            Err(
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out after 10 s")
-                    .into(),
-            )
-        });
         match attempt {
             Ok(connection) => {
                 tracing::info!(url = %redact_url(&settings.url), "connected to RabbitMQ");
