@@ -201,6 +201,12 @@ if [ -z "$node_dir" ]; then
         || { tail -n 40 "$RABBITMQ_LOG_BASE"/*.log >&2 2>/dev/null; die "RabbitMQ did not start within 120s"; }
 fi
 rabbitmq_wait_ready 120 || die "RabbitMQ not ready"
+# A memory alarm a killed test left raised (tests/tests/broker_alarm.rs
+# clears it when it ends, unless it is killed): every publisher would block.
+if [ -f "$RUN_DIR/rabbitmq-watermark" ]; then
+    log "clearing a memory alarm left raised by an interrupted test"
+    rabbitmq_memory_alarm off || die "could not clear the RabbitMQ memory alarm"
+fi
 [ -n "$node_dir" ] || rabbitmqctl -q status >/dev/null \
     || die "rabbitmqctl status fails (Erlang cookie/HOME mismatch?)"
 

@@ -338,44 +338,36 @@ pub mod consumers;
 pub mod otlp;
 pub mod system;
 
-/// Every test binary of this crate (`tests/tests/*.rs`).
-const TEST_BINARIES: &[&str] = &[
-    "broker_alarm",
-    "consumers",
-    "drift",
-    "faults",
-    "foundation",
-    "full_flow",
-    "order_api",
-    "relay",
-    "soak",
-    "tracing",
-];
-
-/// Other engineers' tests break when PostgreSQL or RabbitMQ restart (or
-/// block) under them: wait (at most 10 minutes) until no test binary but
-/// `own` runs on this machine. (`cargo test` runs its binaries one after
-/// another; this guards against other checkouts' runs.)
+/// Other engineers' tests and benchmarks break when PostgreSQL or RabbitMQ
+/// restart (or block publishers) under them: wait until no other test
+/// binary (any cargo test executable, `.../deps/<name>-<hash>`, of any
+/// checkout) and no benchmark runs on this machine; fail after 10 minutes
+/// rather than break them. (`cargo test` runs its binaries one after
+/// another, so within one `make test` this only waits for nothing.) A
+/// system started by `make run` is not detected: it sees the fault too.
 pub async fn wait_for_quiet_machine(own: &str) {
-    let others: Vec<&str> = TEST_BINARIES
-        .iter()
-        .copied()
-        .filter(|name| *name != own)
-        .collect();
-    let pattern = format!("target/debug/deps/({})-", others.join("|"));
+    const OTHERS: &str = r"/deps/[a-z0-9_]+-[0-9a-f]{16}( |$)|bench-release/bench( |$)";
+    let me = std::process::id().to_string();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
     loop {
-        let busy = std::process::Command::new("pgrep")
-            .args(["-f", &pattern])
+        let output = std::process::Command::new("pgrep")
+            .args(["-f", OTHERS])
             .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false);
-        if !busy || std::time::Instant::now() >= deadline {
+            .expect("pgrep");
+        let others: Vec<String> = String::from_utf8_lossy(&output.stdout)
+            .split_whitespace()
+            .filter(|pid| *pid != me)
+            .map(str::to_owned)
+            .collect();
+        if others.is_empty() {
             return;
         }
-        println!(
-            "{own}: waiting for other test binaries to finish before touching the infrastructure"
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{own}: other tests or benchmarks (pids {others:?}) still run after 10 minutes; \
+             this test injects a fault into the shared PostgreSQL or RabbitMQ: run it alone"
         );
+        println!("{own}: waiting for other tests or benchmarks (pids {others:?}) to finish before touching the infrastructure");
         tokio::time::sleep(std::time::Duration::from_secs(5)).await;
     }
 }

@@ -145,7 +145,7 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
     let order = Uuid::now_v7();
     let check = tokio::process::Command::new(bin("drift-check"))
         .args(["--tenant", &tenant, "--grace-seconds", "600"])
-        .env("FAILPOINTS", "drift.between_snapshots=sleep(10000)")
+        .env("FAILPOINTS", "drift.between_snapshots=sleep(20000)")
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -155,7 +155,7 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
     // Wait until the check holds its three consumer snapshots and has not
     // opened the orders one.
     let orders = pg(Database::Orders).await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(8);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     loop {
         let row = orders
             .query_one(

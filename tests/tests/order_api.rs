@@ -1531,12 +1531,12 @@ async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
     assert_eq!(first.status(), StatusCode::CREATED);
     let filter = "WHERE tenant_id = $1 AND idempotency_key = 'k'";
     let watcher = pg(Database::Orders).await;
-    // Expiring in two seconds, and locked before that: no other test's
+    // Expiring in six seconds, and locked before that: no other test's
     // order-api cleanup (`FOR UPDATE SKIP LOCKED`) can take it first.
     let expiring = watcher
         .execute(
             &format!(
-                "UPDATE idempotency_requests SET expires_at = now() + interval '2 seconds' {filter}"
+                "UPDATE idempotency_requests SET expires_at = now() + interval '6 seconds' {filter}"
             ),
             &[&caller.tenant],
         )
@@ -1889,13 +1889,20 @@ async fn malformed_payments_and_deliveries_get_a_4xx_and_store_nothing() {
                 (status, Some(code)),
                 "{resource}: {what}: {problem}"
             );
-            assert!(
-                problem["field"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .starts_with(field),
-                "{resource}: {what}: {problem}"
-            );
+            if field.is_empty() {
+                // Too large to read: no field to name.
+                assert!(
+                    problem.get("field").is_none(),
+                    "{resource}: {what}: {problem}"
+                );
+            } else {
+                assert!(
+                    problem["field"]
+                        .as_str()
+                        .is_some_and(|named| named.starts_with(field)),
+                    "{resource}: {what}: {problem}"
+                );
+            }
         }
     }
     assert_eq!(

@@ -26,6 +26,17 @@ pub fn init_from_env() {
     }
 }
 
+/// A named point where a test holds the process (`sleep(ms)`, `pause`), not
+/// a durability boundary: `return` does nothing here. A no-op without the
+/// `failpoints` feature.
+#[inline]
+pub fn hold_point(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    let _ = fail::eval(name, |_| ());
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
+
 /// A named crash boundary. See the module documentation.
 #[inline]
 pub fn crash_point(name: &'static str) {

@@ -124,10 +124,9 @@ pub async fn check(
     let inventory = connect(&dbs.inventory).await?;
     let ledger = connect(&dbs.ledger).await?;
     let loyalty = connect(&dbs.loyalty).await?;
-    // Not a durability boundary (the check writes nothing): the point where
-    // the fault suite holds the check to commit an order between the
-    // snapshots.
-    kit::failpoint::crash_point("drift.between_snapshots");
+    // Where the test of the snapshot order holds the check to commit an
+    // order between the snapshots (the check writes nothing).
+    kit::failpoint::hold_point("drift.between_snapshots");
     let orders_db = connect(&dbs.orders).await?;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
 

@@ -118,4 +118,7 @@ async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() 
     db.execute("DELETE FROM outbox_events WHERE tenant_id = $1", &[&tenant])
         .await
         .expect("clean up");
+    db.execute("DELETE FROM tenants WHERE tenant_id = $1", &[&tenant])
+        .await
+        .expect("clean up the tenant");
 }
