@@ -158,8 +158,10 @@ impl PublishFailure {
     /// channel or a nack is the infrastructure's: RabbitMQ nacks a message
     /// a queue refused for the queue's state (`x-overflow: reject-publish`
     /// on a full queue, as the consumers' partition queues are declared
-    /// under a length limit; an internal queue error), never for the
-    /// message itself. Retried with backoff, never quarantined, so a broker
+    /// under a length limit; an internal queue error), hardly ever for the
+    /// message itself (a byte-length policy below its size: that order is
+    /// held, and alerted, until the policy changes). Retried with backoff,
+    /// never quarantined, so a broker
     /// incident or a consumer down long enough to fill its queue cannot
     /// quarantine healthy orders; the publish-failure and oldest-pending-age
     /// alerts cover it.
