@@ -1453,25 +1453,7 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
     });
     // Until the delivery's transaction waits for this one.
     let watcher = pg(Database::Orders).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let waiting: i64 = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                &[&holder_pid],
-            )
-            .await
-            .expect("pg_stat_activity")
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the delivery never waited"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until_blocked_by(&watcher, holder_pid, "the delivery never waited").await;
     let (status, paid) = json_of(
         caller
             .post(
@@ -1593,25 +1575,7 @@ async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
         async move { caller.post(&url, "k", &other).await }
     });
     // Until the takeover waits for this transaction's lock.
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let waiting: i64 = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                &[&cleanup_pid],
-            )
-            .await
-            .expect("pg_stat_activity")
-            .get(0);
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the takeover never waited"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until_blocked_by(&watcher, cleanup_pid, "the takeover never waited").await;
     let deleted = tx
         .execute(
             &format!("DELETE FROM idempotency_requests {filter}"),
@@ -1917,4 +1881,25 @@ async fn malformed_payments_and_deliveries_get_a_4xx_and_store_nothing() {
     );
     assert_eq!(effects(&caller.tenant).await, (0, 0));
     assert_eq!(outbox_of(&id).await, vec![(1, "OrderPlaced".to_owned())]);
+}
+
+/// Wait (at most 15 s) until some session waits for a lock held by the
+/// backend `pid`; panics with `never` otherwise.
+async fn wait_until_blocked_by(watcher: &tokio_postgres::Client, pid: i32, never: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                &[&pid],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        if waiting > 0 {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{never}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -85,6 +85,16 @@ async fn finish(connection: Connection, channel: &Channel, exchange: &str) {
 
 /// A private queue bound to the test's exchange for the given routing keys.
 async fn bound_queue(channel: &Channel, exchange: &str, routing_keys: &[&str]) -> String {
+    bound_queue_with(channel, exchange, routing_keys, FieldTable::default()).await
+}
+
+/// [`bound_queue`] declared with `arguments`.
+async fn bound_queue_with(
+    channel: &Channel,
+    exchange: &str,
+    routing_keys: &[&str],
+    arguments: FieldTable,
+) -> String {
     let queue = channel
         .queue_declare(
             "".into(),
@@ -93,7 +103,7 @@ async fn bound_queue(channel: &Channel, exchange: &str, routing_keys: &[&str]) -
                 auto_delete: true,
                 ..QueueDeclareOptions::default()
             },
-            FieldTable::default(),
+            arguments,
         )
         .await
         .expect("queue");
@@ -1059,21 +1069,7 @@ async fn nacks_of_a_full_queue_back_off_and_never_quarantine() {
         "x-overflow".into(),
         AMQPValue::LongString("reject-publish".as_bytes().into()),
     );
-    let full = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            args,
-        )
-        .await
-        .expect("full queue")
-        .name()
-        .to_string();
-    bind(&channel, &tenant, &full, &event_type).await;
+    let full = bound_queue_with(&channel, &tenant, &[&event_type], args).await;
     let events = orders_with_events(2, 2, &event_type);
     insert(&db, &tenant, &events).await;
     let mut settings = patient();
