@@ -2712,6 +2712,69 @@ async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
     );
 }
 
+/// A redrive moves an order's letters only when they continue it without a
+/// hole: with the letter of sequence 3 in the DLQ while the order has
+/// applied only 1 (2 never came, or lies past `--max`), moving 3 would only
+/// wait at the gap and park the order again; it is kept, the order stays
+/// parked. Once 2 is applied, the same redrive moves 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_keeps_letters_that_do_not_continue_their_order() {
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-redrive-gap").await;
+    let order = Uuid::now_v7();
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
+    publisher
+        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
+        .await;
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+    // Sequence 3, undecodable: dead-lettered and the order parked at once.
+    let third = parcel_delivered(&tenant, order, 3, 2).as_version_99();
+    publisher.to_consumer(&name, &third).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((1, true))
+    );
+
+    let stdout = redrive_one_partition(&name, order).await;
+    assert!(
+        stdout.contains("no letter read holds sequence 2"),
+        "{stdout}"
+    );
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((1, true)),
+        "still parked: {stdout}"
+    );
+    assert_eq!(live_counts(&format!("{name}.dlq")).await.0, 1, "kept");
+
+    // Sequence 2 arrives (inventory ignores payments: it only advances).
+    publisher
+        .to_consumer(&name, &payment_received(&tenant, order, 2, "93.00"))
+        .await;
+    wait_sequence(Database::Inventory, &name, order, 2).await;
+    let stdout = redrive_one_partition(&name, order).await;
+    assert!(
+        stdout.contains(&format!("moved {}", third.event_id)),
+        "{stdout}"
+    );
+}
+
+/// `inventory-consumer redrive --order <order>` of a one-partition consumer.
+async fn redrive_one_partition(name: &str, order: Uuid) -> String {
+    let output = run_redrive(
+        Kind::Inventory,
+        name,
+        &["--order", &order.to_string()],
+        &Options::one_partition(),
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "redrive: {stdout}");
+    stdout
+}
+
 /// A crash after the dead letter's confirm, before the park commits
 /// (`consumer.after_dead_letter_before_park`): the message was not
 /// acknowledged, so it is redelivered, dead-lettered again and the order

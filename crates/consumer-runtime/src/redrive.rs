@@ -85,6 +85,35 @@ fn letter(delivery: Delivery) -> Letter {
     }
 }
 
+/// The order's last applied sequence (0: none, or no progress row).
+async fn last_applied(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<i64> {
+    let client = pool.get().await?;
+    Ok(client
+        .query_opt(
+            "SELECT last_sequence FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&consumer, &order],
+        )
+        .await?
+        .map_or(0, |row| row.get(0)))
+}
+
+/// The first sequence after `last` that none of `sequences` (sorted) holds,
+/// if one is missing before the highest: moved back, the letters past it
+/// would only wait at the gap, then fail and park the order again.
+fn first_gap(last: i64, sequences: impl IntoIterator<Item = i64>) -> Option<i64> {
+    let mut next = last + 1;
+    for sequence in sequences {
+        if sequence < next {
+            continue; // applied already (a duplicate letter) or a repeat
+        }
+        if sequence > next {
+            return Some(next);
+        }
+        next += 1;
+    }
+    None
+}
+
 async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
     let client = pool.get().await?;
     let updated = client
@@ -198,6 +227,19 @@ async fn move_letters(
             others.extend(letters);
             continue;
         }
+        // Every letter from the next sequence on, without a hole: the rest
+        // of the order's letters may lie past `--max`, or its earliest was
+        // lowered into the DLQ behind later ones.
+        let last = last_applied(pool, &topology.name, &order).await?;
+        if let Some(missing) = first_gap(last, letters.iter().map(|l| l.sequence)) {
+            report.kept.push(format!(
+                "order {order}: applied up to sequence {last}, but no letter read holds sequence \
+                 {missing} (past --max {max}, or not dead-lettered): nothing moved, not un-parked \
+                 (raise --max, or replay the missing event)"
+            ));
+            others.extend(letters);
+            continue;
+        }
         // Un-park first, or the moved events would go straight back to the DLQ.
         if unpark(pool, &topology.name, &order).await? {
             report.unparked.push(order.clone());
@@ -270,5 +312,24 @@ async fn move_letters(
     match failure {
         Some(error) => Err(error),
         None => Ok(report),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_gap;
+
+    #[test]
+    fn letters_must_continue_the_order_without_a_hole() {
+        assert_eq!(first_gap(2, [3, 4, 5]), None);
+        assert_eq!(
+            first_gap(2, [2, 3, 3, 4]),
+            None,
+            "applied and repeated letters"
+        );
+        assert_eq!(first_gap(0, [1]), None);
+        assert_eq!(first_gap(2, [4, 5]), Some(3), "the next one is missing");
+        assert_eq!(first_gap(2, [3, 5]), Some(4), "a hole");
+        assert_eq!(first_gap(5, [2, 3]), None, "only applied ones");
     }
 }
