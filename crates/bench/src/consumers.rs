@@ -147,7 +147,11 @@ async fn apply_one<D: Domain>(
     body: &[u8],
 ) -> anyhow::Result<()> {
     let raw = RawEnvelope::parse_raw(body)?;
-    let event = raw.decode().ok();
+    // Like the runtime: only the types the domain applies are decoded.
+    let event = D::HANDLES
+        .contains(&raw.event_type.as_str())
+        .then(|| raw.decode().ok())
+        .flatten();
     let tx = client.transaction().await?;
     if pipelined {
         let opened = open_message(&tx, name, &raw).await?;
