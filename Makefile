@@ -21,6 +21,7 @@ help:
 	@echo "make up       install where missing and start PostgreSQL + RabbitMQ, create the databases"
 	@echo "make down     stop what 'make up' started"
 	@echo "make migrate  apply every database's migrations"
+	@echo "make build    the debug binaries with their fail points (what the tests start)"
 	@echo "make lint     rustfmt check + clippy -D warnings + hadolint (deploy/Dockerfile)"
 	@echo "make bench    benchmarks: every stage against its raw limit (BENCHMARKS.md)"
 	@echo "make bench-backlog  long: a 1,000,000-event backlog drain (claim latency, dead tuples)"

@@ -7,6 +7,7 @@
 # It also defines small helper functions used by infra-up/down/restart:
 #     pg_wait_ready [timeout]      pg_restart [immediate|fast|smart]
 #     rabbitmq_wait_ready [timeout] rabbitmq_restart [app|full]
+#     rabbitmq_memory_alarm on|off
 
 # --- repo root, derived from this file's own path --------------------------
 _infra_env_file=
