@@ -135,7 +135,7 @@ pub fn bin(name: &str) -> PathBuf {
     let path = dir.join(name);
     assert!(
         path.exists(),
-        "{} not built: run `cargo build --workspace` first (make test does)",
+        "{} not built: run `make build` first (the binaries with their fail points; make test does)",
         path.display()
     );
     path

@@ -4,7 +4,6 @@
 //! inbox cleanup. Every test runs its consumers under a private consumer name
 //! (own exchange and queues) and a private tenant, and counts only its rows.
 
-use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -856,7 +855,7 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     )
     .await;
     assert!(
-        !crashed.status.success(),
+        system_tests::system::aborted(&crashed.status),
         "the redrive aborted at the fail point: {}",
         String::from_utf8_lossy(&crashed.stderr)
     );
@@ -985,8 +984,9 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
     publisher.to_consumer(&name, &s.placed).await;
     let status = exit_of(crashing).await;
     assert!(
-        status.0.is_some_and(|s| !s.success()),
-        "aborted at the fail point"
+        status.0.as_ref().is_some_and(system_tests::system::aborted),
+        "aborted at the fail point: {:?}",
+        status.0
     );
     // Committed before the crash.
     assert_eq!(
@@ -1523,8 +1523,8 @@ async fn a_second_instance_takes_over_when_the_active_one_is_killed() {
     let name = unique("t5-ha-inv");
     let slow = Options {
         // Slow enough that the kill lands mid-stream: 30 messages take the
-        // two partitions about 3 s, far longer than publishing them.
-        failpoints: Some("consumer.in_handler=sleep(200)".to_owned()),
+        // two partitions about 15 s, far longer than publishing them.
+        failpoints: Some("consumer.in_handler=sleep(1000)".to_owned()),
         ..Options::default()
     };
     let active = Consumer::start(Kind::Inventory, &name, slow.clone()).await;
@@ -2113,7 +2113,7 @@ async fn a_sale_without_stock_is_dead_lettered_and_redriven_per_order_after_the_
     )
     .await;
     assert!(
-        crashed.status.signal() == Some(6),
+        system_tests::system::aborted(&crashed.status),
         "aborted at the fail point: {:?}",
         crashed.status
     );
@@ -2799,8 +2799,9 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
     publisher.to_consumer(&name, &poison).await;
     let status = exit_of(crashing).await;
     assert!(
-        status.0.is_some_and(|s| !s.success()),
-        "aborted at the fail point"
+        status.0.as_ref().is_some_and(system_tests::system::aborted),
+        "aborted at the fail point: {:?}",
+        status.0
     );
     assert_eq!(
         progress(Database::Inventory, &name, order).await,

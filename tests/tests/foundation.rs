@@ -76,20 +76,24 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
 
 #[tokio::test]
 async fn outbox_rows_enforce_the_seed_000_contract() {
-    let client = pg(Database::Orders).await;
+    let mut client = pg(Database::Orders).await;
     kit::migrations::run(&pool(Database::Orders), Database::Orders)
         .await
         .expect("migrate");
+    // In a transaction rolled back at the end: no relay (the zero-config one
+    // of this binary has no tenant filter) ever sees, publishes or marks
+    // the row while the test counts it.
+    let mut tx = client.transaction().await.expect("begin");
     let aggregate = uuid::Uuid::now_v7().to_string();
     let insert = "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
                   aggregate_sequence, event_type, schema_version, payload) \
                   VALUES ($1, 'acme', 'order', $2, $3, 'OrderPlaced', 1, '{}')";
-    client
-        .execute(insert, &[&uuid::Uuid::now_v7(), &aggregate, &1_i64])
+    tx.execute(insert, &[&uuid::Uuid::now_v7(), &aggregate, &1_i64])
         .await
         .expect("first event");
     // Two events cannot take the same logical position of one order.
-    let duplicate = client
+    let savepoint = tx.savepoint("duplicate").await.expect("savepoint");
+    let duplicate = savepoint
         .execute(insert, &[&uuid::Uuid::now_v7(), &aggregate, &1_i64])
         .await
         .expect_err("same aggregate_sequence twice must be rejected");
@@ -97,7 +101,8 @@ async fn outbox_rows_enforce_the_seed_000_contract() {
         duplicate.code(),
         Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
     );
-    let pending: i64 = client
+    savepoint.rollback().await.expect("rollback to savepoint");
+    let pending: i64 = tx
         .query_one(
             "SELECT count(*) FROM outbox_events WHERE aggregate_id = $1 AND published_at IS NULL",
             &[&aggregate],
@@ -106,13 +111,7 @@ async fn outbox_rows_enforce_the_seed_000_contract() {
         .expect("count")
         .get(0);
     assert_eq!(pending, 1);
-    client
-        .execute(
-            "DELETE FROM outbox_events WHERE aggregate_id = $1",
-            &[&aggregate],
-        )
-        .await
-        .expect("clean up");
+    tx.rollback().await.expect("rollback");
 }
 
 /// DESIGN.md section 3: every row of the orders database carries its

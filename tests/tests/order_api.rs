@@ -250,7 +250,7 @@ async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
         .service
         .wait_exit(Duration::from_secs(10))
         .expect("the fail point aborts the process");
-    assert!(!status.success());
+    assert!(system_tests::system::aborted(&status), "{status:?}");
     // Committed: exactly one order, one outbox row, one key with the response.
     assert_eq!(
         counts(&caller.tenant).await,
@@ -291,9 +291,11 @@ async fn a_transaction_rolled_back_before_commit_stores_nothing_and_the_key_work
         .send()
         .await;
     assert!(lost.is_err(), "{lost:?}");
-    api.service
+    let status = api
+        .service
         .wait_exit(Duration::from_secs(10))
         .expect("the fail point aborts the process");
+    assert!(system_tests::system::aborted(&status), "{status:?}");
     assert_eq!(
         counts(&caller.tenant).await,
         Counts {

@@ -301,7 +301,20 @@ async fn backlog_drains_in_order_and_the_oldest_pending_age_falls_back() {
 
     // The relays are scoped to the system's tenant (`only_tenant`), and so
     // are their gauges: other tenants' pending rows in the shared database do
-    // not count. Both fall back once the backlog is drained.
+    // not count. Both fall back once the backlog is drained. (The metric
+    // reader counts an absent series as 0: the gauges must exist.)
+    let exposition = reqwest::get(relay.url("/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    for gauge in ["outbox_oldest_pending_age_seconds", "outbox_pending_events"] {
+        assert!(
+            exposition.contains(&format!("# TYPE {gauge} gauge")),
+            "{gauge} exported:\n{exposition}"
+        );
+    }
     let fell = tokio::time::timeout(Duration::from_secs(60), async {
         loop {
             let age = relay.metric("outbox_oldest_pending_age_seconds", "").await;
