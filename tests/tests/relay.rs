@@ -1125,6 +1125,20 @@ async fn nacks_of_a_full_queue_back_off_and_never_quarantine() {
         "nacked failures counted: {nacked}\n{metrics}"
     );
     assert_eq!(relay.metric("outbox_quarantined_total").await, 0);
+    // The attempt counts are watched: two rows retrying, five attempts and more.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let retrying = relay.gauge("outbox_retrying_events").await;
+        let highest = relay.gauge("outbox_max_attempt_count").await;
+        if retrying == 2.0 && highest >= 5.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "gauges: {retrying} retrying, highest attempt count {highest}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // The queue takes messages again (gone): everything goes out, in order.
     channel

@@ -4,6 +4,8 @@ SELECT count(*) FILTER (WHERE quarantined_at IS NULL),
        COALESCE(EXTRACT(EPOCH FROM now() - min(occurred_at)
                 FILTER (WHERE quarantined_at IS NULL AND isfinite(occurred_at)))::float8, 0),
        count(*) FILTER (WHERE quarantined_at IS NOT NULL),
-       pg_total_relation_size('outbox_events')
+       pg_total_relation_size('outbox_events'),
+       count(*) FILTER (WHERE quarantined_at IS NULL AND attempt_count > 0),
+       COALESCE(max(attempt_count) FILTER (WHERE quarantined_at IS NULL), 0)
 FROM outbox_events
 WHERE published_at IS NULL AND ($1 = '' OR tenant_id = $1)

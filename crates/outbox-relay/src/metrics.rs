@@ -17,6 +17,12 @@ pub struct Metrics {
     pub quarantined: IntGauge,
     /// `pg_total_relation_size('outbox_events')`.
     pub table_bytes: IntGauge,
+    /// Pending, not quarantined rows that failed at least once (in backoff
+    /// or being retried).
+    pub retrying: IntGauge,
+    /// The highest `attempt_count` among them (seed 000: watch the attempt
+    /// counts; infrastructure failures count here but not towards quarantine).
+    pub max_attempts: IntGauge,
     pub published: IntCounter,
     /// By reason: returned, nacked, timeout, channel, encode.
     pub failures: IntCounterVec,
@@ -115,6 +121,14 @@ impl Metrics {
                 "outbox_table_bytes",
                 "Total size of the outbox table with its indexes and TOAST",
             ),
+            retrying: int_gauge(
+                "outbox_retrying_events",
+                "Unpublished, not quarantined rows that failed at least once",
+            ),
+            max_attempts: int_gauge(
+                "outbox_max_attempt_count",
+                "The highest attempt_count of an unpublished, not quarantined row",
+            ),
             published: counter(
                 "outbox_published_total",
                 "Rows published and confirmed by the broker, then marked",
@@ -175,6 +189,8 @@ impl Metrics {
         self.oldest_pending_age.set(age.max(0.0));
         self.quarantined.set(row.get(2));
         self.table_bytes.set(row.get(3));
+        self.retrying.set(row.get(4));
+        self.max_attempts.set(i64::from(row.get::<_, i32>(5)));
         Ok(())
     }
 
