@@ -1129,7 +1129,7 @@ async fn nacks_of_a_full_queue_back_off_and_never_quarantine() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let retrying = relay.gauge("outbox_retrying_events").await;
-        let highest = relay.gauge("outbox_max_attempt_count").await;
+        let highest = relay.gauge("outbox_retrying_max_attempts").await;
         if retrying == 2.0 && highest >= 5.0 {
             break;
         }
@@ -1329,6 +1329,15 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
     // (`track_commit_timestamp`, on in `make up`), not from when this test
     // happened to look: a stalled test cannot make it fail.
     println!("seconds of backoff left when each attempt count was first seen: {remaining:?}");
+    let tracked: String = db
+        .query_one("SHOW track_commit_timestamp", &[])
+        .await
+        .expect("track_commit_timestamp")
+        .get(0);
+    assert_eq!(
+        tracked, "on",
+        "this test needs PostgreSQL's track_commit_timestamp (scripts/infra-up.sh sets it)"
+    );
     let set: f64 = db
         .query_one(
             "SELECT EXTRACT(EPOCH FROM available_at - pg_xact_commit_timestamp(xmin))::float8 \

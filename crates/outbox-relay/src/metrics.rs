@@ -126,7 +126,7 @@ impl Metrics {
                 "Unpublished, not quarantined rows that failed at least once",
             ),
             max_attempts: int_gauge(
-                "outbox_max_attempt_count",
+                "outbox_retrying_max_attempts",
                 "The highest attempt_count of an unpublished, not quarantined row",
             ),
             published: counter(
