@@ -97,21 +97,23 @@ async fn last_applied(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Res
         .map_or(0, |row| row.get(0)))
 }
 
-/// The first sequence after `last` that none of `sequences` (sorted) holds,
-/// if one is missing before the highest: moved back, the letters past it
-/// would only wait at the gap, then fail and park the order again.
-fn first_gap(last: i64, sequences: impl IntoIterator<Item = i64>) -> Option<i64> {
+/// Which of an order's letters (their `sequences`, sorted) to move: how
+/// many lead the list up to the first hole after `last`, and the missing
+/// sequence if there is a hole. The letters past a hole would only wait at
+/// it (deferred, then failed: about 41 minutes) and park the order again;
+/// a letter that belongs to no run of the order (another tenant's event
+/// dead-lettered alone, say) must not hold back the ones that continue it.
+/// Letters at or below `last` (applied already) move as harmless stale
+/// copies.
+fn continuing(last: i64, sequences: &[i64]) -> (usize, Option<i64>) {
     let mut next = last + 1;
-    for sequence in sequences {
-        if sequence < next {
-            continue; // applied already (a duplicate letter) or a repeat
-        }
+    for (i, &sequence) in sequences.iter().enumerate() {
         if sequence > next {
-            return Some(next);
+            return (i, Some(next));
         }
-        next += 1;
+        next = next.max(sequence + 1);
     }
-    None
+    (sequences.len(), None)
 }
 
 async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
@@ -231,14 +233,23 @@ async fn move_letters(
         // of the order's letters may lie past `--max`, or its earliest was
         // lowered into the DLQ behind later ones.
         let last = last_applied(pool, &topology.name, &order).await?;
-        if let Some(missing) = first_gap(last, letters.iter().map(|l| l.sequence)) {
+        let sequences: Vec<i64> = letters.iter().map(|l| l.sequence).collect();
+        let (moving, missing) = continuing(last, &sequences);
+        if let Some(missing) = missing {
+            let held = letters.split_off(moving);
             report.kept.push(format!(
-                "order {order}: applied up to sequence {last}, but no letter read holds sequence \
-                 {missing} (past --max {max}, or not dead-lettered): nothing moved, not un-parked \
-                 (raise --max, or replay the missing event)"
+                "order {order}: applied up to sequence {last}; no letter read holds sequence \
+                 {missing} (past --max {max}, or never dead-lettered): {} letter(s) from \
+                 sequence {} kept (raise --max, or replay the missing event)",
+                held.len(),
+                held.first().map_or(0, |l| l.sequence)
             ));
-            others.extend(letters);
-            continue;
+            others.extend(held);
+            if !letters.iter().any(|l| l.sequence > last) {
+                // Nothing continues the order: it stays parked.
+                others.extend(letters);
+                continue;
+            }
         }
         // Un-park first, or the moved events would go straight back to the DLQ.
         if unpark(pool, &topology.name, &order).await? {
@@ -317,19 +328,28 @@ async fn move_letters(
 
 #[cfg(test)]
 mod tests {
-    use super::first_gap;
+    use super::continuing;
 
     #[test]
-    fn letters_must_continue_the_order_without_a_hole() {
-        assert_eq!(first_gap(2, [3, 4, 5]), None);
+    fn the_letters_that_continue_the_order_move_and_those_past_a_hole_stay() {
+        assert_eq!(continuing(2, &[3, 4, 5]), (3, None));
         assert_eq!(
-            first_gap(2, [2, 3, 3, 4]),
-            None,
+            continuing(2, &[2, 3, 3, 4]),
+            (4, None),
             "applied and repeated letters"
         );
-        assert_eq!(first_gap(0, [1]), None);
-        assert_eq!(first_gap(2, [4, 5]), Some(3), "the next one is missing");
-        assert_eq!(first_gap(2, [3, 5]), Some(4), "a hole");
-        assert_eq!(first_gap(5, [2, 3]), None, "only applied ones");
+        assert_eq!(continuing(0, &[1]), (1, None));
+        assert_eq!(
+            continuing(2, &[4, 5]),
+            (0, Some(3)),
+            "the next one is missing"
+        );
+        assert_eq!(continuing(2, &[3, 5]), (1, Some(4)), "a hole after 3");
+        assert_eq!(continuing(5, &[2, 3]), (2, None), "only applied ones");
+        assert_eq!(
+            continuing(5, &[6, 7, 9]),
+            (2, Some(8)),
+            "a stray 9 does not hold 6 and 7"
+        );
     }
 }
