@@ -42,11 +42,26 @@ impl Connected {
     }
 }
 
+/// [`connect`]'s TCP connect bound unless the URL names one.
+pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
+
+/// `url` with a `connection_timeout` (ms) unless it has one; `None` when it
+/// does not parse (the caller connects with the text and gets lapin's error).
+fn with_connect_timeout(url: &str) -> Option<lapin::uri::AMQPUri> {
+    let mut uri: lapin::uri::AMQPUri = url.parse().ok()?;
+    uri.query
+        .connection_timeout
+        .get_or_insert(CONNECT_TIMEOUT_MS);
+    Some(uri)
+}
+
 /// Connect, retrying with capped exponential backoff (100 ms .. 5 s) until the
 /// broker accepts or `shutdown` is cancelled; an attempt in progress ends at
-/// once on shutdown. (No timeout of our own around an attempt: lapin starts
-/// its I/O loop, which retries the socket by itself, before the handshake,
-/// and dropping the attempt would leave that loop running.)
+/// once on shutdown. The TCP connect of an attempt is bounded (the URL's
+/// `connection_timeout`, else [`CONNECT_TIMEOUT_MS`]): a broker address
+/// that drops packets held it for the kernel's SYN retries (~2 min). No
+/// timeout of our own around the whole attempt: lapin runs it on its I/O
+/// thread, which a dropped attempt would leave running.
 pub async fn connect(
     settings: &AmqpSettings,
     connection_name: &str,
@@ -58,7 +73,12 @@ pub async fn connect(
             ConnectionProperties::default().with_connection_name(connection_name.into());
         let attempt = tokio::select! {
             _ = shutdown.cancelled() => return Err(AmqpError::Cancelled),
-            attempt = Connection::connect(&settings.url, properties) => attempt,
+            attempt = async {
+                match with_connect_timeout(&settings.url) {
+                    Some(uri) => Connection::connect_uri(uri, properties).await,
+                    None => Connection::connect(&settings.url, properties).await,
+                }
+            } => attempt,
         };
         match attempt {
             Ok(connection) => {
@@ -197,5 +217,18 @@ pub async fn closed(connection: &Connection) -> lapin::Error {
             return lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(state));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connect_is_bounded_unless_the_url_says_otherwise() {
+        let bounded = with_connect_timeout("amqp://app:app@127.0.0.1:5672/%2f").expect("url");
+        assert_eq!(bounded.query.connection_timeout, Some(CONNECT_TIMEOUT_MS));
+        let own = with_connect_timeout("amqp://h/%2f?connection_timeout=2500").expect("url");
+        assert_eq!(own.query.connection_timeout, Some(2500));
     }
 }
