@@ -388,16 +388,19 @@ pub async fn raw_publish(
                         message.properties.clone(),
                     )
                 });
-                for confirm in futures_util::future::join_all(sends).await {
-                    let confirm = confirm.expect("publish");
-                    // Bounded: a broker that blocks publishers (an alarm)
-                    // fails the run (it tears down) instead of hanging it.
-                    let confirmation = tokio::time::timeout(Duration::from_secs(60), confirm)
-                        .await
-                        .expect("a confirm within 60 s")
-                        .expect("confirm");
-                    check_confirmation(confirmation).expect("routed and acked");
-                }
+                // Bounded, the sends too (lapin writes nothing while the
+                // broker blocks publishers under an alarm): the run fails
+                // and tears down instead of hanging.
+                let chunk = async {
+                    for confirm in futures_util::future::join_all(sends).await {
+                        let confirm = confirm.expect("publish");
+                        check_confirmation(confirm.await.expect("confirm"))
+                            .expect("routed and acked");
+                    }
+                };
+                tokio::time::timeout(Duration::from_secs(60), chunk)
+                    .await
+                    .expect("a window published and confirmed within 60 s");
             }
             let _ = channel.close(200, "done".into()).await;
         });
