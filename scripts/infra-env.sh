@@ -143,11 +143,15 @@ rabbitmq_memory_alarm() {     # on|off
                 rabbitmqctl -q eval 'vm_memory_monitor:get_vm_memory_high_watermark().' \
                     > "$RUN_DIR/rabbitmq-watermark" || return 1
             fi
+            # Who raised it (the caller of infra-restart.sh: the test):
+            # infra-up clears an alarm only once its owner is gone.
+            echo "${ALARM_OWNER:-$PPID}" > "$RUN_DIR/rabbitmq-alarm.owner"
             rabbitmqctl -q set_vm_memory_high_watermark 0 ;;
         off)
             _w=$(cat "$RUN_DIR/rabbitmq-watermark" 2>/dev/null || echo 0.4)
             case "$_w" in 0.*|1.0|1) ;; *) _w=0.4 ;; esac
-            rabbitmqctl -q set_vm_memory_high_watermark "$_w" && rm -f "$RUN_DIR/rabbitmq-watermark"
+            rabbitmqctl -q set_vm_memory_high_watermark "$_w" \
+                && rm -f "$RUN_DIR/rabbitmq-watermark" "$RUN_DIR/rabbitmq-alarm.owner"
             unset _w ;;
         *) echo "usage: rabbitmq_memory_alarm on|off" >&2; return 2 ;;
     esac

@@ -203,10 +203,13 @@ fi
 rabbitmq_wait_ready 120 || die "RabbitMQ not ready"
 # A memory alarm a killed test left raised (tests/tests/broker_alarm.rs
 # clears it when it ends, unless it is killed): every publisher would block.
-if [ -f "$RUN_DIR/rabbitmq-watermark" ]; then
+_owner=$(cat "$RUN_DIR/rabbitmq-alarm.owner" 2>/dev/null || true)
+if [ -f "$RUN_DIR/rabbitmq-watermark" ] \
+    && { [ -z "$_owner" ] || ! kill -0 "$_owner" 2>/dev/null; }; then
     log "clearing a memory alarm left raised by an interrupted test"
     rabbitmq_memory_alarm off || die "could not clear the RabbitMQ memory alarm"
 fi
+unset _owner
 [ -n "$node_dir" ] || rabbitmqctl -q status >/dev/null \
     || die "rabbitmqctl status fails (Erlang cookie/HOME mismatch?)"
 

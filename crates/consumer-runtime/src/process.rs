@@ -119,8 +119,9 @@ pub const INSERT_PROGRESS: &str = "INSERT INTO order_progress (consumer_name, ag
      tenant_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
 /// The order's progress, locked for the transaction; whether the order is
 /// parked for sequence `$3` (at or after its lowest dead-lettered event;
-/// a row parked without a sequence holds the whole order); the tenant its
-/// first event named.
+/// a row parked without a sequence holds the whole order); the order's
+/// tenant (its first applied event's; while nothing is applied, whatever
+/// the event or dead letter that created the row named).
 pub const LOCK_PROGRESS: &str = "SELECT last_sequence, parked_at IS NOT NULL \
      AND $3::bigint >= COALESCE(parked_sequence, 0), parked_event_id, parked_reason, tenant_id \
      FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 FOR UPDATE";
