@@ -628,6 +628,8 @@ pub struct DeadLetter {
     pub body: Vec<u8>,
     pub reason: String,
     pub aggregate_id: Option<String>,
+    /// `x-consumer-attempts`: the failed attempts it had.
+    pub attempts: Option<i64>,
 }
 
 fn header_string(headers: Option<&FieldTable>, name: &str) -> Option<String> {
@@ -657,6 +659,11 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
             body: message.delivery.data.clone(),
             reason: header_string(headers, "x-dead-letter-reason").unwrap_or_default(),
             aggregate_id: header_string(headers, "aggregate_id"),
+            attempts: match headers.and_then(|h| h.inner().get("x-consumer-attempts")) {
+                Some(AMQPValue::LongLongInt(n)) => Some(*n),
+                Some(AMQPValue::LongInt(n)) => Some(i64::from(*n)),
+                _ => None,
+            },
         });
         message
             .delivery

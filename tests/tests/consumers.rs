@@ -1313,6 +1313,11 @@ async fn an_event_the_database_refuses_is_dead_lettered_and_the_partition_flows(
         "{}",
         letters[0].reason
     );
+    assert_eq!(
+        letters[0].attempts,
+        Some(5),
+        "the header counts what the reason says"
+    );
     let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
     assert_eq!(kinds, vec!["receipt", "reserve"]);
 }

@@ -96,6 +96,7 @@ pub struct Processor<D: Domain> {
 }
 
 /// The facts about one message the decisions need.
+#[derive(Clone, Copy)]
 struct Incoming<'a> {
     delivery: &'a Delivery,
     attempts: u32,
@@ -540,7 +541,13 @@ impl<D: Domain> Processor<D> {
         if attempts >= self.max_attempts {
             let reason = format!("failed {attempts} times: {error}");
             tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettering and parking the order");
-            self.dead_letter_and_park(publisher, incoming, raw, &reason)
+            // The letter's attempts header counts this failure too, as its
+            // reason does.
+            let counted = Incoming {
+                attempts,
+                ..*incoming
+            };
+            self.dead_letter_and_park(publisher, &counted, raw, &reason)
                 .await?;
             self.metrics
                 .dead_lettered
