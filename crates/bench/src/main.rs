@@ -794,10 +794,12 @@ async fn relay_drains(
     settle(orders).await;
     let before = sink.delivered();
     let meter = cpu::Meter::start();
+    let recorder = sink.record();
     results.relay_raw = relay::raw_publish(&connection, messages.clone(), workers, window).await;
     let delivered = sink
         .wait_delivered(before + messages.len() as u64, RAW_DELIVERY_DEADLINE)
         .await;
+    results.relay_raw.timeline = recorder.finish();
     let _ = connection.close(200, "done".into()).await;
     delivered?;
     report::print_drain("raw confirm-publish", &results.relay_raw);
@@ -834,6 +836,7 @@ async fn drain(
     settle(orders).await;
     let meter = cpu::Meter::start();
     let before = sink.delivered();
+    let recorder = sink.record();
     let started = start_relays(system, relays).await;
     let total = u64::try_from(backlog).unwrap_or(0);
     let drain = relay::measure_drain(
@@ -848,8 +851,10 @@ async fn drain(
     )
     .await;
     let cpu = meter.stop();
+    let timeline = recorder.finish();
     stop_relays(system);
-    let drain = drain?;
+    let mut drain = drain?;
+    drain.timeline = timeline;
     record_cpu(results, &format!("2. {label}"), drain.events, cpu);
     report::print_drain(&label, &drain);
     Ok(drain)

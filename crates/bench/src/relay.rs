@@ -40,6 +40,8 @@ pub struct Drain {
     /// is the events marked after the first mark over this span.
     pub span_seconds: f64,
     pub per_second: f64,
+    /// Messages the sink received in each second of the run (for the chart).
+    pub timeline: Vec<u64>,
 }
 
 /// The sink of the relay phase: a quorum queue bound `#` to the system's
@@ -114,6 +116,26 @@ impl Sink {
         self.delivered.load(Ordering::Relaxed)
     }
 
+    /// Count what the sink receives in each second from now until the
+    /// returned recorder is finished.
+    pub fn record(&self) -> Recorder {
+        let counter = self.delivered.clone();
+        let seconds = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let out = seconds.clone();
+        let task = tokio::spawn(async move {
+            let mut last = counter.load(Ordering::Relaxed);
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let now = counter.load(Ordering::Relaxed);
+                out.lock().expect("timeline").push(now - last);
+                last = now;
+            }
+        });
+        Recorder { task, seconds }
+    }
+
     /// Wait until the sink has received `want` messages in all; an error
     /// after `at_most`.
     pub async fn wait_delivered(&self, want: u64, at_most: Duration) -> anyhow::Result<()> {
@@ -135,6 +157,20 @@ impl Sink {
             .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
             .await;
         let _ = self.connection.close(200, "done".into()).await;
+    }
+}
+
+/// Per-second counts of a [`Sink`] ([`Sink::record`]).
+pub struct Recorder {
+    task: tokio::task::JoinHandle<()>,
+    seconds: Arc<std::sync::Mutex<Vec<u64>>>,
+}
+
+impl Recorder {
+    /// Stop; the count of every full second so far.
+    pub fn finish(self) -> Vec<u64> {
+        self.task.abort();
+        std::mem::take(&mut *self.seconds.lock().expect("timeline"))
     }
 }
 
@@ -320,6 +356,7 @@ pub async fn measure_drain(
         } else {
             rate(events, wall)
         },
+        timeline: Vec::new(),
     })
 }
 
@@ -414,6 +451,7 @@ pub async fn raw_publish(
         wall_seconds: wall.as_secs_f64(),
         span_seconds: wall.as_secs_f64(),
         per_second: rate(messages.len() as u64, wall),
+        timeline: Vec::new(),
     }
 }
 

@@ -248,6 +248,28 @@ fn chart_of(r: &Results) -> String {
             ],
         },
         Panel {
+            title: "Phase 2: messages reaching the sink per second (each side from its start)"
+                .into(),
+            unit: "/s".into(),
+            series: [
+                ("raw confirm-publish", "#ff7f0e", &r.relay_raw),
+                ("1 relay", "#1f77b4", &r.relay_one),
+                ("2 relays", "#2ca02c", &r.relay_two),
+            ]
+            .into_iter()
+            .map(|(name, color, drain)| Series {
+                name: name.into(),
+                color,
+                points: drain
+                    .timeline
+                    .iter()
+                    .enumerate()
+                    .map(|(s, n)| (s as f64, *n as f64))
+                    .collect(),
+            })
+            .collect(),
+        },
+        Panel {
             title: format!(
                 "Phase 4: end-to-end run at {:.0} orders/s: orders committed per second",
                 r.e2e_rate
