@@ -932,12 +932,7 @@ async fn a_crash_after_the_retry_copy_before_the_ack_applies_once() {
     .await;
     let publisher = Publisher::connect().await;
     publisher.to_consumer(&name, &s.placed).await;
-    let status = exit_of(crashing).await;
-    assert!(
-        status.0.as_ref().is_some_and(system_tests::system::aborted),
-        "aborted at the fail point: {:?}",
-        status.0
-    );
+    let _crashed = aborted_at_its_fail_point(crashing).await;
     // The failed attempt was rolled back: nothing applied yet.
     assert_eq!(progress(Database::Inventory, &name, s.order).await, None);
     assert!(movements(&tenant).await.is_empty());
@@ -982,12 +977,7 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
     .await;
     let publisher = Publisher::connect().await;
     publisher.to_consumer(&name, &s.placed).await;
-    let status = exit_of(crashing).await;
-    assert!(
-        status.0.as_ref().is_some_and(system_tests::system::aborted),
-        "aborted at the fail point: {:?}",
-        status.0
-    );
+    let _crashed = aborted_at_its_fail_point(crashing).await;
     // Committed before the crash.
     assert_eq!(
         progress(Database::Inventory, &name, s.order).await,
@@ -2802,12 +2792,7 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
     let order = Uuid::now_v7();
     let poison = order_placed(&tenant, order, 1, "77", 1).as_version_99();
     publisher.to_consumer(&name, &poison).await;
-    let status = exit_of(crashing).await;
-    assert!(
-        status.0.as_ref().is_some_and(system_tests::system::aborted),
-        "aborted at the fail point: {:?}",
-        status.0
-    );
+    let _crashed = aborted_at_its_fail_point(crashing).await;
     assert_eq!(
         progress(Database::Inventory, &name, order).await,
         None,
@@ -2842,7 +2827,7 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
             .any(|l| l.body != poison.body && l.reason.contains("parked")),
         "{letters:?}"
     );
-    drop(status);
+    drop(_crashed);
 }
 
 /// The set-up of the poison, refusal and parking tests: a fresh tenant, an
@@ -2853,6 +2838,17 @@ async fn one_partition_inventory(prefix: &str) -> (String, String, Consumer, Pub
     let name = unique(&format!("{prefix}-inv"));
     let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     (tenant, name, inventory, Publisher::connect().await)
+}
+
+/// [`exit_of`], asserting the process died by the fail point's SIGABRT; the
+/// consumer comes back (keep it: its topology outlives the wait).
+async fn aborted_at_its_fail_point(consumer: Consumer) -> Consumer {
+    let (status, consumer) = exit_of(consumer).await;
+    assert!(
+        status.as_ref().is_some_and(system_tests::system::aborted),
+        "aborted at the fail point: {status:?}"
+    );
+    consumer
 }
 
 /// Wait (off the runtime) for `consumer`'s process to exit, at most

@@ -9,6 +9,9 @@ use serde_json::{json, Value};
 use system_tests::{api_key, free_port, pg, unique_tenant, Database, OrderApi, Service};
 
 const SEED_ORDER: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","total":"93.00","currency":"USD","location":"WH-1"}"#;
+/// The seed order's payment (its exact total) and delivery (its one line).
+const SEED_PAYMENT: &str = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+const SEED_DELIVERY: &str = r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#;
 
 struct Caller {
     client: Client,
@@ -411,7 +414,7 @@ async fn tenants_are_isolated_even_with_the_same_bare_key() {
         b.post(
             &api.url(&format!("/orders/{a_id}/payments")),
             "pay",
-            r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#,
+            SEED_PAYMENT,
         )
         .await,
     )
@@ -474,12 +477,11 @@ async fn without_its_own_spans_the_api_stores_the_caller_s_trace_context() {
 async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     let api = OrderApi::start(&[]).await;
     let caller = Caller::new("flow");
-    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
-    let id = order["order_id"].as_str().expect("id").to_owned();
+    let id = place_seed_order(&api, &caller).await;
     let pay_url = api.url(&format!("/orders/{id}/payments"));
     let deliver_url = api.url(&format!("/orders/{id}/deliveries"));
-    let delivery = r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#;
-    let payment = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+    let delivery = SEED_DELIVERY;
+    let payment = SEED_PAYMENT;
 
     // Delivering an unpaid order: 409, not stored (the payment may still
     // come), so the same key is free for the same delivery later.
@@ -494,17 +496,15 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     }
 
     // Wrong amount, wrong currency.
-    let (status, problem) = json_of(
+    expect_problem(
         caller
             .post(&pay_url, "p-wrong", &payment.replace("93.00", "90.00"))
             .await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "amount_mismatch",
     )
     .await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::UNPROCESSABLE_ENTITY, Some("amount_mismatch"))
-    );
-    let (status, problem) = json_of(
+    expect_problem(
         caller
             .post(
                 &pay_url,
@@ -512,12 +512,10 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
                 &payment.replace("\"method\"", "\"currency\":\"EUR\",\"method\""),
             )
             .await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "currency_mismatch",
     )
     .await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::UNPROCESSABLE_ENTITY, Some("currency_mismatch"))
-    );
 
     // The payment, then its replay.
     let first = caller.post(&pay_url, "p", payment).await;
@@ -533,21 +531,20 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     assert_eq!(replay.status(), StatusCode::CREATED);
     assert!(is_replay(&replay));
     assert_eq!(replay.bytes().await.expect("body"), first_body);
-    let (status, problem) = json_of(
+    expect_problem(
         caller
             .post(&pay_url, "p", &payment.replace("card", "cash"))
             .await,
+        StatusCode::CONFLICT,
+        "idempotency_key_reused",
     )
     .await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::CONFLICT, Some("idempotency_key_reused"))
-    );
-    let (status, problem) = json_of(caller.post(&pay_url, "p-second", payment).await).await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::CONFLICT, Some("order_already_paid"))
-    );
+    expect_problem(
+        caller.post(&pay_url, "p-second", payment).await,
+        StatusCode::CONFLICT,
+        "order_already_paid",
+    )
+    .await;
 
     // Lines must match the order.
     let (status, problem) = json_of(
@@ -579,11 +576,12 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     assert_eq!(replay.status(), StatusCode::CREATED);
     assert!(is_replay(&replay));
     assert_eq!(replay.bytes().await.expect("body"), delivered_body);
-    let (status, problem) = json_of(caller.post(&deliver_url, "d-again", delivery).await).await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::CONFLICT, Some("order_already_delivered"))
-    );
+    expect_problem(
+        caller.post(&deliver_url, "d-again", delivery).await,
+        StatusCode::CONFLICT,
+        "order_already_delivered",
+    )
+    .await;
 
     let (status, view) = json_of(caller.get(&api.url(&format!("/orders/{id}"))).await).await;
     assert_eq!(status, StatusCode::OK);
@@ -1137,7 +1135,7 @@ async fn a_replay_takes_no_lock_on_the_stored_record() {
     );
     assert!(is_replay(&replay));
     assert_eq!(replay.bytes().await.expect("body"), first_body);
-    let (status, problem) = json_of(
+    expect_problem(
         caller
             .post(
                 &api.url("/orders"),
@@ -1145,12 +1143,10 @@ async fn a_replay_takes_no_lock_on_the_stored_record() {
                 &SEED_ORDER.replace("\"77\"", "\"78\""),
             )
             .await,
+        StatusCode::CONFLICT,
+        "idempotency_key_reused",
     )
     .await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::CONFLICT, Some("idempotency_key_reused"))
-    );
     tx.rollback().await.expect("rollback");
     assert_eq!(counts(&caller.tenant).await.orders, 1);
 }
@@ -1360,7 +1356,7 @@ async fn without_the_order_a_payment_retry_replays_its_404_whatever_its_currency
     let (_, order) = json_of(owner.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
     let others = order["order_id"].as_str().expect("id").to_owned();
     let missing = uuid::Uuid::now_v7().to_string();
-    let absent = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+    let absent = SEED_PAYMENT;
     let with = |currency: &str| {
         absent.replace(
             "\"method\"",
@@ -1420,8 +1416,7 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
     )])
     .await;
     let caller = std::sync::Arc::new(Caller::new("dated"));
-    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
-    let id = order["order_id"].as_str().expect("id").to_owned();
+    let id = place_seed_order(&api, &caller).await;
 
     let mut holder = pg(Database::Orders).await;
     let tx = holder.transaction().await.expect("begin");
@@ -1440,18 +1435,7 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
     let delivery = tokio::spawn({
         let caller = caller.clone();
         let url = api.url(&format!("/orders/{id}/deliveries"));
-        async move {
-            json_of(
-                caller
-                    .post(
-                        &url,
-                        "d",
-                        r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#,
-                    )
-                    .await,
-            )
-            .await
-        }
+        async move { json_of(caller.post(&url, "d", SEED_DELIVERY).await).await }
     });
     // Until the delivery's transaction waits for this one.
     let watcher = pg(Database::Orders).await;
@@ -1461,7 +1445,7 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
             .post(
                 &api.url(&format!("/orders/{id}/payments")),
                 "p",
-                r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#,
+                SEED_PAYMENT,
             )
             .await,
     )
@@ -1672,8 +1656,7 @@ async fn different_keys_racing_on_one_checkout_make_one_order() {
 async fn concurrent_payments_under_different_keys_pay_once() {
     let api = OrderApi::start(&[]).await;
     let caller = Caller::new("pay-race");
-    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
-    let id = order["order_id"].as_str().expect("id").to_owned();
+    let id = place_seed_order(&api, &caller).await;
     let pay_url = api.url(&format!("/orders/{id}/payments"));
     let pay = |key: &'static str, payment_id: &'static str| {
         let body = format!(r#"{{"payment_id":"{payment_id}","amount":"93.00","method":"card"}}"#);
@@ -1733,28 +1716,26 @@ async fn concurrent_payments_under_different_keys_pay_once() {
 async fn rejected_attempts_leave_no_gap_in_the_sequence() {
     let api = OrderApi::start(&[]).await;
     let caller = Caller::new("no-gap");
-    let (_, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
-    let id = order["order_id"].as_str().expect("id").to_owned();
+    let id = place_seed_order(&api, &caller).await;
     let pay_url = api.url(&format!("/orders/{id}/payments"));
     let deliver_url = api.url(&format!("/orders/{id}/deliveries"));
-    let payment = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
-    let delivery = r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#;
+    let payment = SEED_PAYMENT;
+    let delivery = SEED_DELIVERY;
 
-    let (status, problem) = json_of(
+    expect_problem(
         caller
             .post(&pay_url, "p-wrong", &payment.replace("93.00", "92.00"))
             .await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "amount_mismatch",
     )
     .await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::UNPROCESSABLE_ENTITY, Some("amount_mismatch"))
-    );
-    let (status, problem) = json_of(caller.post(&deliver_url, "d-early", delivery).await).await;
-    assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::CONFLICT, Some("order_not_paid"))
-    );
+    expect_problem(
+        caller.post(&deliver_url, "d-early", delivery).await,
+        StatusCode::CONFLICT,
+        "order_not_paid",
+    )
+    .await;
     let (status, paid) = json_of(caller.post(&pay_url, "p", payment).await).await;
     assert_eq!(
         (status, &paid["event_sequence"]),
@@ -1786,8 +1767,8 @@ async fn malformed_payments_and_deliveries_get_a_4xx_and_store_nothing() {
     let (status, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
     assert_eq!(status, StatusCode::CREATED);
     let id = order["order_id"].as_str().expect("id").to_owned();
-    let payment = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
-    let delivery = r#"{"delivery_id":"311","lines":[{"sku":"JKT-M","qty":2}]}"#;
+    let payment = SEED_PAYMENT;
+    let delivery = SEED_DELIVERY;
     let padded = |body: &str| format!("{body}{}", " ".repeat(2048));
     for (resource, good) in [("payments", payment), ("deliveries", delivery)] {
         let url = api.url(&format!("/orders/{id}/{resource}"));
@@ -1904,4 +1885,23 @@ async fn wait_until_blocked_by(watcher: &tokio_postgres::Client, pid: i32, never
         assert!(std::time::Instant::now() < deadline, "{never}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The problem+json answer of `response`, after asserting its status and
+/// `code`.
+async fn expect_problem(response: reqwest::Response, status: StatusCode, code: &str) -> Value {
+    let (got, problem) = json_of(response).await;
+    assert_eq!(
+        (got, problem["code"].as_str()),
+        (status, Some(code)),
+        "{problem}"
+    );
+    problem
+}
+
+/// The seed order placed by `caller` under key "o" (201 asserted); its id.
+async fn place_seed_order(api: &OrderApi, caller: &Caller) -> String {
+    let (status, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    assert_eq!(status, StatusCode::CREATED, "{order}");
+    order["order_id"].as_str().expect("id").to_owned()
 }

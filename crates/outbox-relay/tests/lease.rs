@@ -66,54 +66,40 @@ async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() 
     assert_eq!(second.rows.len(), 1, "the expired lease is claimed again");
     assert_ne!(first.lease_until, second.lease_until);
 
-    // A's late failure write finds nothing of its own.
-    let quarantined = claim::mark_failed(
-        &pool,
-        instance,
-        first.lease_until.expect("lease"),
-        std::slice::from_ref(&failure),
-        1,
-    )
-    .await
-    .expect("late write");
-    assert!(quarantined.is_empty());
-    let state = |sql: &'static str| {
-        let pool = pool.clone();
-        async move {
-            let row = pool
-                .get()
-                .await
-                .expect("connection")
-                .query_one(sql, &[&event])
-                .await
-                .expect("state");
-            (
-                row.get::<_, Option<String>>(0),
-                row.get::<_, i32>(1),
-                row.get::<_, bool>(2),
-            )
-        }
+    // The failure write of a claim (max_attempts 1: it quarantines).
+    let fail_under = |claimed: &claim::Claimed| {
+        let lease = claimed.lease_until.expect("lease");
+        claim::mark_failed(&pool, instance, lease, std::slice::from_ref(&failure), 1)
     };
-    let sql = "SELECT claimed_by, attempt_count, quarantined_at IS NOT NULL \
-               FROM outbox_events WHERE event_id = $1";
+    let state = || async {
+        let row = db
+            .query_one(
+                "SELECT claimed_by, attempt_count, quarantined_at IS NOT NULL \
+                 FROM outbox_events WHERE event_id = $1",
+                &[&event],
+            )
+            .await
+            .expect("state");
+        (
+            row.get::<_, Option<String>>(0),
+            row.get::<_, i32>(1),
+            row.get::<_, bool>(2),
+        )
+    };
+
+    // A's late failure write finds nothing of its own.
+    let quarantined = fail_under(&first).await.expect("late write");
+    assert!(quarantined.is_empty());
     assert_eq!(
-        state(sql).await,
+        state().await,
         (Some(instance.to_owned()), 0, false),
         "B's lease stands, nothing counted"
     );
 
-    // B's own failure write is recorded (and, at max_attempts 1, quarantines).
-    let quarantined = claim::mark_failed(
-        &pool,
-        instance,
-        second.lease_until.expect("lease"),
-        std::slice::from_ref(&failure),
-        1,
-    )
-    .await
-    .expect("own write");
+    // B's own failure write is recorded (and quarantines).
+    let quarantined = fail_under(&second).await.expect("own write");
     assert_eq!(quarantined, vec![event]);
-    assert_eq!(state(sql).await, (None, 1, true));
+    assert_eq!(state().await, (None, 1, true));
 
     db.execute("DELETE FROM outbox_events WHERE tenant_id = $1", &[&tenant])
         .await
