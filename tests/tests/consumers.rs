@@ -2830,6 +2830,54 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
     drop(_crashed);
 }
 
+/// A crash after a letter dead-lettered alone (here a malformed body: no
+/// order to park) is confirmed and before its message is acknowledged
+/// (`consumer.after_dead_letter_before_ack`): the message is redelivered and
+/// dead-lettered again. Two copies of the letter, nothing applied from it,
+/// and the partition flows on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_dead_letter_before_the_ack_letters_it_twice_and_flows_on() {
+    let tenant = unique("t5-crash-dl");
+    let name = unique("t5-crash-dl-inv");
+    let crashing = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            failpoints: Some("consumer.after_dead_letter_before_ack=1*return".to_owned()),
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    let mut malformed = order_placed(&tenant, Uuid::now_v7(), 1, "77", 1);
+    malformed.body = b"{\"event_id\": \"not json".to_vec();
+    publisher.to_consumer(&name, &malformed).await;
+    let crashed = aborted_at_its_fail_point(crashing).await;
+
+    let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+    restarted
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    // The partition flows on: a good order behind it is applied.
+    let good = Uuid::now_v7();
+    assert_eq!(receipt(&restarted, &tenant, "R-1", 48).await.0, 201);
+    publisher
+        .to_consumer(&name, &order_placed(&tenant, good, 1, "77", 2))
+        .await;
+    wait_sequence(Database::Inventory, &name, good, 1).await;
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    assert!(
+        letters
+            .iter()
+            .all(|l| l.body == malformed.body && l.reason.contains("malformed")),
+        "{letters:?}"
+    );
+    let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
+    assert_eq!(kinds, vec!["receipt", "reserve"]);
+    drop(crashed);
+}
+
 /// The set-up of the poison, refusal and parking tests: a fresh tenant, an
 /// inventory consumer of one partition (every event of the test shares it)
 /// under a fresh name, and a publisher.

@@ -598,7 +598,25 @@ impl<D: Domain> Processor<D> {
         Ok(())
     }
 
+    /// Dead-letter the message alone (no park); the caller acknowledges it.
     async fn dead_letter(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        reason: &str,
+    ) -> Result<(), Infra> {
+        self.publish_dead_letter(publisher, incoming, reason)
+            .await?;
+        // Crash window: the letter is confirmed in the DLQ, the message not
+        // acknowledged. It is redelivered and dead-lettered again: two
+        // copies of the letter (a redrive moves both; the inbox or the
+        // sequence takes the second as a duplicate), nothing lost.
+        kit::failpoint::crash_point("consumer.after_dead_letter_before_ack");
+        Ok(())
+    }
+
+    /// Publish the message to the DLQ with its reason (confirmed).
+    async fn publish_dead_letter(
         &self,
         publisher: &Channel,
         incoming: &Incoming<'_>,
@@ -673,7 +691,8 @@ impl<D: Domain> Processor<D> {
             tracing::error!(event_id = %raw.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
             return self.dead_letter(publisher, incoming, reason).await;
         }
-        self.dead_letter(publisher, incoming, reason).await?;
+        self.publish_dead_letter(publisher, incoming, reason)
+            .await?;
         // Crash window: the dead letter is confirmed, the park not committed
         // and the message not acknowledged. The message is redelivered,
         // dead-lettered again and the order parked then: a second copy of
