@@ -178,6 +178,16 @@ pub trait Domain: Send + Sync + Sized + 'static {
 
     /// Apply one decoded event inside the runtime's transaction. Events the
     /// domain does not need are simply `Ok(())`.
+    ///
+    /// Only what is written through `tx` is covered by the inbox: it commits
+    /// with the event's inbox row or not at all. An external side effect (an
+    /// email, a payment provider, a courier's API) is not: the transaction
+    /// can roll back after the call, or its commit's reply be lost, and the
+    /// event is then applied again. Such a call must carry
+    /// [`events::Envelope::downstream_key`] (event id + operation) as the
+    /// provider's idempotency key, or be written here as a row of the
+    /// domain's own outbox and sent by another process (DESIGN.md section 8).
+    /// No current domain makes one.
     fn apply(
         &self,
         tx: &Transaction<'_>,

@@ -191,6 +191,14 @@ impl Settings {
             tiers.iter().all(|t| !t.is_zero()),
             "consumer.retry_tiers_ms: a tier of 0 ms would be a tight retry loop"
         );
+        // Backoff (seed 003): each retry waits at least as long as the one
+        // before; a shorter later tier is a typo that would hammer a
+        // struggling dependency harder the longer it struggles.
+        anyhow::ensure!(
+            tiers.windows(2).all(|pair| pair[0] <= pair[1]),
+            "consumer.retry_tiers_ms must not decrease (each retry waits at least as long as the one before): {:?}",
+            self.consumer.retry_tiers_ms
+        );
         Ok(tiers)
     }
 
@@ -293,5 +301,17 @@ mod tests {
         settings.cleanup.inbox_retention_hours = 8 * 24;
         settings.consumer.retry_tiers_ms = "0".into();
         assert!(settings.validate().is_err());
+    }
+
+    #[test]
+    fn decreasing_tiers_are_refused_and_equal_ones_allowed() {
+        let mut settings = Settings::local("loyalty", "loyalty", 8083);
+        settings.consumer.retry_tiers_ms = "10000,60000,5000".into();
+        let error = settings.validate().expect_err("decreasing").to_string();
+        assert!(error.contains("must not decrease"), "{error}");
+        settings.consumer.retry_tiers_ms = "100,100,200".into();
+        settings
+            .validate()
+            .expect("equal tiers are a valid backoff");
     }
 }

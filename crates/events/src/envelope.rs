@@ -86,6 +86,20 @@ impl<P: EventPayload> Envelope<P> {
     }
 }
 
+impl<P> Envelope<P> {
+    /// The idempotency key of an external side effect this event causes
+    /// (an email, a call to a payment provider): the event id and the
+    /// operation, `"<event_id>:<operation>"`. A consumer's inbox only covers
+    /// its own database; a remote call made from a handler can run again
+    /// when the transaction that records the event rolls back or its
+    /// commit's reply is lost, so the provider must de-duplicate on this
+    /// key (DESIGN.md section 8). The same for every copy of the event (a
+    /// redelivery, a retry, a replay), distinct per operation and per event.
+    pub fn downstream_key(&self, operation: &str) -> String {
+        format!("{}:{operation}", self.event_id)
+    }
+}
+
 impl<P: Serialize> Envelope<P> {
     /// The compact JSON body of the AMQP message.
     ///
@@ -454,6 +468,25 @@ mod tests {
         format!(
             r#"{{"event_id":"6f1c2a4e-8b3d-4c5e-9f7a-0123456789ab","event_type":"OrderPlaced","schema_version":1,"tenant_id":"acme","aggregate_type":"order","aggregate_id":"6f1c2a4e-8b3d-4c5e-9f7a-0123456789ab","aggregate_sequence":1,"occurred_at":"{occurred_at}","payload":{{}}}}"#
         )
+    }
+
+    #[test]
+    fn a_downstream_key_is_the_same_for_every_copy_and_distinct_per_operation_and_event() {
+        let body = envelope_with_occurred_at("2024-05-12T10:00:00Z");
+        let first = RawEnvelope::parse_raw(body.as_bytes()).expect("valid");
+        let copy = RawEnvelope::parse_raw(body.as_bytes()).expect("valid");
+        assert_eq!(
+            first.downstream_key("email"),
+            "6f1c2a4e-8b3d-4c5e-9f7a-0123456789ab:email"
+        );
+        assert_eq!(first.downstream_key("email"), copy.downstream_key("email"));
+        assert_ne!(
+            first.downstream_key("email"),
+            first.downstream_key("charge")
+        );
+        let other = RawEnvelope::parse_raw(body.replacen("6f1c2a4e", "7f1c2a4e", 1).as_bytes())
+            .expect("valid");
+        assert_ne!(other.downstream_key("email"), first.downstream_key("email"));
     }
 
     #[test]
