@@ -16,9 +16,9 @@ use futures_util::{stream, StreamExt};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use system_tests::{
-    consumers::eventually,
+    consumers::{eventually, Kind},
     pg,
-    system::{skus, OrderPlan, System, SystemOptions},
+    system::{bind_consumer, skus, unbind_consumer, Member, OrderPlan, System, SystemOptions},
     Database,
 };
 use tokio::sync::Mutex;
@@ -83,7 +83,12 @@ async fn post_twice(system: &System, path: &str, key: &str, body: &Value) -> Val
 
 /// Wait until each consumer's inbox holds `events` of this tenant's events.
 async fn wait_applied(system: &System, events: i64) {
-    for consumer in &system.consumers {
+    wait_applied_by(system.consumers.iter(), events).await;
+}
+
+/// Wait until the inbox of each of `consumers` holds `events` events.
+async fn wait_applied_by(consumers: impl Iterator<Item = &Member>, events: i64) {
+    for consumer in consumers {
         let db = consumer.kind.expect("consumer").database();
         let name = consumer.name.clone();
         eventually(
@@ -119,6 +124,27 @@ async fn drift(system: &System) {
     .await
     .expect("drift check");
     assert!(report.is_clean(), "drift: {:#?}", report.drift);
+}
+
+/// `outbox-relay replay` of this system's tenant to `consumer` (plus `args`).
+fn replay(system: &System, consumer: &Member, args: &[&str]) {
+    let output = std::process::Command::new(system_tests::bin("outbox-relay"))
+        .args([
+            "replay",
+            "--consumer",
+            &consumer.name,
+            "--tenant",
+            &system.tenant,
+        ])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("replay");
+    assert!(
+        output.status.success(),
+        "replay: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 async fn count(db: Database, sql: &str, tenant: &str) -> i64 {
@@ -356,26 +382,10 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
     // A full replay of the range to every consumer: all duplicates.
     for consumer in &system.consumers {
         let before = consumer.metric("consumer_duplicates_total", "").await;
-        let output = std::process::Command::new(system_tests::bin("outbox-relay"))
-            .args([
-                "replay",
-                "--consumer",
-                &consumer.name,
-                "--tenant",
-                &system.tenant,
-                "--since",
-                &started
-                    .format(&time::format_description::well_known::Rfc3339)
-                    .expect("format"),
-            ])
-            .env("RUST_LOG", "warn")
-            .output()
-            .expect("replay");
-        assert!(
-            output.status.success(),
-            "replay: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let since = started
+            .format(&time::format_description::well_known::Rfc3339)
+            .expect("format");
+        replay(&system, consumer, &["--since", &since]);
         consumer
             .wait_metric("consumer_duplicates_total", "", before + events as f64)
             .await;
@@ -443,5 +453,121 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
         .await,
         i64::try_from(points_total).expect("fits")
     );
+    drift(&system).await;
+}
+
+/// Seed 003: "adding loyalty points means writing a new listener for
+/// ParcelDelivered; checkout is not touched". A listener deployed while
+/// orders are under way has seen none of their earlier events: the runbook
+/// (deploy/README.md, "Adding a consumer") replays the retained history to
+/// it right after it joins. Here the loyalty consumer is not bound while
+/// one order is placed, paid and delivered and another placed and paid;
+/// then it joins, the replay runs, the second order is delivered live.
+/// Both orders earn their points once, nothing is dead-lettered or parked,
+/// and the books agree. (Without the replay the first order would earn
+/// nothing and the second's delivery would wait at the gap, then park.)
+#[tokio::test]
+async fn a_listener_added_later_catches_up_through_a_replay_without_dead_letters() {
+    let _serial = SERIAL.lock().await;
+    let system = start("late").await;
+    let loyalty = system.consumer(Kind::Loyalty);
+    unbind_consumer(&loyalty.name, &system.exchange).await;
+    let others = || {
+        system
+            .consumers
+            .iter()
+            .filter(|c| c.kind != Some(Kind::Loyalty))
+    };
+    system.receive("JKT-M", 48).await;
+    let place = |key: &'static str, customer: &'static str| {
+        let system = &system;
+        async move {
+            let order = post_twice(
+                system,
+                "/orders",
+                key,
+                &json!({"customer_id": customer,
+                        "lines": [{"sku": "JKT-M", "qty": 2, "unit_price": "40.00", "unit_cost": "22.00"}],
+                        "shipping": "5.00", "tax": "8.00", "total": "93.00", "currency": "USD", "location": "WH-1"}),
+            )
+            .await;
+            let id = order["order_id"].as_str().expect("id").to_owned();
+            post_twice(
+                system,
+                &format!("/orders/{id}/payments"),
+                &format!("{key}-pay"),
+                &json!({"payment_id": format!("{key}-pay"), "amount": "93.00", "method": "card"}),
+            )
+            .await;
+            id
+        }
+    };
+    let deliver = |id: String| {
+        let system = &system;
+        async move {
+            post_twice(
+                system,
+                &format!("/orders/{id}/deliveries"),
+                &format!("{id}-delivery"),
+                &json!({"delivery_id": format!("{id}-d"), "lines": [{"sku": "JKT-M", "qty": 2}]}),
+            )
+            .await;
+        }
+    };
+    let early = place("late-1", "77").await;
+    deliver(early.clone()).await;
+    let pending = place("late-2", "78").await;
+    wait_applied_by(others(), 5).await;
+    let loyalty_applied = || async {
+        let applied: i64 = pg(Database::Loyalty)
+            .await
+            .query_one(
+                "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
+                &[&loyalty.name],
+            )
+            .await
+            .expect("count")
+            .get(0);
+        applied
+    };
+    assert_eq!(loyalty_applied().await, 0, "loyalty has not joined yet");
+
+    // The listener joins (it receives every event from now on), then the
+    // runbook's replay hands it the history.
+    bind_consumer(&loyalty.name, &system.exchange).await;
+    replay(&system, loyalty, &[]);
+    deliver(pending.clone()).await;
+    wait_applied(&system, 6).await;
+
+    let points: Vec<(String, i64, String)> = pg(Database::Loyalty)
+        .await
+        .query(
+            "SELECT customer_id, points, order_id::text FROM loyalty_entries WHERE tenant_id = $1 \
+             ORDER BY customer_id",
+            &[&system.tenant],
+        )
+        .await
+        .expect("loyalty")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        points,
+        vec![("77".to_owned(), 80, early), ("78".to_owned(), 80, pending)]
+    );
+    assert_eq!(
+        loyalty.metric("consumer_dead_lettered_total", "").await,
+        0.0
+    );
+    let parked: i64 = pg(Database::Loyalty)
+        .await
+        .query_one(
+            "SELECT count(*) FROM order_progress WHERE consumer_name = $1 AND parked_at IS NOT NULL",
+            &[&loyalty.name],
+        )
+        .await
+        .expect("parked")
+        .get(0);
+    assert_eq!(parked, 0);
     drift(&system).await;
 }
