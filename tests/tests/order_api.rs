@@ -136,11 +136,29 @@ fn is_replay(response: &Response) -> bool {
         .is_some_and(|v| v == "true")
 }
 
+/// Seed 004: fifty concurrent requests with one key make one order and one
+/// event, and every loser waits for the owner's commit and replays its
+/// result. With a lock wait (and pool wait) far longer than the owner's
+/// transaction none gives up: fifty 201s, exactly one executed, the same
+/// body and `Location` byte for byte (with the default 2 s wait a loaded
+/// machine may answer some 409 idempotency_in_progress, which
+/// `the_wait_for_an_in_flight_owner_is_bounded` covers).
 #[tokio::test]
 async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
-    let api = OrderApi::start(&[]).await;
+    let api = OrderApi::start(&[
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+        (
+            "ORDER_API__DATABASE__ACQUIRE_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+    ])
+    .await;
     let caller = std::sync::Arc::new(Caller::new("conc"));
     let url = api.url("/orders");
+    let before = key_metrics(&api, "POST /orders").await;
     let mut tasks = Vec::new();
     for _ in 0..50 {
         let caller = caller.clone();
@@ -148,26 +166,30 @@ async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
         tasks.push(tokio::spawn(async move {
             let response = caller.post(&url, "same-key", SEED_ORDER).await;
             let status = response.status();
+            let replayed = is_replay(&response);
+            let location = header(&response, "Location").map(str::to_owned);
             let body = response.bytes().await.expect("body").to_vec();
-            (status, body)
+            (status, replayed, location, body)
         }));
     }
-    let mut created = Vec::new();
+    let mut answers = Vec::new();
     for task in tasks {
-        let (status, body) = task.await.expect("task");
-        match status {
-            StatusCode::CREATED => created.push(body),
-            StatusCode::CONFLICT => {
-                let problem: Value = serde_json::from_slice(&body).expect("problem");
-                assert_eq!(problem["code"], "idempotency_in_progress", "{problem}");
-            }
-            other => panic!("unexpected {other}: {}", String::from_utf8_lossy(&body)),
-        }
+        answers.push(task.await.expect("task"));
     }
-    assert!(!created.is_empty());
+    for (status, _, _, body) in &answers {
+        assert_eq!(
+            *status,
+            StatusCode::CREATED,
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+    }
+    let executed = answers.iter().filter(|a| !a.1).count();
+    assert_eq!(executed, 1, "one owner, 49 replays");
+    let (_, _, location, body) = &answers[0];
     assert!(
-        created.iter().all(|b| *b == created[0]),
-        "every 201 must carry the same body byte for byte"
+        answers.iter().all(|a| (&a.2, &a.3) == (location, body)),
+        "every 201 must carry the same body and Location byte for byte"
     );
     assert_eq!(
         counts(&caller.tenant).await,
@@ -181,15 +203,25 @@ async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
     let (_, _, stored) = stored_body(&caller.tenant, "POST /orders", "same-key")
         .await
         .expect("stored");
-    assert_eq!(stored, created[0], "the stored response is what was sent");
+    assert_eq!(&stored, body, "the stored response is what was sent");
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics {
+            claims: 1,
+            replays: 49,
+            ..KeyMetrics::default()
+        }
+    );
 }
 
 #[tokio::test]
 async fn same_key_different_request_is_rejected_and_changes_nothing() {
     let api = OrderApi::start(&[]).await;
     let caller = Caller::new("reuse");
+    let metrics = key_metrics(&api, "POST /orders").await;
     let first = caller.post(&api.url("/orders"), "k1", SEED_ORDER).await;
     assert_eq!(first.status(), StatusCode::CREATED);
+    let claimed = key_metrics(&api, "POST /orders").await;
     let before = stored_body(&caller.tenant, "POST /orders", "k1").await;
 
     let other = SEED_ORDER
@@ -201,6 +233,21 @@ async fn same_key_different_request_is_rejected_and_changes_nothing() {
     assert_eq!(
         stored_body(&caller.tenant, "POST /orders", "k1").await,
         before
+    );
+    let after = key_metrics(&api, "POST /orders").await;
+    assert_eq!(
+        (claimed - metrics, after - claimed),
+        (
+            KeyMetrics {
+                claims: 1,
+                ..KeyMetrics::default()
+            },
+            KeyMetrics {
+                conflicts: 1,
+                ..KeyMetrics::default()
+            }
+        ),
+        "the first executes; the reuse is counted as a conflict, nothing else"
     );
     assert_eq!(
         counts(&caller.tenant).await,
@@ -224,10 +271,18 @@ async fn field_order_whitespace_and_defaults_replay_the_same_order() {
         "tax":"8.00", "shipping":"5.00",
         "lines":[{"unit_cost":"22.00","sku":"JKT-M","unit_price":"40.00","qty":2}],
         "customer_id":"77" }"#;
+    let before = key_metrics(&api, "POST /orders").await;
     let replay = caller.post(&api.url("/orders"), "k", same).await;
     assert_eq!(replay.status(), StatusCode::CREATED);
     assert!(is_replay(&replay));
     assert_eq!(replay.bytes().await.expect("body"), first_body);
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics {
+            replays: 1,
+            ..KeyMetrics::default()
+        }
+    );
     assert_eq!(counts(&caller.tenant).await.orders, 1);
 }
 
@@ -905,6 +960,7 @@ async fn the_wait_for_an_in_flight_owner_is_bounded() {
     )
     .await
     .expect("claim");
+    let before = key_metrics(&api, "POST /orders").await;
     let started = std::time::Instant::now();
     let response = caller.post(&api.url("/orders"), "busy", SEED_ORDER).await;
     assert_eq!(response.status(), StatusCode::CONFLICT);
@@ -921,12 +977,190 @@ async fn the_wait_for_an_in_flight_owner_is_bounded() {
         started.elapsed() < Duration::from_secs(20),
         "the wait is bounded"
     );
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics {
+            in_progress: 1,
+            ..KeyMetrics::default()
+        },
+        "a wait timeout is counted, nothing else"
+    );
     // The owner gives up (rolls back): the key is free and the retry executes.
     tx.rollback().await.expect("rollback");
     let retry = caller.post(&api.url("/orders"), "busy", SEED_ORDER).await;
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert!(!is_replay(&retry));
     assert_eq!(counts(&caller.tenant).await.orders, 1);
+}
+
+/// Seed 004: a loser waits for the first transaction, reads its record and
+/// returns the original result (not 409, not a second order). This test's
+/// open transaction is the owner of key "b": it holds b's row uncommitted,
+/// as the API's own claim does, already carrying the response the API
+/// stored for key "a" (same fingerprint, status, body and order). POST "b"
+/// must wait for that transaction and, once it commits, replay a's 201.
+#[tokio::test]
+async fn a_loser_waits_for_the_owner_s_commit_and_replays_its_result() {
+    let api = OrderApi::start(&[(
+        "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+        "20000".to_owned(),
+    )])
+    .await;
+    let caller = std::sync::Arc::new(Caller::new("waitreplay"));
+    let first = caller.post(&api.url("/orders"), "a", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let location = header(&first, "Location").map(str::to_owned);
+    let first_body = first.bytes().await.expect("body");
+
+    let mut owner = pg(Database::Orders).await;
+    let tx = owner.transaction().await.expect("begin");
+    let claimed = tx
+        .execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+               request_fingerprint, response_status, response_body, resource_id, expires_at) \
+             SELECT tenant_id, endpoint, 'b', request_fingerprint, response_status, \
+                    response_body, resource_id, expires_at \
+               FROM idempotency_requests \
+              WHERE tenant_id = $1 AND endpoint = 'POST /orders' AND idempotency_key = 'a'",
+            &[&caller.tenant],
+        )
+        .await
+        .expect("claim b");
+    assert_eq!(claimed, 1);
+    let owner_pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let before = key_metrics(&api, "POST /orders").await;
+    let request = tokio::spawn({
+        let caller = caller.clone();
+        let url = api.url("/orders");
+        async move { caller.post(&url, "b", SEED_ORDER).await }
+    });
+    let watcher = pg(Database::Orders).await;
+    wait_until_blocked_by(&watcher, owner_pid, "POST b never waited for b's owner").await;
+    assert!(
+        !request.is_finished(),
+        "answered while the owner is running"
+    );
+    tx.commit().await.expect("commit");
+
+    let response = request.await.expect("request task");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(is_replay(&response), "the owner's result, replayed");
+    assert_eq!(header(&response, "Location"), location.as_deref());
+    assert_eq!(response.bytes().await.expect("body"), first_body);
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics {
+            replays: 1,
+            ..KeyMetrics::default()
+        }
+    );
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 2,
+            outbox: 1
+        },
+        "nothing executed for b"
+    );
+}
+
+/// An owner transaction that is still running shows in
+/// `idempotency_oldest_incomplete_key_seconds`; one that fails (its
+/// statement cancelled, as by an operator or `statement_timeout`) is
+/// counted in `idempotency_rollbacks_total`, answered 503 and stores
+/// nothing, so the same key executes on retry. This test holds the order's
+/// row lock: the payment's owner waits for it after claiming its key.
+#[tokio::test]
+async fn a_running_owner_is_the_oldest_incomplete_key_and_a_failed_one_a_rollback() {
+    let api = OrderApi::start(&[(
+        "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+        "20000".to_owned(),
+    )])
+    .await;
+    let caller = std::sync::Arc::new(Caller::new("rollback"));
+    let id = place_seed_order(&api, &caller).await;
+    let endpoint = "POST /orders/{id}/payments";
+    let oldest = || api_metric(&api, "idempotency_oldest_incomplete_key_seconds", None);
+    let mut holder = pg(Database::Orders).await;
+    let tx = holder.transaction().await.expect("begin");
+    let locked = tx
+        .execute(
+            "SELECT 1 FROM orders WHERE order_id = $1::text::uuid FOR UPDATE",
+            &[&id],
+        )
+        .await
+        .expect("lock the order");
+    assert_eq!(locked, 1);
+    let holder_pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let before = key_metrics(&api, endpoint).await;
+    let pay_url = api.url(&format!("/orders/{id}/payments"));
+    let request = tokio::spawn({
+        let (caller, pay_url) = (caller.clone(), pay_url.clone());
+        async move { caller.post(&pay_url, "p", SEED_PAYMENT).await }
+    });
+    let watcher = pg(Database::Orders).await;
+    wait_until_blocked_by(
+        &watcher,
+        holder_pid,
+        "the payment never waited for the order",
+    )
+    .await;
+    // The gauge is refreshed every second, in whole seconds.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while oldest().await < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the waiting owner never showed in the gauge"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cancelled = watcher
+        .execute(
+            "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+              WHERE $1 = ANY(pg_blocking_pids(pid))",
+            &[&holder_pid],
+        )
+        .await
+        .expect("cancel");
+    assert_eq!(cancelled, 1);
+    let response = request.await.expect("request task");
+    assert_eq!(header(&response, "Retry-After"), Some("1"));
+    expect_problem(response, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert_eq!(
+        key_metrics(&api, endpoint).await - before,
+        KeyMetrics {
+            rollbacks: 1,
+            ..KeyMetrics::default()
+        }
+    );
+    assert_eq!(
+        stored_body(&caller.tenant, endpoint, "p").await,
+        None,
+        "nothing stored"
+    );
+    tx.rollback().await.expect("release the order");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while oldest().await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gauge stayed up after the owner ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let retry = caller.post(&pay_url, "p", SEED_PAYMENT).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(!is_replay(&retry), "the retry executes");
+    assert_eq!(effects(&caller.tenant).await, (1, 0));
 }
 
 /// A verified API key is remembered for `ORDER_API__AUTH__KEY_CACHE_MS`: a key
@@ -1542,18 +1776,7 @@ async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
         .await
         .expect("pid")
         .get(0);
-    let in_progress = |api: &OrderApi| {
-        let base = api.base.clone();
-        async move {
-            system_tests::consumers::scrape_metric(
-                &base,
-                "idempotency_in_progress_total",
-                "endpoint=\"POST /orders\"",
-            )
-            .await
-        }
-    };
-    let before = in_progress(&api).await;
+    let before = key_metrics(&api, "POST /orders").await;
     let request = tokio::spawn({
         let caller = caller.clone();
         let url = api.url("/orders");
@@ -1580,7 +1803,14 @@ async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
         (StatusCode::CONFLICT, Some("idempotency_in_progress")),
         "{problem}"
     );
-    assert_eq!(in_progress(&api).await, before + 1.0, "counted");
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics {
+            in_progress: 1,
+            ..KeyMetrics::default()
+        },
+        "counted"
+    );
     let c = counts(&caller.tenant).await;
     assert_eq!(
         (c.orders, c.keys),
@@ -1904,4 +2134,48 @@ async fn place_seed_order(api: &OrderApi, caller: &Caller) -> String {
     let (status, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
     assert_eq!(status, StatusCode::CREATED, "{order}");
     order["order_id"].as_str().expect("id").to_owned()
+}
+
+/// order-api's idempotency counters of one endpoint (`key_metrics`), or the
+/// difference of two readings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct KeyMetrics {
+    claims: i64,
+    replays: i64,
+    conflicts: i64,
+    in_progress: i64,
+    rollbacks: i64,
+}
+
+impl std::ops::Sub for KeyMetrics {
+    type Output = KeyMetrics;
+    fn sub(self, before: KeyMetrics) -> KeyMetrics {
+        KeyMetrics {
+            claims: self.claims - before.claims,
+            replays: self.replays - before.replays,
+            conflicts: self.conflicts - before.conflicts,
+            in_progress: self.in_progress - before.in_progress,
+            rollbacks: self.rollbacks - before.rollbacks,
+        }
+    }
+}
+
+/// `api`'s metric `name` (of `endpoint`, when given), scraped now.
+async fn api_metric(api: &OrderApi, name: &str, endpoint: Option<&str>) -> i64 {
+    let labels = endpoint.map_or_else(String::new, |e| format!("endpoint=\"{e}\""));
+    let value = system_tests::consumers::scrape_metric(&api.base, name, &labels).await;
+    // Counters and gauges of whole numbers.
+    value as i64
+}
+
+/// The idempotency counters `api` reports for `endpoint` now.
+async fn key_metrics(api: &OrderApi, endpoint: &str) -> KeyMetrics {
+    let metric = |name| api_metric(api, name, Some(endpoint));
+    KeyMetrics {
+        claims: metric("idempotency_claims_total").await,
+        replays: metric("idempotency_replays_total").await,
+        conflicts: metric("idempotency_key_conflicts_total").await,
+        in_progress: metric("idempotency_in_progress_total").await,
+        rollbacks: metric("idempotency_rollbacks_total").await,
+    }
 }
