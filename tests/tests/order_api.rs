@@ -266,7 +266,20 @@ async fn field_order_whitespace_and_defaults_replay_the_same_order() {
     let caller = Caller::new("canon");
     let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
     assert_eq!(first.status(), StatusCode::CREATED);
+    let location = header(&first, "Location").map(str::to_owned);
     let first_body = first.bytes().await.expect("body");
+    let order_id: uuid::Uuid = serde_json::from_slice::<Value>(&first_body).expect("json")
+        ["order_id"]
+        .as_str()
+        .expect("order_id")
+        .parse()
+        .expect("uuid");
+    // The created order's URL, and its id stored with the key.
+    assert_eq!(location, Some(format!("/orders/{order_id}")));
+    assert_eq!(
+        stored_resource_id(&caller.tenant, "POST /orders", "k").await,
+        Some(order_id)
+    );
     let same = r#"{ "location":"WH-1", "currency":"USD", "checkout_id": null,
         "tax":"8.00", "shipping":"5.00",
         "lines":[{"unit_cost":"22.00","sku":"JKT-M","unit_price":"40.00","qty":2}],
@@ -275,6 +288,11 @@ async fn field_order_whitespace_and_defaults_replay_the_same_order() {
     let replay = caller.post(&api.url("/orders"), "k", same).await;
     assert_eq!(replay.status(), StatusCode::CREATED);
     assert!(is_replay(&replay));
+    assert_eq!(
+        header(&replay, "Location"),
+        location.as_deref(),
+        "the replay names the same order"
+    );
     assert_eq!(replay.bytes().await.expect("body"), first_body);
     assert_eq!(
         key_metrics(&api, "POST /orders").await - before,
@@ -478,6 +496,60 @@ async fn tenants_are_isolated_even_with_the_same_bare_key() {
     assert_eq!(problem["code"], "order_not_found");
     assert_eq!(counts(&a.tenant).await.orders, 1);
     assert_eq!(counts(&b.tenant).await.orders, 1);
+}
+
+/// The endpoint is part of a key's scope (seed 004: `(tenant_id, endpoint,
+/// idempotency_key)`): one key on POST /orders, then on the order's payment,
+/// then on its delivery, in one tenant, is three operations, each executed
+/// (none the replay of another endpoint's response), with a record each.
+#[tokio::test]
+async fn one_key_on_three_endpoints_is_three_operations() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("scope");
+    let placed = caller.post(&api.url("/orders"), "same", SEED_ORDER).await;
+    assert!(!is_replay(&placed));
+    let (status, order) = json_of(placed).await;
+    assert_eq!(status, StatusCode::CREATED, "{order}");
+    let id = order["order_id"].as_str().expect("id");
+    for (path, body, event) in [
+        ("payments", SEED_PAYMENT, "PaymentReceived"),
+        ("deliveries", SEED_DELIVERY, "ParcelDelivered"),
+    ] {
+        let response = caller
+            .post(&api.url(&format!("/orders/{id}/{path}")), "same", body)
+            .await;
+        assert!(!is_replay(&response), "{path}: executed, not replayed");
+        let (status, answer) = json_of(response).await;
+        assert_eq!(status, StatusCode::CREATED, "{path}: {answer}");
+        assert_ne!(answer, order, "{path}: not the order's response");
+        assert_eq!(
+            outbox_of(id).await.last().map(|e| e.1.as_str()),
+            Some(event)
+        );
+    }
+    let records: Vec<(String, i32)> = pg(Database::Orders)
+        .await
+        .query(
+            "SELECT endpoint, response_status FROM idempotency_requests \
+              WHERE tenant_id = $1 AND idempotency_key = 'same' ORDER BY endpoint",
+            &[&caller.tenant],
+        )
+        .await
+        .expect("records")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        records,
+        [
+            "POST /orders",
+            "POST /orders/{id}/deliveries",
+            "POST /orders/{id}/payments"
+        ]
+        .map(|e| (e.to_owned(), 201))
+    );
+    assert_eq!(outbox_of(id).await.len(), 3);
+    assert_eq!(effects(&caller.tenant).await, (1, 1));
 }
 
 /// With order-api's spans turned off (`OTEL_TRACES_FILTER=off`) its
@@ -2178,4 +2250,18 @@ async fn key_metrics(api: &OrderApi, endpoint: &str) -> KeyMetrics {
         in_progress: metric("idempotency_in_progress_total").await,
         rollbacks: metric("idempotency_rollbacks_total").await,
     }
+}
+
+/// The stored resource id of `(tenant, endpoint, key)`.
+async fn stored_resource_id(tenant: &str, endpoint: &str, key: &str) -> Option<uuid::Uuid> {
+    pg(Database::Orders)
+        .await
+        .query_one(
+            "SELECT resource_id FROM idempotency_requests \
+             WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3",
+            &[&tenant, &endpoint, &key],
+        )
+        .await
+        .expect("read key")
+        .get(0)
 }
