@@ -462,6 +462,151 @@ async fn after_expiry_a_key_is_new_but_the_checkout_backstop_holds() {
     assert_eq!((c.orders, c.outbox), (3, 3));
 }
 
+/// An orders database of this test's own (created, migrated by the
+/// order-api it is given to, dropped when done): the expired-key cleanup
+/// of every order-api deletes every tenant's expired keys, so only an
+/// instance alone on its database counts exactly the rows a test expired.
+struct OwnOrdersDatabase {
+    name: String,
+    url: String,
+}
+
+impl OwnOrdersDatabase {
+    async fn create() -> Self {
+        let name = format!(
+            "orders_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        );
+        pg(Database::Orders)
+            .await
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create database");
+        let shared = system_tests::pg_url(Database::Orders);
+        let (address, options) = shared.split_once('?').unwrap_or((&shared, ""));
+        let (server, _) = address.rsplit_once('/').expect("a database URL");
+        let url = match options {
+            "" => format!("{server}/{name}"),
+            options => format!("{server}/{name}?{options}"),
+        };
+        Self { name, url }
+    }
+
+    async fn connect(&self) -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::connect(&self.url, tokio_postgres::NoTls)
+            .await
+            .expect("connect to the own database");
+        tokio::spawn(connection);
+        client
+    }
+}
+
+impl Drop for OwnOrdersDatabase {
+    fn drop(&mut self) {
+        let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(async { pg(Database::Orders).await.batch_execute(&drop).await })
+        })
+        .join();
+    }
+}
+
+/// The expired-key cleanup counts what it deletes
+/// (`idempotency_expired_keys_deleted_total`) and what fails
+/// (`idempotency_cleanup_failures_total`): while this test holds the table
+/// locked, runs fail (each after `lock_timeout`), are counted, and delete
+/// nothing; the next run after the lock is gone deletes the expired key.
+/// Unexpired keys stay.
+#[tokio::test]
+async fn the_key_cleanup_counts_deleted_keys_and_failed_runs() {
+    let database = OwnOrdersDatabase::create().await;
+    let api = OrderApi::start(&[
+        ("ORDER_API__DATABASE__URL", database.url.clone()),
+        (
+            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+            "1".to_owned(),
+        ),
+        ("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "200".to_owned()),
+    ])
+    .await;
+    let deleted = || api_metric(&api, "idempotency_expired_keys_deleted_total", None);
+    let failures = || api_metric(&api, "idempotency_cleanup_failures_total", None);
+    let mut db = database.connect().await;
+    let keys = "SELECT count(*) FROM idempotency_requests";
+    // Rows as order-api stores them, three expired (in one statement: no
+    // run can see some of them only) and one not.
+    let expire = |n: i64, key: &'static str| {
+        format!(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+               request_fingerprint, response_status, response_body, expires_at) \
+             SELECT 'cleanup', 'POST /orders', '{key}-' || i, 'f', 201, '{{}}', \
+                    now() - interval '1 second' FROM generate_series(1, {n}) i"
+        )
+    };
+    let (deleted_before, failures_before) = (deleted().await, failures().await);
+    db.batch_execute(&format!(
+        "{}; INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+           request_fingerprint, expires_at) \
+         VALUES ('cleanup', 'POST /orders', 'live', 'f', now() + interval '1 hour')",
+        expire(3, "old")
+    ))
+    .await
+    .expect("keys");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while deleted().await < deleted_before + 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "expired keys not deleted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let count: i64 = db.query_one(keys, &[]).await.expect("count").get(0);
+    assert_eq!(count, 1, "the unexpired key stays");
+    assert_eq!(
+        deleted().await,
+        deleted_before + 3,
+        "each deleted key counted once"
+    );
+    assert_eq!(failures().await, failures_before);
+
+    let tx = db.transaction().await.expect("begin");
+    tx.batch_execute(&format!(
+        "LOCK TABLE idempotency_requests IN ACCESS EXCLUSIVE MODE; {}",
+        expire(1, "locked")
+    ))
+    .await
+    .expect("lock");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while failures().await < failures_before + 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "failed runs not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        deleted().await,
+        deleted_before + 3,
+        "nothing deleted while failing"
+    );
+    tx.commit().await.expect("commit");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while deleted().await < deleted_before + 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cleanup did not recover"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let count: i64 = db.query_one(keys, &[]).await.expect("count").get(0);
+    assert_eq!(count, 1);
+    drop(api);
+}
+
 #[tokio::test]
 async fn tenants_are_isolated_even_with_the_same_bare_key() {
     let api = OrderApi::start(&[]).await;

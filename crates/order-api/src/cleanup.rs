@@ -63,7 +63,10 @@ pub async fn run(
                     metrics.expired_deleted.inc_by(deleted);
                     tracing::info!(deleted, "expired idempotency keys deleted");
                 }
-                Err(error) => tracing::warn!(%error, "idempotency key cleanup failed"),
+                Err(error) => {
+                    metrics.cleanup_failures.inc();
+                    tracing::warn!(%error, "idempotency key cleanup failed");
+                }
             },
         }
     }

@@ -21,6 +21,9 @@ pub struct Metrics {
     pub rejections: IntCounterVec,
     /// Expired idempotency rows deleted by the cleanup task.
     pub expired_deleted: IntCounter,
+    /// Cleanup runs that failed (the database unreachable, a lock held past
+    /// `lock_timeout`): expired keys stay until a later run deletes them.
+    pub cleanup_failures: IntCounter,
     /// Age of the oldest owner transaction still running in this process.
     pub oldest_incomplete_key_seconds: IntGauge,
 }
@@ -53,6 +56,12 @@ impl Metrics {
         )
         .expect("valid metric");
         kit::metrics::register(&registry, &expired_deleted);
+        let cleanup_failures = IntCounter::new(
+            "idempotency_cleanup_failures_total",
+            "Runs of the expired-key cleanup that failed (retried at the next interval)",
+        )
+        .expect("valid metric");
+        kit::metrics::register(&registry, &cleanup_failures);
         let oldest = IntGauge::new(
             "idempotency_oldest_incomplete_key_seconds",
             "Age of the oldest idempotency key whose owning transaction is still running here",
@@ -97,6 +106,7 @@ impl Metrics {
                 "code",
             ),
             expired_deleted,
+            cleanup_failures,
             oldest_incomplete_key_seconds: oldest,
             registry,
         }
