@@ -697,6 +697,51 @@ async fn one_key_on_three_endpoints_is_three_operations() {
     assert_eq!(effects(&caller.tenant).await, (1, 1));
 }
 
+/// A replay returns the original result (seed 004), as the API documents:
+/// the stored 201 of POST /orders is the order as created, so after the
+/// payment its replay still says `placed`, byte for byte, while GET
+/// /orders/{id} has the live state.
+#[tokio::test]
+async fn a_create_replay_after_a_payment_is_the_creation_snapshot() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("snapshot");
+    let first = caller.post(&api.url("/orders"), "o", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let first_body = first.bytes().await.expect("body");
+    let order: Value = serde_json::from_slice(&first_body).expect("json");
+    assert_eq!(order["status"], "placed");
+    let id = order["order_id"].as_str().expect("id");
+    let paid = caller
+        .post(
+            &api.url(&format!("/orders/{id}/payments")),
+            "p",
+            SEED_PAYMENT,
+        )
+        .await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
+
+    let replay = caller.post(&api.url("/orders"), "o", SEED_ORDER).await;
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert!(is_replay(&replay));
+    assert_eq!(replay.bytes().await.expect("body"), first_body);
+    let (status, live) = json_of(caller.get(&api.url(&format!("/orders/{id}"))).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(live["status"], "paid", "{live}");
+    let doc: Value = reqwest::get(api.url("/openapi.json"))
+        .await
+        .expect("openapi")
+        .json()
+        .await
+        .expect("json");
+    let documented = doc["paths"]["/orders"]["post"]["responses"]["201"]["description"]
+        .as_str()
+        .expect("201 description");
+    assert!(
+        documented.contains("snapshot") && documented.contains("GET /orders/{id}"),
+        "{documented}"
+    );
+}
+
 /// With order-api's spans turned off (`OTEL_TRACES_FILTER=off`) its
 /// operation span records no context: the outbox row stores the caller's
 /// own `traceparent` and `tracestate`, so the events still continue the
