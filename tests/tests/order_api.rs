@@ -1206,6 +1206,37 @@ async fn the_openapi_document_lists_the_real_endpoints() {
     }
 }
 
+/// The served document states the key retention this instance applies
+/// (`ORDER_API__IDEMPOTENCY__TTL_SECONDS`), not a fixed 24 h.
+#[tokio::test]
+async fn the_openapi_document_states_the_configured_key_retention() {
+    for (ttl, text) in [(None, "24 h"), (Some(5_400), "90 min")] {
+        let env: Vec<_> = ttl
+            .map(|t: u64| ("ORDER_API__IDEMPOTENCY__TTL_SECONDS", t.to_string()))
+            .into_iter()
+            .collect();
+        let api = OrderApi::start(&env).await;
+        let doc: Value = reqwest::get(api.url("/openapi.json"))
+            .await
+            .expect("openapi")
+            .json()
+            .await
+            .expect("json");
+        let description = doc["info"]["description"].as_str().expect("description");
+        assert!(
+            description.contains(&format!("expire {text} after")),
+            "{ttl:?}: {description}"
+        );
+        let other = if ttl.is_some() { "24 h" } else { "90 min" };
+        assert!(!description.contains(other), "{ttl:?}: {description}");
+        assert_eq!(
+            doc["info"]["x-idempotency-retention-seconds"],
+            ttl.unwrap_or(86_400),
+            "{ttl:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn the_wait_for_an_in_flight_owner_is_bounded() {
     let api =

@@ -17,6 +17,34 @@ use crate::{
 
 pub const OPENAPI: &str = include_str!("../openapi.json");
 
+/// Where [`OPENAPI`]'s description states the key retention.
+const RETENTION: &str = "{retention}";
+
+/// The OpenAPI document as served: the key retention is this instance's
+/// (`idempotency.ttl_seconds`), in the description and as
+/// `info.x-idempotency-retention-seconds`.
+pub fn openapi(ttl_seconds: u64) -> String {
+    let mut doc: serde_json::Value =
+        serde_json::from_str(OPENAPI).expect("openapi.json is valid JSON (unit tested)");
+    let info = &mut doc["info"];
+    let description = info["description"]
+        .as_str()
+        .unwrap_or_default()
+        .replace(RETENTION, &retention(ttl_seconds));
+    info["description"] = description.into();
+    info["x-idempotency-retention-seconds"] = ttl_seconds.into();
+    doc.to_string()
+}
+
+/// `seconds` in the largest whole unit: "24 h", "90 min", "45 s".
+fn retention(seconds: u64) -> String {
+    match seconds {
+        s if s % 3600 == 0 => format!("{} h", s / 3600),
+        s if s % 60 == 0 => format!("{} min", s / 60),
+        s => format!("{s} s"),
+    }
+}
+
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::resource("/orders")
@@ -40,10 +68,10 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     )
     .service(
         web::resource("/openapi.json")
-            .route(web::get().to(|| async {
+            .route(web::get().to(|state: web::Data<AppState>| async move {
                 HttpResponse::Ok()
                     .content_type("application/json")
-                    .body(OPENAPI)
+                    .body(openapi(state.settings.idempotency.ttl_seconds))
             }))
             .default_service(web::to(method_not_allowed("GET"))),
     );
@@ -341,6 +369,25 @@ mod tests {
             fingerprints(&mut parse::<DeliveryRequest>(sorted), order_id, &not_read).0
         );
         assert_eq!(earlier, vec![stored_then]);
+    }
+
+    #[test]
+    fn the_served_document_states_the_configured_retention() {
+        assert_eq!(
+            OPENAPI.matches(RETENTION).count(),
+            1,
+            "one place to fill in"
+        );
+        for (ttl, text) in [(86_400, "24 h"), (5_400, "90 min"), (45, "45 s")] {
+            let doc: serde_json::Value = serde_json::from_str(&openapi(ttl)).expect("json");
+            let description = doc["info"]["description"].as_str().expect("description");
+            assert!(
+                description.contains(&format!("expire {text} after")),
+                "{description}"
+            );
+            assert!(!description.contains(RETENTION));
+            assert_eq!(doc["info"]["x-idempotency-retention-seconds"], ttl);
+        }
     }
 
     #[test]
