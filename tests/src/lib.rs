@@ -150,11 +150,29 @@ pub struct Service {
 impl Service {
     /// Start `name` with `env` added to the inherited environment.
     pub fn start(name: &str, args: &[&str], env: &[(&str, String)]) -> Self {
+        Self::start_with_output(name, args, env, None)
+    }
+
+    /// [`Service::start`], its stdout and stderr written to the file
+    /// `output` (created) when given, instead of the test's own.
+    pub fn start_with_output(
+        name: &str,
+        args: &[&str],
+        env: &[(&str, String)],
+        output: Option<&std::path::Path>,
+    ) -> Self {
         let mut command = Command::new(bin(name));
         command
             .args(args)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null());
+        if let Some(path) = output {
+            let file = std::fs::File::create(path)
+                .unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+            command
+                .stdout(file.try_clone().expect("output file"))
+                .stderr(file);
+        }
         let child = command
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
@@ -315,13 +333,22 @@ impl OrderApi {
     /// Start order-api with `env` (e.g. `FAILPOINTS`, idempotency settings) and
     /// wait until it is ready.
     pub async fn start(env: &[(&str, String)]) -> Self {
+        Self::start_with_output(env, None).await
+    }
+
+    /// [`OrderApi::start`], its output (the logs) written to the file
+    /// `output` when given.
+    pub async fn start_with_output(
+        env: &[(&str, String)],
+        output: Option<&std::path::Path>,
+    ) -> Self {
         let port = free_port();
         let mut all = vec![
             ("ORDER_API__HTTP__PORT", port.to_string()),
             ("RUST_LOG", "warn".to_owned()),
         ];
         all.extend(env.iter().cloned());
-        let mut service = Service::start("order-api", &[], &all);
+        let mut service = Service::start_with_output("order-api", &[], &all, output);
         let base = format!("http://127.0.0.1:{port}");
         service
             .wait_ready(&format!("{base}/readyz"), Duration::from_secs(60))

@@ -1456,6 +1456,68 @@ async fn a_running_owner_is_the_oldest_incomplete_key_and_a_failed_one_a_rollbac
     assert_eq!(effects(&caller.tenant).await, (1, 0));
 }
 
+/// Logs never contain request bodies tied to a key (seed 004), not even at
+/// debug level: order-api's output while it answers a 201, its replay, a
+/// 422 and a 409 reuse, all carrying one distinctive string in the
+/// customer id and the keys, does not contain that string (the logs name
+/// a key by its hash).
+#[tokio::test]
+async fn debug_logs_hold_neither_request_bodies_nor_keys() {
+    let secret = uuid::Uuid::new_v4().simple().to_string();
+    let log = std::env::temp_dir().join(format!("order-api-{secret}.log"));
+    let api = OrderApi::start_with_output(
+        &[
+            ("RUST_LOG", "debug".to_owned()),
+            ("LOG_FORMAT", "json".to_owned()),
+        ],
+        Some(&log),
+    )
+    .await;
+    let caller = Caller::new("nolog");
+    let url = api.url("/orders");
+    let order = SEED_ORDER.replace("\"77\"", &format!("\"cust-{secret}\""));
+    let key = format!("{secret}-1");
+    for _ in 0..2 {
+        let created = caller.post(&url, &key, &order).await;
+        assert_eq!(created.status(), StatusCode::CREATED);
+    }
+    expect_problem(
+        caller
+            .post(
+                &url,
+                &format!("{secret}-2"),
+                &order.replace("93.00", "94.00"),
+            )
+            .await,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "validation_failed",
+    )
+    .await;
+    expect_problem(
+        caller
+            .post(&url, &key, &order.replace(&secret, &format!("{secret}-2")))
+            .await,
+        StatusCode::CONFLICT,
+        "idempotency_key_reused",
+    )
+    .await;
+    drop(api);
+    let text = std::fs::read_to_string(&log).expect("log");
+    let _ = std::fs::remove_file(&log);
+    // The output is the requests' (debug lines included), not empty.
+    for expected in [
+        "idempotency key claimed and committed",
+        "idempotent replay",
+        "idempotency key reused with another request",
+        "\"level\":\"DEBUG\"",
+        "\"key_hash\"",
+    ] {
+        assert!(text.contains(expected), "no {expected:?} in:\n{text}");
+    }
+    let leaks: Vec<&str> = text.lines().filter(|l| l.contains(&secret)).collect();
+    assert!(leaks.is_empty(), "logged: {leaks:#?}");
+}
+
 /// A verified API key is remembered for `ORDER_API__AUTH__KEY_CACHE_MS`: a key
 /// revoked in the database stops working within that window (and at once
 /// with the cache off); an unknown key is never remembered.

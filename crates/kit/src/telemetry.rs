@@ -107,9 +107,9 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     opentelemetry::global::set_tracer_provider(provider.clone());
     let tracer = provider.tracer(service);
 
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+    let filter = never_logged(EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
-    });
+    }));
     // Without an exporter the spans only carry the trace context (stored and
     // propagated): log events are not recorded into them.
     let exporting = endpoint.is_some() && export_error.is_none();
@@ -120,12 +120,14 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     // (tracing-log sets it from that hint): every `log::debug!` of
     // tokio-postgres, per statement, went through the bridge and every
     // layer's filter before being dropped.
-    let trace_filter = EnvFilter::try_from_env("OTEL_TRACES_FILTER")
-        .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER))
-        .and(
-            filter_fn(move |metadata| exporting || metadata.is_span())
-                .with_max_level_hint(LevelFilter::TRACE),
-        );
+    let trace_filter = never_logged(
+        EnvFilter::try_from_env("OTEL_TRACES_FILTER")
+            .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER)),
+    )
+    .and(
+        filter_fn(move |metadata| exporting || metadata.is_span())
+            .with_max_level_hint(LevelFilter::TRACE),
+    );
     let text = std::env::var("LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("text"));
     let fmt_layer = if text {
         tracing_subscriber::fmt::layer()
@@ -159,6 +161,26 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     }
     tracing::info!(service, otlp_export = exporting, "telemetry ready");
     TelemetryGuard { provider }
+}
+
+/// Targets never logged (nor recorded into spans), whatever `RUST_LOG` or
+/// `OTEL_TRACES_FILTER` say: at DEBUG, tokio-postgres logs every statement
+/// with its bound parameters (`query`: idempotency keys, customer ids, event
+/// payloads, stored responses) and every simple query's text, which may
+/// hold literal values. Logs never contain request bodies tied to a key
+/// (DESIGN.md section 5); the statements' SQL text alone stays available
+/// (`tokio_postgres::prepare`). These targets log nothing else.
+const NEVER_LOGGED: [&str; 2] = [
+    "tokio_postgres::query=off",
+    "tokio_postgres::simple_query=off",
+];
+
+/// `filter` with [`NEVER_LOGGED`] added (replacing any directive of the
+/// same target it has).
+fn never_logged(filter: EnvFilter) -> EnvFilter {
+    NEVER_LOGGED.iter().fold(filter, |filter, directive| {
+        filter.add_directive(directive.parse().expect("a valid directive"))
+    })
 }
 
 /// W3C trace-context headers (`traceparent`, and `tracestate` when non-empty)
