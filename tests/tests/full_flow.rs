@@ -571,3 +571,42 @@ async fn a_listener_added_later_catches_up_through_a_replay_without_dead_letters
     assert_eq!(parked, 0);
     drift(&system).await;
 }
+
+/// `make demo` (crates/ops/src/bin/demo.rs) tells the seed 003 story through
+/// the real HTTP APIs and checks the seed's numbers (stock 46, journal 93.00
+/// and 137.00, 80 points): run here on a system of its own (its tenant and
+/// API key), it must finish with exit 0 and print the seed's rows.
+#[tokio::test]
+async fn the_demo_tells_the_seed_story_and_checks_its_numbers() {
+    let _serial = SERIAL.lock().await;
+    let system = start("demo").await;
+    let url = |kind| system.consumer(kind).base_url();
+    let output = tokio::process::Command::new(system_tests::bin("demo"))
+        .env("ORDER_API_URL", system.api.base_url())
+        .env("INVENTORY_URL", url(Kind::Inventory))
+        .env("LEDGER_URL", url(Kind::Ledger))
+        .env("LOYALTY_URL", url(Kind::Loyalty))
+        .env("SERVICE_TOKEN", system_tests::consumers::TEST_TOKEN)
+        .env("DEMO_TENANT", &system.tenant)
+        .env("DEMO_API_KEY", &system.key)
+        .output()
+        .await
+        .expect("run the demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "demo: {}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for line in [
+        "level: on_hand 46, reserved 0, available 46",
+        "    debits 93.00 = credits 93.00",
+        "    debits 137.00 = credits 137.00",
+        "-- loyalty: customer 77, balance 80",
+        "== story complete",
+    ] {
+        assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
+    }
+    drift(&system).await;
+}
