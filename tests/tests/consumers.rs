@@ -1093,7 +1093,10 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
 }
 
 /// (7) Poison (a malformed body, an unknown major version) goes to the DLQ
-/// with a reason; nothing is lost; the partition keeps flowing. An unknown
+/// with a reason, and the order it names (for a malformed body: its AMQP
+/// metadata, set by the relay from the outbox row) is parked behind it at
+/// once: its next event follows it to the DLQ instead of waiting at the gap
+/// for ~40 minutes first; nothing is lost; the partition keeps flowing. An unknown
 /// event type is acknowledged and advances the order's sequence, and so is
 /// any version of a type the consumer does not apply (inventory never reads
 /// payments: a `PaymentReceived` v99 is not its poison).
@@ -1104,6 +1107,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
     let malformed_order = Uuid::now_v7();
     let mut malformed = order_placed(&tenant, malformed_order, 1, "9", 1);
     malformed.body = b"{\"event_id\": \"not json".to_vec();
+    let behind_malformed = payment_received(&tenant, malformed_order, 2, "53.00");
     let future_order = Uuid::now_v7();
     let v99 = order_placed(&tenant, future_order, 1, "9", 1).as_version_99();
     let behind_v99 = payment_received(&tenant, future_order, 2, "53.00");
@@ -1127,6 +1131,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
 
     for m in [
         &malformed,
+        &behind_malformed,
         &v99,
         &behind_v99,
         &placed,
@@ -1141,8 +1146,13 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
     wait_sequence(Database::Inventory, &name, good, 3).await;
     wait_sequence(Database::Inventory, &name, newer_payments, 3).await;
     inventory
-        .wait_metric("consumer_dead_lettered_total", "", 3.0)
+        .wait_metric("consumer_dead_lettered_total", "", 4.0)
         .await;
+    assert_eq!(
+        inventory.metric("consumer_deferred_total", "").await,
+        0.0,
+        "nothing waited at a gap"
+    );
     assert_eq!(
         inventory
             .metric("consumer_events_applied_total", "event_type=\"ignored\"")
@@ -1157,9 +1167,14 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         Some((0, true)),
         "the order behind the poison is parked"
     );
+    assert_eq!(
+        progress(Database::Inventory, &name, malformed_order).await,
+        Some((0, true)),
+        "the order a malformed body's metadata names is parked"
+    );
 
     let letters = drain_dead_letters(&name).await;
-    assert_eq!(letters.len(), 3, "{letters:?}");
+    assert_eq!(letters.len(), 4, "{letters:?}");
     let reason_of = |order: Uuid, needle: &str| {
         letters.iter().any(|l| {
             l.aggregate_id.as_deref() == Some(order.to_string().as_str())
@@ -1167,6 +1182,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         })
     };
     assert!(reason_of(malformed_order, "malformed"), "{letters:?}");
+    assert!(reason_of(malformed_order, "parked"), "{letters:?}");
     assert!(
         reason_of(future_order, "unsupported schema version 99"),
         "{letters:?}"
@@ -1175,6 +1191,63 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
     assert!(
         letters.iter().any(|l| l.body == malformed.body),
         "byte for byte"
+    );
+}
+
+/// A malformed body (the relay's metadata still names its order and
+/// sequence) parks its order at once; the operator's repair is the runbook's:
+/// replay the event from the outbox (its copy is dead-lettered behind the
+/// park), then `redrive --order`: the replayed copy and the later events
+/// move and apply in order; the malformed letter stays in the DLQ (moved, it
+/// would park the order again) and the report says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_body_parks_its_order_and_a_replay_and_redrive_repair_it() {
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-garbled").await;
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
+    let order = Uuid::now_v7();
+    let placed = order_placed(&tenant, order, 1, "77", 2);
+    let mut garbled = placed.clone();
+    garbled.body = b"{\"event_id\": \"garbled in transit".to_vec();
+    let delivered = parcel_delivered(&tenant, order, 2, 2);
+    publisher.to_consumer(&name, &garbled).await;
+    publisher.to_consumer(&name, &delivered).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 2.0)
+        .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((0, true))
+    );
+    assert_eq!(inventory.metric("consumer_deferred_total", "").await, 0.0);
+
+    // The replay's copy of the event (the outbox row is intact).
+    publisher.to_consumer(&name, &placed).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 3.0)
+        .await;
+    let report = redrive_with(
+        Kind::Inventory,
+        &name,
+        &["--order", &order.to_string()],
+        &Options::one_partition(),
+    )
+    .await;
+    assert!(
+        report.contains("the body is not an event and never applies"),
+        "{report}"
+    );
+    wait_sequence(Database::Inventory, &name, order, 2).await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((2, false))
+    );
+    let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
+    assert_eq!(kinds, vec!["receipt", "reserve", "sale"]);
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(
+        letters[0].body, garbled.body,
+        "only the malformed letter stays"
     );
 }
 
@@ -2010,7 +2083,12 @@ async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
 
 /// Run `<binary> redrive [args]` for consumer `name`; returns stdout.
 async fn redrive(kind: Kind, name: &str, args: &[&str]) -> String {
-    let output = run_redrive(kind, name, args, &Options::default()).await;
+    redrive_with(kind, name, args, &Options::default()).await
+}
+
+/// [`redrive`] for a consumer run with `options` (its partitions).
+async fn redrive_with(kind: Kind, name: &str, args: &[&str], options: &Options) -> String {
+    let output = run_redrive(kind, name, args, options).await;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
@@ -2830,8 +2908,9 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
     drop(_crashed);
 }
 
-/// A crash after a letter dead-lettered alone (here a malformed body: no
-/// order to park) is confirmed and before its message is acknowledged
+/// A crash after a letter dead-lettered alone (here a malformed body whose
+/// metadata names no sequence: no order to park) is confirmed and before
+/// its message is acknowledged
 /// (`consumer.after_dead_letter_before_ack`): the message is redelivered and
 /// dead-lettered again. Two copies of the letter, nothing applied from it,
 /// and the partition flows on.
@@ -2851,6 +2930,7 @@ async fn a_crash_after_a_dead_letter_before_the_ack_letters_it_twice_and_flows_o
     let publisher = Publisher::connect().await;
     let mut malformed = order_placed(&tenant, Uuid::now_v7(), 1, "77", 1);
     malformed.body = b"{\"event_id\": \"not json".to_vec();
+    malformed.sequence = 0;
     publisher.to_consumer(&name, &malformed).await;
     let crashed = aborted_at_its_fail_point(crashing).await;
 

@@ -112,6 +112,48 @@ enum Decoded {
     Malformed(DecodeError),
 }
 
+/// The event and order a message is about: from its envelope, or, when the
+/// body cannot be read, from the AMQP metadata the relay sets from the
+/// outbox row (`message_id`, headers `tenant_id`, `aggregate_id`,
+/// `aggregate_sequence`). Enough to park the order behind the message.
+#[derive(Clone, Copy, Debug)]
+struct OrderRef<'a> {
+    event_id: uuid::Uuid,
+    tenant_id: &'a str,
+    aggregate_id: &'a str,
+    sequence: i64,
+}
+
+impl<'a> From<&'a RawEnvelope> for OrderRef<'a> {
+    fn from(raw: &'a RawEnvelope) -> Self {
+        OrderRef {
+            event_id: raw.event_id,
+            tenant_id: &raw.tenant_id,
+            aggregate_id: &raw.aggregate_id,
+            sequence: raw.aggregate_sequence,
+        }
+    }
+}
+
+/// What a message's metadata says about its event (see [`OrderRef`]):
+/// `(event id, tenant, order, sequence)`, `None` when any of them is
+/// missing or unusable.
+fn named_by_metadata(delivery: &Delivery) -> Option<(uuid::Uuid, String, String, i64)> {
+    let headers = delivery.properties.headers().as_ref();
+    let event_id = delivery
+        .properties
+        .message_id()
+        .as_ref()?
+        .as_str()
+        .parse()
+        .ok()?;
+    let tenant = topology::str_header(headers, events::headers::TENANT_ID)?;
+    let order = topology::str_header(headers, events::headers::AGGREGATE_ID)?;
+    let sequence = topology::int_header(headers, events::headers::AGGREGATE_SEQUENCE)
+        .filter(|sequence| *sequence >= 1)?;
+    Some((event_id, tenant, order, sequence))
+}
+
 /// The inbox row: the event applied once per consumer name.
 pub const INSERT_INBOX: &str = "INSERT INTO processed_events (consumer_name, event_id) \
      VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING event_id";
@@ -290,16 +332,37 @@ impl<D: Domain> Processor<D> {
                 .unwrap_or(0),
         };
         let decoded = decode(&delivery.data, D::HANDLES);
-        if let (Some(only), Decoded::Ok(raw, _) | Decoded::PoisonPayload(raw, _)) =
-            (&self.only_tenants, &decoded)
-        {
-            if !only.contains(&raw.tenant_id) {
+        let metadata = match &decoded {
+            Decoded::Malformed(_) => named_by_metadata(delivery),
+            _ => None,
+        };
+        let named = match (&decoded, &metadata) {
+            (Decoded::Ok(raw, _) | Decoded::PoisonPayload(raw, _), _) => Some(OrderRef::from(raw)),
+            (Decoded::Malformed(_), Some((event_id, tenant, order, sequence))) => Some(OrderRef {
+                event_id: *event_id,
+                tenant_id: tenant,
+                aggregate_id: order,
+                sequence: *sequence,
+            }),
+            (Decoded::Malformed(_), None) => None,
+        };
+        if let (Some(only), Some(named)) = (&self.only_tenants, &named) {
+            if !only.iter().any(|tenant| tenant == named.tenant_id) {
                 self.metrics.filtered.inc();
                 return Ok(Outcome::Filtered);
             }
         }
-        match decoded {
-            Decoded::Malformed(error) => {
+        match (&decoded, named) {
+            (Decoded::Ok(raw, event), _) => {
+                self.apply(publisher, &incoming, raw, event.as_ref()).await
+            }
+            (Decoded::PoisonPayload(_, error) | Decoded::Malformed(error), Some(order)) => {
+                self.poison(publisher, &incoming, order, format!("poison: {error}"))
+                    .await
+            }
+            (Decoded::PoisonPayload(_, error) | Decoded::Malformed(error), None) => {
+                // No order to hold: a body that is not an envelope, with no
+                // usable metadata either.
                 let reason = format!("poison: {error}");
                 tracing::error!(%reason, "dead-lettering a malformed message");
                 self.dead_letter(publisher, &incoming, &reason).await?;
@@ -309,26 +372,35 @@ impl<D: Domain> Processor<D> {
                     .inc();
                 Ok(Outcome::DeadLettered { reason })
             }
-            Decoded::PoisonPayload(raw, error) => {
-                if self.applied_already(&raw).await? {
-                    // A copy of an event applied here before (a replay read
-                    // by a binary that cannot decode it): nothing to hold.
-                    self.metrics.stale.inc();
-                    tracing::info!(event_id = %raw.event_id, sequence = raw.aggregate_sequence, "undecodable copy of an applied event acknowledged");
-                    return Ok(Outcome::Stale);
-                }
-                let reason = format!("poison: {error}");
-                tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettering and parking the order");
-                self.dead_letter_and_park(publisher, &incoming, &raw, &reason)
-                    .await?;
-                self.metrics
-                    .dead_lettered
-                    .with_label_values(&["poison"])
-                    .inc();
-                Ok(Outcome::DeadLettered { reason })
-            }
-            Decoded::Ok(raw, event) => self.apply(publisher, &incoming, &raw, event.as_ref()).await,
         }
+    }
+
+    /// An event this build cannot apply (an unknown major version, an
+    /// invalid payload, a body that is not an envelope but whose metadata
+    /// names its order): dead-lettered, and its order parked behind it,
+    /// unless it is a copy of an event applied here already.
+    async fn poison(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        order: OrderRef<'_>,
+        reason: String,
+    ) -> Result<Outcome, Infra> {
+        if self.applied_already(order).await? {
+            // A copy of an event applied here before (a replay read by a
+            // binary that cannot decode it): nothing to hold.
+            self.metrics.stale.inc();
+            tracing::info!(event_id = %order.event_id, sequence = order.sequence, "undecodable copy of an applied event acknowledged");
+            return Ok(Outcome::Stale);
+        }
+        tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettering and parking the order");
+        self.dead_letter_and_park(publisher, incoming, order, &reason)
+            .await?;
+        self.metrics
+            .dead_lettered
+            .with_label_values(&["poison"])
+            .inc();
+        Ok(Outcome::DeadLettered { reason })
     }
 
     async fn apply(
@@ -547,7 +619,7 @@ impl<D: Domain> Processor<D> {
                 attempts,
                 ..*incoming
             };
-            self.dead_letter_and_park(publisher, &counted, raw, &reason)
+            self.dead_letter_and_park(publisher, &counted, raw.into(), &reason)
                 .await?;
             self.metrics
                 .dead_lettered
@@ -640,13 +712,13 @@ impl<D: Domain> Processor<D> {
     }
 
     /// Whether the order's progress is at or past `raw`'s sequence here.
-    async fn applied_already(&self, raw: &RawEnvelope) -> Result<bool, Infra> {
+    async fn applied_already(&self, order: OrderRef<'_>) -> Result<bool, Infra> {
         let client = self.pool.get().await?;
         match client
             .query_opt(
                 "SELECT last_sequence >= $3 FROM order_progress \
                  WHERE consumer_name = $1 AND aggregate_id = $2",
-                &[&self.name(), &raw.aggregate_id, &raw.aggregate_sequence],
+                &[&self.name(), &order.aggregate_id, &order.sequence],
             )
             .await
         {
@@ -663,7 +735,7 @@ impl<D: Domain> Processor<D> {
         &self,
         publisher: &Channel,
         incoming: &Incoming<'_>,
-        raw: &RawEnvelope,
+        order: OrderRef<'_>,
         reason: &str,
     ) -> Result<(), Infra> {
         let mut client = self.pool.get().await?;
@@ -673,11 +745,11 @@ impl<D: Domain> Processor<D> {
                 PARK,
                 &[
                     &self.name(),
-                    &raw.aggregate_id,
-                    &raw.tenant_id,
-                    &raw.event_id,
+                    &order.aggregate_id,
+                    &order.tenant_id,
+                    &order.event_id,
                     &reason,
-                    &raw.aggregate_sequence,
+                    &order.sequence,
                 ],
             )
             .await;
@@ -688,7 +760,7 @@ impl<D: Domain> Processor<D> {
             let why = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
             rollback(tx).await;
             drop(client);
-            tracing::error!(event_id = %raw.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
+            tracing::error!(event_id = %order.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
             return self.dead_letter(publisher, incoming, reason).await;
         }
         self.publish_dead_letter(publisher, incoming, reason)

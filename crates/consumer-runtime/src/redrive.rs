@@ -1,8 +1,8 @@
 //! `<consumer> redrive [--order <id>]`: move dead letters back to the
 //! consumer's hash exchange (so each returns to its partition), per order in
-//! sequence order, after un-parking the order. Messages that cannot be routed
-//! (no order id: a malformed body) and those of other orders (with `--order`)
-//! stay in the dead-letter queue.
+//! sequence order, after un-parking the order. A malformed body (never
+//! applicable: moved, it would park its order again) and the letters of
+//! other orders (with `--order`) stay in the dead-letter queue.
 
 use std::collections::BTreeMap;
 
@@ -39,6 +39,8 @@ pub struct Report {
 
 struct Letter {
     delivery: Delivery,
+    /// The body is an envelope (a malformed one never applies anywhere).
+    readable: bool,
     order: Option<String>,
     sequence: i64,
     event_id: String,
@@ -77,6 +79,7 @@ fn letter(delivery: Delivery) -> Letter {
     let reason = topology::str_header(headers, headers::DEAD_LETTER_REASON).unwrap_or_default();
     Letter {
         delivery,
+        readable: raw.is_some(),
         order,
         sequence,
         event_id,
@@ -194,6 +197,7 @@ async fn move_letters(
     let mut others: Vec<Letter> = past_max.into_iter().collect();
     for letter in letters {
         match &letter.order {
+            Some(order) if only_order.is_some_and(|o| o != order) => others.push(letter),
             None => {
                 report.kept.push(format!(
                     "{} ({}): no order id, cannot be routed: {}",
@@ -201,7 +205,18 @@ async fn move_letters(
                 ));
                 others.push(letter);
             }
-            Some(order) if only_order.is_some_and(|o| o != order) => others.push(letter),
+            Some(order) if !letter.readable => {
+                // Its order was parked behind it: the event itself is in
+                // the outbox, unharmed; a replay re-publishes it (that copy
+                // is dead-lettered behind the park, then moved from here).
+                report.kept.push(format!(
+                    "{} ({} #{} of order {order}): the body is not an event and never \
+                     applies: replay the event (`outbox-relay replay --consumer <name> \
+                     --order {order}`), redrive again, and delete this letter by hand: {}",
+                    letter.event_id, letter.event_type, letter.sequence, letter.reason
+                ));
+                others.push(letter);
+            }
             Some(order) => selected.entry(order.clone()).or_default().push(letter),
         }
     }
