@@ -192,6 +192,79 @@ async fn every_orders_row_carries_its_tenant() {
     }
 }
 
+/// Orders V9: one payment and one delivery per order, and a line, payment
+/// or delivery only in its order's tenant, refused by the database itself
+/// (order-api decides both under the order's lock; a second path writing
+/// these tables must not get around them). Each write runs in a
+/// transaction rolled back after it.
+#[tokio::test]
+async fn payments_deliveries_and_lines_are_one_per_order_and_in_its_tenant() {
+    kit::migrations::run(&pool(Database::Orders), Database::Orders)
+        .await
+        .expect("migrate");
+    let mut client = pg(Database::Orders).await;
+    let tenant = system_tests::unique_tenant("v9");
+    let other = system_tests::unique_tenant("v9-other");
+    let order = uuid::Uuid::now_v7();
+    system_tests::insert_seed_order(&client, &tenant, order).await;
+    client
+        .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&other])
+        .await
+        .expect("other tenant");
+    let payment = "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
+                   VALUES ($1, $2, $3, 9300, 'card')";
+    let delivery = "INSERT INTO deliveries (order_id, delivery_id, tenant_id, delivered_at) \
+                    VALUES ($1, $2, $3, now())";
+    let line = "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, \
+                unit_cost_minor, tenant_id) VALUES ($1, 2, $2, 1, 100, 50, $3)";
+    // (first statement, second statement, the constraint the second breaks)
+    let cases = [
+        (
+            Some((payment, "p1", &tenant)),
+            (payment, "p2", &tenant),
+            "payments_one_per_order",
+        ),
+        (
+            Some((delivery, "d1", &tenant)),
+            (delivery, "d2", &tenant),
+            "deliveries_one_per_order",
+        ),
+        (None, (payment, "p1", &other), "payments_order_tenant_fk"),
+        (None, (delivery, "d1", &other), "deliveries_order_tenant_fk"),
+        (None, (line, "SKU-2", &other), "order_lines_order_tenant_fk"),
+    ];
+    for (first, (sql, id, owner), constraint) in cases {
+        let tx = client.transaction().await.expect("begin");
+        if let Some((sql, id, owner)) = first {
+            tx.execute(sql, &[&order, &id, owner])
+                .await
+                .unwrap_or_else(|e| panic!("the first of {constraint}: {e}"));
+        }
+        let error = tx
+            .execute(sql, &[&order, &id, owner])
+            .await
+            .expect_err(constraint);
+        let db = error.as_db_error().expect("a database error");
+        assert_eq!(db.constraint(), Some(constraint), "{db:?}");
+        tx.rollback().await.expect("rollback");
+    }
+    // In its own tenant a line is taken (the check is not "no lines").
+    let tx = client.transaction().await.expect("begin");
+    tx.execute(line, &[&order, &"SKU-2", &tenant])
+        .await
+        .expect("a line in the order's tenant");
+    tx.rollback().await.expect("rollback");
+    for table in ["order_lines", "orders"] {
+        client
+            .execute(
+                &format!("DELETE FROM {table} WHERE order_id = $1"),
+                &[&order],
+            )
+            .await
+            .expect("clean up");
+    }
+}
+
 #[tokio::test]
 async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
     let shutdown = kit::CancellationToken::new();
