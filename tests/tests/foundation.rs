@@ -17,6 +17,7 @@ use lapin::{
     BasicProperties,
 };
 use system_tests::{amqp_url, free_port, pg, pool, wait_for_ok, Database, Service};
+use tokio_postgres::error::SqlState;
 
 async fn tables(db: Database) -> Vec<String> {
     pg(db)
@@ -111,6 +112,108 @@ async fn outbox_rows_enforce_the_seed_000_contract() {
         .expect("count")
         .get(0);
     assert_eq!(pending, 1);
+    tx.rollback().await.expect("rollback");
+}
+
+/// Seed 000: the outbox row is immutable (migration V8). Every content
+/// column refuses an UPDATE naming it, even one writing the same value; the
+/// relay's columns (lease, mark, failures, quarantine) stay writable, and a
+/// row may be deleted (cleanup).
+#[tokio::test]
+async fn outbox_rows_are_immutable_but_the_relays_columns_are_not() {
+    let mut client = pg(Database::Orders).await;
+    // Rolled back at the end: no relay ever sees the row.
+    let mut tx = client.transaction().await.expect("begin");
+    let event_id = uuid::Uuid::now_v7();
+    tx.execute(
+        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+         aggregate_sequence, event_type, schema_version, payload, traceparent, tracestate) \
+         VALUES ($1, 'acme', 'order', $2, 1, 'OrderPlaced', 1, '{\"total\": \"93.00\"}', \
+                 '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01', 'k=v')",
+        &[&event_id, &uuid::Uuid::now_v7().to_string()],
+    )
+    .await
+    .expect("insert");
+
+    let savepoint = tx.savepoint("edit").await.expect("savepoint");
+    let edit = savepoint
+        .execute(
+            "UPDATE outbox_events SET payload = '{\"total\": \"0.00\"}' WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .expect_err("an outbox row's payload cannot be edited");
+    let db_error = edit.as_db_error().expect("a database error");
+    assert_eq!(db_error.code(), &SqlState::RESTRICT_VIOLATION, "{db_error}");
+    assert_eq!(
+        db_error.message(),
+        format!("outbox_events rows are immutable: event {event_id} cannot be edited")
+    );
+    savepoint.rollback().await.expect("rollback to savepoint");
+
+    for column in [
+        "event_id",
+        "tenant_id",
+        "aggregate_type",
+        "aggregate_id",
+        "aggregate_sequence",
+        "event_type",
+        "schema_version",
+        "payload",
+        "occurred_at",
+        "traceparent",
+        "tracestate",
+    ] {
+        let savepoint = tx.savepoint("edit").await.expect("savepoint");
+        let edit = savepoint
+            .execute(
+                &format!("UPDATE outbox_events SET {column} = {column} WHERE event_id = $1"),
+                &[&event_id],
+            )
+            .await
+            .expect_err(column);
+        assert_eq!(
+            edit.code(),
+            Some(&SqlState::RESTRICT_VIOLATION),
+            "{column}: {edit}"
+        );
+        savepoint.rollback().await.expect("rollback to savepoint");
+    }
+
+    // The relay's writes: the lease, then the failure bookkeeping, then the mark.
+    for set in [
+        "claimed_by = 'relay-a', claim_until = now() + interval '30 seconds'",
+        "attempt_count = attempt_count + 1, own_failure_count = own_failure_count + 1, \
+         last_error = 'returned', available_at = now(), quarantined_at = now(), \
+         claimed_by = NULL, claim_until = NULL",
+        "published_at = now(), quarantined_at = NULL",
+    ] {
+        let updated = tx
+            .execute(
+                &format!("UPDATE outbox_events SET {set} WHERE event_id = $1"),
+                &[&event_id],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{set}: {e}"));
+        assert_eq!(updated, 1, "{set}");
+    }
+    let payload: serde_json::Value = tx
+        .query_one(
+            "SELECT payload FROM outbox_events WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .expect("row")
+        .get(0);
+    assert_eq!(payload, serde_json::json!({"total": "93.00"}));
+    let deleted = tx
+        .execute(
+            "DELETE FROM outbox_events WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await
+        .expect("a published row may be deleted (cleanup)");
+    assert_eq!(deleted, 1);
     tx.rollback().await.expect("rollback");
 }
 

@@ -10,7 +10,7 @@
 use std::{
     collections::{HashMap, HashSet},
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use events::RawEnvelope;
@@ -26,7 +26,7 @@ use lapin::{
 };
 use serde_json::{json, Value};
 use system_tests::{amqp_url, free_port, pg, pg_url, pool, Database, Service, PATIENT_RELAY};
-use tokio_postgres::Client;
+use tokio_postgres::{types::Timestamp, Client};
 use uuid::Uuid;
 
 // ---------------------------------------------------------------- helpers --
@@ -174,19 +174,41 @@ fn orders_with_events(orders: usize, per_order: i64, event_type: &str) -> Vec<Ne
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 
 async fn insert(db: &Client, tenant: &str, events: &[NewEvent]) {
+    insert_occurred(db, tenant, events, |_| None).await;
+}
+
+/// An `occurred_at` (`Timestamp::PosInfinity`: a row the relay cannot read).
+type OccurredAt = Timestamp<SystemTime>;
+
+/// `occurred_at` this long before now.
+fn ago(age: Duration) -> Option<OccurredAt> {
+    Some(Timestamp::Value(SystemTime::now() - age))
+}
+
+/// [`insert`], each event with the `occurred_at` given for it (`None`: now).
+/// The outbox row is immutable (migration V8): a test needing an old event
+/// inserts it so, it cannot age one afterwards.
+async fn insert_occurred(
+    db: &Client,
+    tenant: &str,
+    events: &[NewEvent],
+    occurred_at: impl Fn(&NewEvent) -> Option<OccurredAt>,
+) {
     for chunk in events.chunks(5_000) {
         let ids: Vec<Uuid> = chunk.iter().map(|e| e.event_id).collect();
         let aggregates: Vec<&str> = chunk.iter().map(|e| e.aggregate_id.as_str()).collect();
         let sequences: Vec<i64> = chunk.iter().map(|e| e.sequence).collect();
         let types: Vec<&str> = chunk.iter().map(|e| e.event_type.as_str()).collect();
         let payloads: Vec<&Value> = chunk.iter().map(|e| &e.payload).collect();
+        let occurred: Vec<Option<OccurredAt>> = chunk.iter().map(&occurred_at).collect();
         db.execute(
             "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
-                 aggregate_sequence, event_type, schema_version, payload, traceparent)
+                 aggregate_sequence, event_type, schema_version, payload, traceparent, occurred_at)
              SELECT id, $1, 'order', agg, seq, typ, 1, pay,
-                    '00-' || $7 || '-00f067aa0ba902b7-01'
-             FROM unnest($2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::jsonb[])
-                  AS t(id, agg, seq, typ, pay)",
+                    '00-' || $7 || '-00f067aa0ba902b7-01', COALESCE(occ, now())
+             FROM unnest($2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::jsonb[],
+                         $8::timestamptz[])
+                  AS t(id, agg, seq, typ, pay, occ)",
             &[
                 &tenant,
                 &ids,
@@ -195,6 +217,7 @@ async fn insert(db: &Client, tenant: &str, events: &[NewEvent]) {
                 &types,
                 &payloads,
                 &TRACE_ID,
+                &occurred,
             ],
         )
         .await
@@ -1548,13 +1571,11 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
     // Interleaved: events[0..4] are the four orders' first events.
     events[0].event_type = "E".repeat(256);
     events[2].payload = json!({ "filler": "x".repeat(5_000) });
-    insert(&db, &tenant, &events).await;
-    db.execute(
-        "UPDATE outbox_events SET occurred_at = 'infinity' WHERE event_id = $1",
-        &[&events[1].event_id],
-    )
-    .await
-    .expect("infinity");
+    let unreadable = events[1].event_id;
+    insert_occurred(&db, &tenant, &events, |e| {
+        (e.event_id == unreadable).then_some(Timestamp::PosInfinity)
+    })
+    .await;
     let mut relay = Relay::start(
         &tenant,
         &[
@@ -1839,9 +1860,15 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
     let recent = orders_with_events(5, 1, &event_type);
     let pending = orders_with_events(3, 1, &event_type);
     let quarantined = orders_with_events(2, 1, &event_type);
-    for set in [&old, &recent, &pending, &quarantined] {
-        insert(&db, &tenant, set).await;
-    }
+    let day = Duration::from_secs(86_400);
+    // Published in 2000: older than any other test's rows (the cleanup takes
+    // the oldest first, across tenants; the fault suite's are from 2001), so
+    // the first batch is 10 of these and the count below is exact.
+    let y2k = SystemTime::UNIX_EPOCH + Duration::from_secs(946_598_400); // 1999-12-31
+    insert_occurred(&db, &tenant, &old, |_| Some(Timestamp::Value(y2k))).await;
+    insert_occurred(&db, &tenant, &recent, |_| ago(6 * day)).await;
+    insert_occurred(&db, &tenant, &pending, |_| ago(30 * day)).await;
+    insert_occurred(&db, &tenant, &quarantined, |_| ago(30 * day)).await;
     let ids = |set: &[NewEvent]| set.iter().map(|e| e.event_id).collect::<Vec<_>>();
     let set = |sql: &str, events: &[NewEvent]| {
         let ids = ids(events);
@@ -1849,14 +1876,19 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
         let sql = sql.to_owned();
         async move { db.execute(&sql, &[&ids]).await.expect(&sql) }
     };
-    // Published in 2000: older than any other test's rows (the cleanup takes
-    // the oldest first, across tenants; the fault suite's are from 2001), so
-    // the first batch is 10 of these and the count below is exact.
-    set("UPDATE outbox_events SET occurred_at = '1999-12-31 00:00:00+00', published_at = '2000-01-01 00:00:00+00' WHERE event_id = ANY($1)", &old).await;
-    set("UPDATE outbox_events SET occurred_at = now() - interval '6 days', published_at = now() - interval '6 days' WHERE event_id = ANY($1)", &recent).await;
+    set(
+        "UPDATE outbox_events SET published_at = '2000-01-01 00:00:00+00' WHERE event_id = ANY($1)",
+        &old,
+    )
+    .await;
+    set("UPDATE outbox_events SET published_at = now() - interval '6 days' WHERE event_id = ANY($1)", &recent).await;
     // Old but unpublished: never deleted (and not due, so no relay takes them).
-    set("UPDATE outbox_events SET occurred_at = now() - interval '30 days', available_at = now() + interval '1 day' WHERE event_id = ANY($1)", &pending).await;
-    set("UPDATE outbox_events SET occurred_at = now() - interval '30 days', quarantined_at = now() - interval '20 days', attempt_count = 10 WHERE event_id = ANY($1)", &quarantined).await;
+    set(
+        "UPDATE outbox_events SET available_at = now() + interval '1 day' WHERE event_id = ANY($1)",
+        &pending,
+    )
+    .await;
+    set("UPDATE outbox_events SET quarantined_at = now() - interval '20 days', attempt_count = 10 WHERE event_id = ANY($1)", &quarantined).await;
 
     let remaining = |events: Vec<NewEvent>| {
         let ids = ids(&events);
@@ -2077,11 +2109,9 @@ async fn replay_redelivers_a_range_to_one_consumer_only_in_order() {
     // 3 orders x 3 events inside the window, 1 order x 2 events before it.
     let inside = orders_with_events(3, 3, &event_type);
     let outside = orders_with_events(1, 2, &event_type);
-    insert(&db, &tenant, &inside).await;
-    insert(&db, &tenant, &outside).await;
     // A window of this test's own, far in the past (occurred_at is the event's time).
     let offset_minutes = i64::from(Uuid::new_v4().as_bytes()[0]) * 1_000 + 17;
-    let window_start: std::time::SystemTime = db
+    let window_start: SystemTime = db
         .query_one(
             "SELECT timestamptz '2001-01-01T00:00:00Z' + $1::bigint * interval '1 minute'",
             &[&offset_minutes],
@@ -2089,21 +2119,15 @@ async fn replay_redelivers_a_range_to_one_consumer_only_in_order() {
         .await
         .expect("window")
         .get(0);
-    let inside_ids: Vec<Uuid> = inside.iter().map(|e| e.event_id).collect();
-    let outside_ids: Vec<Uuid> = outside.iter().map(|e| e.event_id).collect();
-    db.execute(
-        "UPDATE outbox_events SET occurred_at = $2::timestamptz + aggregate_sequence * interval '1 second'
-         WHERE event_id = ANY($1)",
-        &[&inside_ids, &window_start],
-    )
-    .await
-    .expect("inside");
-    db.execute(
-        "UPDATE outbox_events SET occurred_at = $2::timestamptz - interval '1 day' WHERE event_id = ANY($1)",
-        &[&outside_ids, &window_start],
-    )
-    .await
-    .expect("outside");
+    let second = |n: i64| Duration::from_secs(n.unsigned_abs());
+    insert_occurred(&db, &tenant, &inside, |e| {
+        Some(Timestamp::Value(window_start + second(e.sequence)))
+    })
+    .await;
+    insert_occurred(&db, &tenant, &outside, |_| {
+        Some(Timestamp::Value(window_start - second(86_400)))
+    })
+    .await;
 
     let relay = Relay::start(&tenant, &[]);
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
