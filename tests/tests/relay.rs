@@ -2024,7 +2024,123 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
     );
     assert_eq!(remaining(pending.clone()).await, 3, "unpublished: kept");
     assert_eq!(remaining(quarantined.clone()).await, 2, "quarantined: kept");
+
+    // The periodic cleanup of `serve`, on /metrics: 25 more rows past the
+    // horizon (the oldest in the table again), batches of 10 two seconds
+    // apart, a run every 200 ms.
+    let aged = orders_with_events(25, 1, &event_type);
+    insert_occurred(&db, &tenant, &aged, |_| Some(Timestamp::Value(y2k))).await;
+    set(
+        "UPDATE outbox_events SET published_at = '2000-01-01 00:00:00+00' WHERE event_id = ANY($1)",
+        &aged,
+    )
+    .await;
+    let (connection, channel) = amqp(&tenant).await;
+    let started = SystemTime::now();
+    // Locked out while another instance holds the lock: neither a success
+    // nor a failure.
+    locker
+        .execute(
+            "SELECT pg_advisory_lock($1)",
+            &[&outbox_relay_cleanup_lock_key()],
+        )
+        .await
+        .expect("lock");
+    let mut relay = Relay::start(
+        &tenant,
+        &[
+            ("OUTBOX_RELAY__CLEANUP__ENABLED", "true".to_owned()),
+            ("OUTBOX_RELAY__CLEANUP__INTERVAL_MS", "200".to_owned()),
+            ("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", "10".to_owned()),
+            ("OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS", "2000".to_owned()),
+        ],
+    );
+    relay.ready().await;
+    relay
+        .wait_gauge("outbox_cleanup_locked_out_total", "at least 2", |n| {
+            n >= 2.0
+        })
+        .await;
+    for (metric, want) in [
+        ("outbox_cleanup_failures_total", 0.0),
+        ("outbox_cleanup_deleted_total", 0.0),
+        ("outbox_cleanup_last_success_timestamp_seconds", 0.0),
+    ] {
+        assert_eq!(relay.gauge(metric).await, want, "{metric} while locked out");
+    }
+    assert_eq!(remaining(aged.clone()).await, 25);
+    locker
+        .execute(
+            "SELECT pg_advisory_unlock($1)",
+            &[&outbox_relay_cleanup_lock_key()],
+        )
+        .await
+        .expect("unlock");
+
+    // The first batch is counted as it commits; then the run's connection
+    // is lost during the pause: a failed run.
+    let first = relay
+        .wait_gauge("outbox_cleanup_deleted_total", "a batch", |n| n > 0.0)
+        .await;
+    assert_eq!(first, 10.0, "one batch of 10, the oldest rows: these");
+    let cleaner = backend(&db, &format!("outbox-relay cleanup {}", relay.instance))
+        .await
+        .expect("the cleanup's connection, named in pg_stat_activity");
+    db.execute("SELECT pg_terminate_backend($1)", &[&cleaner])
+        .await
+        .expect("terminate");
+    relay
+        .wait_gauge("outbox_cleanup_failures_total", "1", |n| n == 1.0)
+        .await;
+    assert_eq!(
+        relay
+            .gauge("outbox_cleanup_last_success_timestamp_seconds")
+            .await,
+        0.0,
+        "a failed run is no success"
+    );
+
+    // The next run finishes the job: a success, and every row counted.
+    let success = relay
+        .wait_gauge(
+            "outbox_cleanup_last_success_timestamp_seconds",
+            "set",
+            |t| t > 0.0,
+        )
+        .await;
+    let since_epoch = |t: SystemTime| {
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs_f64()
+    };
+    assert!(
+        (since_epoch(started)..=since_epoch(SystemTime::now())).contains(&success),
+        "last success {success} set by this run"
+    );
+    assert_eq!(
+        remaining(aged.clone()).await,
+        0,
+        "past the horizon: deleted"
+    );
+    // A run that finds nothing to delete is a success too.
+    relay
+        .wait_gauge(
+            "outbox_cleanup_last_success_timestamp_seconds",
+            "a later run's",
+            |t| t > success,
+        )
+        .await;
+    let deleted = relay.gauge("outbox_cleanup_deleted_total").await;
+    assert!(deleted >= 25.0, "every deleted row counted: {deleted}");
+    assert_eq!(relay.gauge("outbox_cleanup_failures_total").await, 1.0);
+    assert_eq!(
+        remaining(recent.clone()).await,
+        5,
+        "within the horizon: kept"
+    );
+    relay.stop();
     delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
 }
 
 /// The server process of the connection named `application_name`.

@@ -1,17 +1,27 @@
 //! Deleting published rows past the replay horizon, in bounded batches.
 //!
 //! One instance at a time: the run holds a session-level advisory lock on a
-//! dedicated connection (closing the connection, or a crash, releases it).
-//! Each batch is its own short transaction deleting at most `batch_size`
-//! rows (`FOR UPDATE SKIP LOCKED`, oldest `published_at` first, through
-//! `outbox_published_at_idx`), so there is no long transaction and no lock
-//! storm; a pause between batches leaves room for the hot path. Unpublished
-//! rows (pending, in backoff, quarantined) are never deleted.
+//! dedicated connection (closing the connection, or a crash, releases it;
+//! `application_name` [`application_name`]). Each batch is its own short
+//! transaction deleting at most `batch_size` rows (`FOR UPDATE SKIP
+//! LOCKED`, oldest `published_at` first, through `outbox_published_at_idx`),
+//! so there is no long transaction and no lock storm; a pause between
+//! batches leaves room for the hot path. Unpublished rows (pending, in
+//! backoff, quarantined) are never deleted.
+//!
+//! Monitoring ([`run_periodically`]): `outbox_cleanup_deleted_total` rises
+//! with every committed batch; `outbox_cleanup_last_success_timestamp_seconds`
+//! is set by every completed run, one that found nothing to delete
+//! included; a run that fails counts in `outbox_cleanup_failures_total`. A
+//! run locked out by another instance's lock is neither: that instance is
+//! cleaning (`outbox_cleanup_locked_out_total`), and the alert
+//! OutboxCleanupStalled looks at the latest success of any instance.
 
 use std::time::Duration;
 
 use kit::CancellationToken;
 
+use crate::metrics::Metrics;
 use crate::settings::CleanupSettings;
 
 /// The advisory lock key of the cleanup ("outbox_c").
@@ -26,6 +36,12 @@ WHERE event_id IN (
     LIMIT $2
     FOR UPDATE SKIP LOCKED)";
 
+/// The `application_name` of the cleanup connection of `instance` (in
+/// `pg_stat_activity`).
+pub fn application_name(instance: &str) -> String {
+    format!("outbox-relay cleanup {instance}")
+}
+
 /// What one cleanup run did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct CleanupReport {
@@ -38,12 +54,18 @@ pub struct CleanupReport {
 
 /// One cleanup run: delete every published row past the horizon, batch by
 /// batch, unless another instance is cleaning up (or `shutdown`).
+/// `deleted` is told each committed batch's count.
 pub async fn run_once(
     database_url: &str,
+    application_name: &str,
     settings: &CleanupSettings,
     shutdown: &CancellationToken,
+    mut deleted: impl FnMut(u64),
 ) -> anyhow::Result<CleanupReport> {
-    let (mut client, connection) = kit::db::connect(database_url).await?;
+    let mut config: tokio_postgres::Config = database_url.parse()?;
+    config.application_name(application_name);
+    kit::db::bound_network_waits(&mut config);
+    let (mut client, connection) = config.connect(tokio_postgres::NoTls).await?;
     let driver = tokio::spawn(connection);
     let result = async {
         let locked: bool = client
@@ -56,21 +78,22 @@ pub async fn run_once(
                 ..CleanupReport::default()
             });
         }
-        let retention = i64::try_from(settings.retention_secs).unwrap_or(i64::MAX);
+        let horizon = i64::try_from(settings.retention_secs).unwrap_or(i64::MAX);
         let mut report = CleanupReport::default();
         loop {
             let tx = client.transaction().await?;
-            let deleted = tx
-                .execute(DELETE_SQL, &[&retention, &settings.batch_size])
+            let count = tx
+                .execute(DELETE_SQL, &[&horizon, &settings.batch_size])
                 .await?;
             kit::failpoint::crash_point("relay.cleanup");
             tx.commit().await?;
-            if deleted > 0 {
-                report.deleted += deleted;
+            if count > 0 {
+                deleted(count);
+                report.deleted += count;
                 report.batches += 1;
-                tracing::debug!(deleted, total = report.deleted, "cleanup batch");
+                tracing::debug!(deleted = count, total = report.deleted, "cleanup batch");
             }
-            if deleted < u64::try_from(settings.batch_size).unwrap_or(u64::MAX)
+            if count < u64::try_from(settings.batch_size).unwrap_or(u64::MAX)
                 || shutdown.is_cancelled()
             {
                 break;
@@ -88,26 +111,49 @@ pub async fn run_once(
     result
 }
 
-/// Run the cleanup every `interval` until `shutdown`.
+/// Run the cleanup every `interval` until `shutdown`, recording each run in
+/// the cleanup metrics (see the module documentation).
 pub async fn run_periodically(
     database_url: String,
+    instance: String,
     settings: CleanupSettings,
+    metrics: Metrics,
     shutdown: CancellationToken,
 ) {
+    let name = application_name(&instance);
     loop {
-        match run_once(&database_url, &settings, &shutdown).await {
-            Ok(report) if report.deleted > 0 => tracing::info!(
-                deleted = report.deleted,
-                batches = report.batches,
-                retention_secs = settings.retention_secs,
-                "outbox cleanup"
-            ),
-            Ok(_) => {}
-            Err(error) => tracing::warn!(error = format!("{error:#}"), "outbox cleanup failed"),
+        let counted = |count| metrics.cleanup_deleted.inc_by(count);
+        match run_once(&database_url, &name, &settings, &shutdown, counted).await {
+            Ok(report) if report.locked_out => {
+                metrics.cleanup_locked_out.inc();
+                tracing::debug!("another instance is cleaning up");
+            }
+            Ok(report) => {
+                metrics.cleanup_last_success.set(unix_now());
+                if report.deleted > 0 {
+                    tracing::info!(
+                        deleted = report.deleted,
+                        batches = report.batches,
+                        retention_secs = settings.retention_secs,
+                        "outbox cleanup"
+                    );
+                }
+            }
+            Err(error) => {
+                metrics.cleanup_failures.inc();
+                tracing::warn!(error = format!("{error:#}"), "outbox cleanup failed");
+            }
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_millis(settings.interval_ms)) => {}
         }
     }
+}
+
+/// Seconds since the Unix epoch (the convention of `*_timestamp_seconds`).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }

@@ -140,8 +140,14 @@ pub async fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             Command::Cleanup => {
-                let report =
-                    cleanup::run_once(&settings.database.url, &settings.cleanup, &shutdown).await?;
+                let report = cleanup::run_once(
+                    &settings.database.url,
+                    &cleanup::application_name("admin"),
+                    &settings.cleanup,
+                    &shutdown,
+                    |_| {},
+                )
+                .await?;
                 if report.locked_out {
                     println!("another instance is cleaning up; nothing done");
                 } else {

@@ -137,7 +137,9 @@ impl Application {
         let cleanup = self.settings.cleanup.enabled.then(|| {
             tokio::spawn(cleanup::run_periodically(
                 self.settings.database.url.clone(),
+                self.instance.clone(),
                 self.settings.cleanup.clone(),
+                self.metrics.clone(),
                 shutdown.clone(),
             ))
         });

@@ -37,6 +37,16 @@ pub struct Metrics {
     /// How far the claim's floor trails the database's clock, in seconds
     /// (`-1` while it is `-infinity`: claims walk from the start).
     pub claim_floor_lag: Gauge,
+    /// Published rows the cleanup deleted (per committed batch).
+    pub cleanup_deleted: IntCounter,
+    /// Cleanup runs that failed (the next run, an interval later, retries).
+    pub cleanup_failures: IntCounter,
+    /// Cleanup runs that found another instance cleaning (its advisory
+    /// lock taken): neither a success nor a failure of this instance.
+    pub cleanup_locked_out: IntCounter,
+    /// When this instance last completed a cleanup run (Unix seconds; 0:
+    /// never). Set by a run that found nothing to delete too.
+    pub cleanup_last_success: Gauge,
 }
 
 fn opts(name: &str, help: &str) -> Opts {
@@ -107,6 +117,12 @@ impl Metrics {
         ))
         .expect("valid gauge");
         kit::metrics::register(registry, &claim_floor_lag);
+        let cleanup_last_success = Gauge::with_opts(opts(
+            "outbox_cleanup_last_success_timestamp_seconds",
+            "When this instance last completed a cleanup run (0: never; a run locked out by another instance does not count)",
+        ))
+        .expect("valid gauge");
+        kit::metrics::register(registry, &cleanup_last_success);
         Self {
             pending: int_gauge(
                 "outbox_pending_events",
@@ -157,6 +173,19 @@ impl Metrics {
             ),
             confirm_latency,
             claim_floor_lag,
+            cleanup_deleted: counter(
+                "outbox_cleanup_deleted_total",
+                "Published rows past the retention horizon deleted by the cleanup",
+            ),
+            cleanup_failures: counter(
+                "outbox_cleanup_failures_total",
+                "Cleanup runs that failed (retried at the next interval)",
+            ),
+            cleanup_locked_out: counter(
+                "outbox_cleanup_locked_out_total",
+                "Cleanup runs skipped because another instance held the cleanup lock (it was cleaning)",
+            ),
+            cleanup_last_success,
         }
     }
 
