@@ -2025,6 +2025,24 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
     assert_eq!(remaining(pending.clone()).await, 3, "unpublished: kept");
     assert_eq!(remaining(quarantined.clone()).await, 2, "quarantined: kept");
 
+    // Seed 000: deleted only past the replay AND the audit horizon. A replay
+    // horizon of 5 days with an audit horizon of 7 keeps the 6-day-old rows.
+    let mut audited = batch.to_vec();
+    audited.extend([
+        ("OUTBOX_RELAY__CLEANUP__RETENTION_SECS", "432000".to_owned()),
+        (
+            "OUTBOX_RELAY__CLEANUP__AUDIT_RETENTION_SECS",
+            "604800".to_owned(),
+        ),
+    ]);
+    let (ok, output) = cleanup_when_unlocked(&audited).await;
+    assert!(ok && output.contains("older than 604800 s"), "{output}");
+    assert_eq!(
+        remaining(recent.clone()).await,
+        5,
+        "past the replay horizon, within the audit horizon: kept"
+    );
+
     // The periodic cleanup of `serve`, on /metrics: 25 more rows past the
     // horizon (the oldest in the table again), batches of 10 two seconds
     // apart, a run every 200 ms.

@@ -1,4 +1,6 @@
-//! Deleting published rows past the replay horizon, in bounded batches.
+//! Deleting published rows past the retention horizon (the later of the
+//! replay and audit horizons: [`CleanupSettings::horizon_secs`]), in
+//! bounded batches.
 //!
 //! One instance at a time: the run holds a session-level advisory lock on a
 //! dedicated connection (closing the connection, or a crash, releases it;
@@ -78,7 +80,8 @@ pub async fn run_once(
                 ..CleanupReport::default()
             });
         }
-        let horizon = i64::try_from(settings.retention_secs).unwrap_or(i64::MAX);
+        // Validated (at most a century): no overflow here, nor in the SQL interval.
+        let horizon = i64::try_from(settings.horizon_secs()).unwrap_or(i64::MAX);
         let mut report = CleanupReport::default();
         loop {
             let tx = client.transaction().await?;
@@ -134,7 +137,7 @@ pub async fn run_periodically(
                     tracing::info!(
                         deleted = report.deleted,
                         batches = report.batches,
-                        retention_secs = settings.retention_secs,
+                        horizon_secs = settings.horizon_secs(),
                         "outbox cleanup"
                     );
                 }

@@ -154,7 +154,7 @@ pub async fn main() -> anyhow::Result<()> {
                     println!(
                         "deleted {} published row(s) older than {} s in {} batch(es) of at most {}",
                         report.deleted,
-                        settings.cleanup.retention_secs,
+                        settings.cleanup.horizon_secs(),
                         report.batches,
                         settings.cleanup.batch_size
                     );

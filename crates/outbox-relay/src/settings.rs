@@ -1,7 +1,9 @@
 //! outbox-relay settings: defaults for the local setup, overridden by
 //! `OUTBOX_RELAY__<SECTION>__<FIELD>` environment variables, e.g.
 //! `OUTBOX_RELAY__RELAY__BATCH_SIZE=200` or
-//! `OUTBOX_RELAY__CLEANUP__RETENTION_SECS=86400`.
+//! `OUTBOX_RELAY__CLEANUP__RETENTION_SECS=86400` (the replay horizon;
+//! `..._AUDIT_RETENTION_SECS` the audit horizon: published rows are deleted
+//! past the later of the two).
 
 use std::time::Duration;
 
@@ -73,13 +75,25 @@ pub struct RelaySettings {
     pub max_message_bytes: usize,
 }
 
-/// Deleting published rows past the replay horizon (`OUTBOX_RELAY__CLEANUP__*`).
+/// Deleting published rows past the retention horizon (`OUTBOX_RELAY__CLEANUP__*`).
+///
+/// Seed 000: published rows are deleted only after both the replay horizon
+/// and the audit horizon. The horizon is the later of the two
+/// ([`CleanupSettings::horizon_secs`]): a published row is deleted once its
+/// `published_at` is older than both `retention_secs` and
+/// `audit_retention_secs`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CleanupSettings {
     /// Run the periodic cleanup in `serve` (one instance at a time, by advisory lock).
     pub enabled: bool,
-    /// Published rows older than this are deleted (the replay horizon). Default 7 days.
+    /// The replay horizon: how long a published row stays replayable
+    /// (`outbox-relay replay`; the consumers' inboxes must remember an
+    /// event at least this long). Default 7 days.
     pub retention_secs: u64,
+    /// The audit horizon: how long a published row is kept as the record
+    /// of what was sent; unset (the default), the replay horizon. Rows are
+    /// deleted only past the later of the two.
+    pub audit_retention_secs: Option<u64>,
     /// Pause between cleanup runs.
     pub interval_ms: u64,
     /// Rows deleted per batch (one short transaction each).
@@ -115,10 +129,24 @@ impl Default for CleanupSettings {
         Self {
             enabled: true,
             retention_secs: 7 * 24 * 3600,
+            audit_retention_secs: None,
             interval_ms: 300_000,
             batch_size: 1_000,
             batch_pause_ms: 20,
         }
+    }
+}
+
+/// The longest horizon accepted: a century (so that `now()` minus it is a
+/// valid PostgreSQL timestamp, and the interval cannot overflow).
+pub const MAX_RETENTION_SECS: u64 = 100 * 365 * 24 * 3600;
+
+impl CleanupSettings {
+    /// The retention horizon in seconds: the later of the replay and audit
+    /// horizons (the audit one defaulting to the replay one).
+    pub fn horizon_secs(&self) -> u64 {
+        self.retention_secs
+            .max(self.audit_retention_secs.unwrap_or(self.retention_secs))
     }
 }
 
@@ -185,6 +213,18 @@ impl Settings {
             self.cleanup.batch_size >= 1,
             "cleanup.batch_size must be at least 1"
         );
+        for (name, value) in [
+            ("cleanup.retention_secs", Some(self.cleanup.retention_secs)),
+            (
+                "cleanup.audit_retention_secs",
+                self.cleanup.audit_retention_secs,
+            ),
+        ] {
+            anyhow::ensure!(
+                value.is_none_or(|secs| secs <= MAX_RETENTION_SECS),
+                "{name} must be at most a century ({MAX_RETENTION_SECS})"
+            );
+        }
         // 0 would turn the idle wait, the cleanup pause and the gauge refresh
         // into busy loops, and a 0 ms confirm timeout would fail every
         // publish (as the infrastructure's fault: retried forever).
@@ -281,6 +321,55 @@ mod tests {
             ..RelaySettings::default()
         };
         assert_eq!(named.resolved_instance_id(), "relay-a");
+    }
+
+    #[test]
+    fn the_cleanup_horizon_is_the_later_of_the_replay_and_audit_horizons() {
+        let day = 86_400;
+        let cleanup = |retention_secs, audit_retention_secs| CleanupSettings {
+            retention_secs,
+            audit_retention_secs,
+            ..CleanupSettings::default()
+        };
+        // Unset: the replay horizon.
+        assert_eq!(CleanupSettings::default().horizon_secs(), 7 * day);
+        assert_eq!(cleanup(3 * day, None).horizon_secs(), 3 * day);
+        // Set: whichever is later.
+        assert_eq!(cleanup(7 * day, Some(90 * day)).horizon_secs(), 90 * day);
+        assert_eq!(cleanup(30 * day, Some(day)).horizon_secs(), 30 * day);
+        assert_eq!(cleanup(0, Some(0)).horizon_secs(), 0);
+        assert_eq!(
+            cleanup(MAX_RETENTION_SECS, Some(MAX_RETENTION_SECS)).horizon_secs(),
+            MAX_RETENTION_SECS
+        );
+    }
+
+    #[test]
+    fn retention_horizons_beyond_a_century_are_rejected() {
+        let with = |retention_secs, audit_retention_secs| Settings {
+            cleanup: CleanupSettings {
+                retention_secs,
+                audit_retention_secs,
+                ..CleanupSettings::default()
+            },
+            ..Settings::default()
+        };
+        let century = MAX_RETENTION_SECS;
+        with(century, Some(century))
+            .validate()
+            .expect("a century is allowed");
+        with(century, None).validate().expect("unset audit horizon");
+        for (retention, audit, named) in [
+            (century + 1, None, "cleanup.retention_secs"),
+            (u64::MAX, None, "cleanup.retention_secs"),
+            (604_800, Some(century + 1), "cleanup.audit_retention_secs"),
+            (604_800, Some(u64::MAX), "cleanup.audit_retention_secs"),
+        ] {
+            let error = with(retention, audit)
+                .validate()
+                .expect_err("beyond a century");
+            assert!(error.to_string().contains(named), "{error}");
+        }
     }
 
     #[test]
