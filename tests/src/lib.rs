@@ -416,3 +416,87 @@ pub async fn infra_script(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&output.stdout).trim().to_owned()
 }
+
+/// A TCP proxy in front of a server (RabbitMQ, say) that a test can pause:
+/// while paused, what either side sends is held, not forwarded, so to the
+/// client the server stops answering (a stalled broker, a network stall)
+/// without touching the shared server or anyone else's connections.
+/// Resumed, the held bytes flow on in order.
+pub struct PausableProxy {
+    /// The server's URL with the proxy's host and port.
+    pub url: String,
+    paused: tokio::sync::watch::Sender<bool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl PausableProxy {
+    /// Listen on a free port and forward every connection to the server of
+    /// `url` (`scheme://[user:password@]host:port[/rest]`).
+    pub async fn start(url: &str) -> Self {
+        let (scheme, rest) = url.split_once("://").expect("scheme://");
+        let (user, after) = rest.rsplit_once('@').map_or(("", rest), |(u, a)| (u, a));
+        let (upstream, path) = after.split_at(after.find('/').unwrap_or(after.len()));
+        let upstream = upstream.to_owned();
+        let port = free_port();
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("proxy listener");
+        let (paused, _) = tokio::sync::watch::channel(false);
+        let gate = paused.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(pipe(client_read, server_write, gate.subscribe()));
+                tokio::spawn(pipe(server_read, client_write, gate.subscribe()));
+            }
+        });
+        let at = if user.is_empty() { "" } else { "@" };
+        Self {
+            url: format!("{scheme}://{user}{at}127.0.0.1:{port}{path}"),
+            paused,
+            accept,
+        }
+    }
+
+    pub fn pause(&self) {
+        self.paused.send_replace(true);
+    }
+
+    pub fn resume(&self) {
+        self.paused.send_replace(false);
+    }
+}
+
+impl Drop for PausableProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        // Open connections end when either side closes them.
+        self.resume();
+    }
+}
+
+/// Copy `from` to `to`, holding each chunk while the proxy is paused.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut paused: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0_u8; 64 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(read) => read,
+        };
+        if paused.wait_for(|paused| !*paused).await.is_err()
+            || to.write_all(&buffer[..read]).await.is_err()
+        {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}

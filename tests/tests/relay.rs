@@ -25,7 +25,9 @@ use lapin::{
     BasicProperties, Channel, Connection, ExchangeKind,
 };
 use serde_json::{json, Value};
-use system_tests::{amqp_url, free_port, pg, pg_url, pool, Database, Service, PATIENT_RELAY};
+use system_tests::{
+    amqp_url, free_port, pg, pg_url, pool, Database, PausableProxy, Service, PATIENT_RELAY,
+};
 use tokio_postgres::{types::Timestamp, Client};
 use uuid::Uuid;
 
@@ -1764,6 +1766,113 @@ async fn the_oldest_pending_age_shows_a_stuck_event_and_falls_once_it_is_publish
         .wait_gauge("outbox_oldest_pending_age_seconds", "0", |age| age == 0.0)
         .await;
     assert_eq!(relay.gauge("outbox_pending_events").await, 0.0);
+    relay.stop();
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// The relay's pooled connections (`application_name` `outbox-relay
+/// <instance>`) in `pg_stat_activity`: how many, and the longest any has
+/// been `idle in transaction`, in ms.
+async fn relay_backends(db: &Client, instance: &str) -> (i64, f64) {
+    let row = db
+        .query_one(
+            "SELECT count(*),
+                    COALESCE(max(EXTRACT(EPOCH FROM clock_timestamp() - state_change) * 1000)
+                             FILTER (WHERE state = 'idle in transaction'), 0)::float8
+             FROM pg_stat_activity WHERE application_name = $1",
+            &[&format!("outbox-relay {instance}")],
+        )
+        .await
+        .expect("pg_stat_activity");
+    (row.get(0), row.get(1))
+}
+
+/// Seed 000: publish outside any database transaction. While the broker
+/// does not answer (a stalled connection: the test's proxy holds its
+/// bytes) the relay waits on the confirms of a claimed batch, and none of
+/// its connections sits `idle in transaction` for 500 ms: the claim
+/// committed before the publish. The probe is checked first on a relay
+/// held for 1.5 s inside its claim's transaction (a fail point), where it
+/// must see exactly that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_transaction_stays_open_while_the_relay_publishes() {
+    let tenant = format!("relaytest-{}", short_id());
+    let event_type = format!("RelayTestNoTx{}", short_id());
+    let db = db(&tenant).await;
+    let (connection, channel) = amqp(&tenant).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let sample_every = Duration::from_millis(20);
+
+    // The control: held inside the claim's transaction.
+    insert(&db, &tenant, &orders_with_events(3, 1, &event_type)).await;
+    let mut settings = patient();
+    settings.push(("FAILPOINTS", "relay.claim=1*sleep(1500)".to_owned()));
+    let relay = Relay::start(&tenant, &settings);
+    let (mut seen, mut longest) = (0, 0.0_f64);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while unpublished(&db, &tenant).await > 0 {
+        let (backends, idle) = relay_backends(&db, &relay.instance).await;
+        seen += backends.min(1);
+        longest = longest.max(idle);
+        assert!(Instant::now() < deadline, "not published after 60 s");
+        tokio::time::sleep(sample_every).await;
+    }
+    relay.stop();
+    assert!(
+        seen > 0,
+        "the relay's connections are named in pg_stat_activity"
+    );
+    assert!(
+        longest >= 1_000.0,
+        "the claim held open for 1.5 s is seen idle in transaction: {longest} ms"
+    );
+
+    // A stalled broker: a batch claimed and published, its confirms held.
+    let proxy = PausableProxy::start(&amqp_url()).await;
+    let mut settings = patient();
+    settings.push(("OUTBOX_RELAY__AMQP__URL", proxy.url.clone()));
+    let mut relay = Relay::start(&tenant, &settings);
+    relay.ready().await;
+    proxy.pause();
+    insert(&db, &tenant, &orders_with_events(3, 1, &event_type)).await;
+    let in_flight = "SELECT count(*) FROM outbox_events
+                     WHERE tenant_id = $1 AND claimed_by IS NOT NULL AND published_at IS NULL";
+    wait_db(
+        &db,
+        "claimed rows",
+        Duration::from_secs(30),
+        in_flight,
+        &tenant,
+        3,
+    )
+    .await;
+    let (mut seen, mut longest) = (0, 0.0_f64);
+    let stalled = Instant::now();
+    while stalled.elapsed() < Duration::from_secs(2) {
+        let (backends, idle) = relay_backends(&db, &relay.instance).await;
+        seen += backends.min(1);
+        longest = longest.max(idle);
+        tokio::time::sleep(sample_every).await;
+    }
+    assert_eq!(
+        count(&db, in_flight, &tenant).await,
+        3,
+        "the batch waited on its confirms all along"
+    );
+    assert!(
+        seen > 0,
+        "the relay's connections are named in pg_stat_activity"
+    );
+    assert!(
+        longest < 500.0,
+        "a relay connection stayed idle in transaction for {longest} ms while publishing"
+    );
+    proxy.resume();
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     relay.stop();
     let _ = channel
         .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())

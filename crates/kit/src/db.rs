@@ -100,6 +100,25 @@ pub fn pool_with_options(
     settings: &DatabaseSettings,
     options: Option<&str>,
 ) -> Result<Pool, DbError> {
+    build_pool(settings, options, None)
+}
+
+/// Like [`pool_with_options`], every session named `application_name` (in
+/// `pg_stat_activity`, the server's log), so that operators and tests find
+/// the service's backends; an `application_name` the URL gives wins.
+pub fn named_pool(
+    settings: &DatabaseSettings,
+    options: Option<&str>,
+    application_name: &str,
+) -> Result<Pool, DbError> {
+    build_pool(settings, options, Some(application_name))
+}
+
+fn build_pool(
+    settings: &DatabaseSettings,
+    options: Option<&str>,
+    application_name: Option<&str>,
+) -> Result<Pool, DbError> {
     if settings.pool_size == 0 {
         return Err(DbError::Build(
             "database.pool_size must be at least 1".to_owned(),
@@ -113,6 +132,9 @@ pub fn pool_with_options(
     if let Some(options) = options {
         let merged = merged_options(options, pg.get_options());
         pg.options(&merged);
+    }
+    if let (Some(name), None) = (application_name, pg.get_application_name()) {
+        pg.application_name(name);
     }
     bound_network_waits(&mut pg);
     let manager = Manager::from_config(

@@ -55,6 +55,14 @@ use crate::relay::Relay;
 
 pub const SERVICE: &str = "outbox-relay";
 
+/// The `application_name` of the pooled connections of `instance` (claims,
+/// marks, failures, gauges, the floor) in `pg_stat_activity`; its LISTEN and
+/// cleanup connections are `outbox-relay listen <instance>` and
+/// `outbox-relay cleanup <instance>`.
+pub fn application_name(instance: &str) -> String {
+    format!("{SERVICE} {instance}")
+}
+
 /// A built relay: database reachable and migrated, health listener bound.
 pub struct Application {
     settings: Settings,
@@ -68,7 +76,12 @@ pub struct Application {
 
 impl Application {
     pub async fn build(settings: Settings, shutdown: &CancellationToken) -> anyhow::Result<Self> {
-        let pool = kit::db::pool_with_options(&settings.database, Some(kit::db::SESSION_LIMITS))?;
+        let instance = settings.relay.resolved_instance_id();
+        let pool = kit::db::named_pool(
+            &settings.database,
+            Some(kit::db::SESSION_LIMITS),
+            &application_name(&instance),
+        )?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
         // The outbox table belongs to the orders schema; migrating here too (under
         // the advisory lock) means the relay does not depend on start order.
@@ -96,7 +109,6 @@ impl Application {
                 .shutdown_timeout(10)
                 .listen(listener)?
                 .run();
-        let instance = settings.relay.resolved_instance_id();
         tracing::info!(port, instance, "health and metrics listening");
         Ok(Self {
             settings,
