@@ -1834,9 +1834,15 @@ async fn no_transaction_stays_open_while_the_relay_publishes() {
     // A stalled broker: a batch claimed and published, its confirms held.
     let proxy = PausableProxy::start(&amqp_url()).await;
     let mut settings = patient();
-    settings.push(("OUTBOX_RELAY__AMQP__URL", proxy.url.clone()));
-    let mut relay = Relay::start(&tenant, &settings);
-    relay.ready().await;
+    settings.extend([
+        ("OUTBOX_RELAY__AMQP__URL", proxy.url.clone()),
+        ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+    ]);
+    let relay = Relay::start(&tenant, &settings);
+    // Its publishing channel is open once an event went through (while
+    // the channel is being opened, nothing is claimed).
+    insert(&db, &tenant, &orders_with_events(1, 1, &event_type)).await;
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     proxy.pause();
     insert(&db, &tenant, &orders_with_events(3, 1, &event_type)).await;
     let in_flight = "SELECT count(*) FROM outbox_events
