@@ -2063,6 +2063,80 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
     );
 }
 
+/// Seed 004, follow-up 1: the endpoint's execution is bounded below the
+/// client's timeout, not only each lock wait. With a lock timeout far above
+/// the request budget, a POST /orders whose checkout is held by this test's
+/// uncommitted order waits on it until the budget runs out: 503
+/// `deadline_exceeded` + Retry-After (not `order_busy` at the lock
+/// timeout), nothing stored (no key, no order, no event), and the same key
+/// succeeds once the checkout is free.
+#[tokio::test]
+async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
+    let api = OrderApi::start(&[
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "25000".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "500".to_owned(),
+        ),
+    ])
+    .await;
+    let caller = Caller::new("budget");
+    let with_checkout = SEED_ORDER.replace(
+        "{\"customer_id\"",
+        "{\"checkout_id\":\"chk-held\",\"customer_id\"",
+    );
+    let nothing = Counts {
+        orders: 0,
+        lines: 0,
+        keys: 0,
+        outbox: 0,
+    };
+
+    let mut holder = pg(Database::Orders).await;
+    let tx = holder.transaction().await.expect("begin");
+    tx.execute(
+        "INSERT INTO orders (order_id, tenant_id, customer_id, checkout_id, currency, location, \
+                             merchandise_minor, shipping_minor, tax_minor, total_minor) \
+         VALUES (gen_random_uuid(), $1, '77', 'chk-held', 'USD', 'WH-1', 0, 0, 0, 0)",
+        &[&caller.tenant],
+    )
+    .await
+    .expect("hold the checkout");
+    let response = caller.post(&api.url("/orders"), "o", &with_checkout).await;
+    assert_eq!(header(&response, "Retry-After"), Some("1"));
+    let problem = expect_problem(
+        response,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "deadline_exceeded",
+    )
+    .await;
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("500 ms") && d.contains("nothing was stored")),
+        "{problem}"
+    );
+    assert_eq!(counts(&caller.tenant).await, nothing, "while held");
+    tx.rollback().await.expect("release");
+    assert_eq!(counts(&caller.tenant).await, nothing, "released");
+
+    let (status, order) =
+        json_of(caller.post(&api.url("/orders"), "o", &with_checkout).await).await;
+    assert_eq!(status, StatusCode::CREATED, "{order}");
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts {
+            orders: 1,
+            lines: 1,
+            keys: 1,
+            outbox: 1
+        }
+    );
+}
+
 /// A record the cleanup deletes while a request is about to take it over
 /// (expired, not yet deleted): the request is told to retry, 409
 /// idempotency_in_progress with Retry-After, and counted in

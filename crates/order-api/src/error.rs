@@ -153,6 +153,10 @@ pub enum ApiError {
     InProgress,
     #[error("order is busy")]
     Busy,
+    /// The request's time budget (`idempotency.request_budget_ms`) ran out
+    /// before COMMIT was sent: rolled back, nothing stored.
+    #[error("the request's time budget of {budget_ms} ms ran out")]
+    DeadlineExceeded { budget_ms: u64 },
     #[error(transparent)]
     Rejected(#[from] RejectedError),
     #[error("database: {0}")]
@@ -267,6 +271,16 @@ impl ApiError {
                 "The order or its checkout is being changed by another request",
             )
             .detail("nothing was stored; retry with the same key")
+            .retry_after(1),
+            Self::DeadlineExceeded { budget_ms } => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "deadline_exceeded",
+                "The request did not complete within the service's time budget",
+            )
+            .detail(format!(
+                "the database work took longer than {budget_ms} ms; nothing was stored; \
+                 retry with the same key"
+            ))
             .retry_after(1),
             Self::Rejected(RejectedError(rejection)) => rejection.problem(),
             Self::Database(error) if !is_transient(error) => Problem::new(

@@ -169,11 +169,100 @@ SELECT request_fingerprint, response_status, response_body, resource_id,
   FROM idempotency_requests
  WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
 
+/// The time budget of one request (`idempotency.request_budget_ms`), taken
+/// when the request starts: the pool wait and the whole transaction up to
+/// COMMIT end within it.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadline {
+    at: tokio::time::Instant,
+    budget_ms: u64,
+}
+
+/// How often the statement running past the budget is cancelled again, until
+/// the transaction's work returns (a cancel that reaches the server between
+/// two statements is ignored there).
+const CANCEL_AGAIN: Duration = Duration::from_millis(100);
+
+impl Deadline {
+    pub fn start(budget_ms: u64) -> Self {
+        Self {
+            at: tokio::time::Instant::now() + Duration::from_millis(budget_ms),
+            budget_ms,
+        }
+    }
+
+    /// Whole milliseconds left (0: none).
+    fn left_ms(&self) -> u64 {
+        let left = self
+            .at
+            .saturating_duration_since(tokio::time::Instant::now());
+        u64::try_from(left.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn passed(&self) -> bool {
+        tokio::time::Instant::now() >= self.at
+    }
+
+    pub fn exceeded(&self) -> ApiError {
+        ApiError::DeadlineExceeded {
+            budget_ms: self.budget_ms,
+        }
+    }
+
+    /// A pooled connection, waited for at most the budget left.
+    pub async fn client(
+        &self,
+        pool: &deadpool_postgres::Pool,
+    ) -> Result<deadpool_postgres::Client, ApiError> {
+        match tokio::time::timeout_at(self.at, pool.get()).await {
+            Ok(client) => Ok(client?),
+            Err(_) => Err(self.exceeded()),
+        }
+    }
+
+    /// `work` (the transaction's statements), ended at the deadline: the
+    /// statement running then is cancelled (a cancel request to the server,
+    /// only on this path), again every [`CANCEL_AGAIN`] until `work`
+    /// returns. Each cancel is acknowledged before `work` goes on, so none
+    /// can reach the session after it went back to the pool. The server
+    /// bounds each statement by itself too (`statement_timeout`, see
+    /// [`execute`]): this ends the sum.
+    async fn bound<T>(
+        &self,
+        cancel: &tokio_postgres::CancelToken,
+        work: impl std::future::Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        tokio::pin!(work);
+        if let Ok(done) = tokio::time::timeout_at(self.at, &mut work).await {
+            return done;
+        }
+        loop {
+            if let Err(error) = cancel.cancel_query(tokio_postgres::NoTls).await {
+                tracing::warn!(%error, "cancelling the statement past the request budget failed");
+            }
+            if let Ok(done) = tokio::time::timeout(CANCEL_AGAIN, &mut work).await {
+                return done;
+            }
+        }
+    }
+}
+
+/// What the transaction's work before COMMIT came to.
+enum Step {
+    /// A loser's answer (read-only; nothing to commit).
+    Answer(HttpResponse),
+    /// The owner's response to store, committed next.
+    Owner(Stored, InFlightGuard),
+}
+
 /// Run `operation` at most once per `(tenant, endpoint, key)` and answer with
 /// its response, or with the stored response of the run that did.
 /// `earlier` are the fingerprints an earlier release computed for the same
 /// request (its canonical form changed since): a record stored under one of
-/// them is the same request, not a reused key.
+/// them is the same request, not a reused key. Everything up to COMMIT runs
+/// within `deadline`; past it, the transaction rolls back and the answer is
+/// 503 `deadline_exceeded` (409 `idempotency_in_progress` for a request
+/// still waiting for its key's owner).
 pub async fn execute(
     state: &AppState,
     tenant: &str,
@@ -181,146 +270,189 @@ pub async fn execute(
     key: &str,
     (fingerprint, earlier): (&str, &[String]),
     operation: operations::Operation,
+    deadline: Deadline,
 ) -> Result<HttpResponse, ApiError> {
     let metrics = &state.metrics;
     let key_hash = blake3::hash(key.as_bytes()).to_hex();
     let key_hash = &key_hash.as_str()[..16];
     let ttl = i64::try_from(state.settings.idempotency.ttl_seconds).unwrap_or(i64::MAX);
 
-    let mut client = state.pool.get().await?;
+    let mut client = deadline.client(&state.pool).await?;
     let tx = client.transaction().await?;
     let in_progress = |why: &'static str| {
         metrics.in_progress.with_label_values(&[endpoint]).inc();
         tracing::info!(endpoint, key_hash, why, "idempotency key in progress");
         ApiError::InProgress
     };
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-        [&tenant, &endpoint, &key, &fingerprint, &ttl];
-    let claim = tx.prepare_cached(CLAIM).await?;
-    let mut claimed = match tx.query_opt(&claim, &params).await {
-        Ok(row) => row.is_some(),
-        Err(error) if ApiError::is_lock_timeout(&error) => {
-            return Err(in_progress("the wait for the key's owner ran out"))
-        }
-        Err(error) => return Err(error.into()),
-    };
-    let mut existing = None;
-    if !claimed {
-        let read = tx.prepare_cached(READ).await?;
-        existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
-        if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
-            let take_over = tx.prepare_cached(TAKE_OVER).await?;
-            claimed = match tx.query_opt(&take_over, &params).await {
-                Ok(row) => row.is_some(),
-                Err(error) if ApiError::is_lock_timeout(&error) => {
-                    return Err(in_progress("the wait for the key's owner ran out"))
-                }
-                Err(error) => return Err(error.into()),
-            };
-            if !claimed {
-                // Another request took it over (and committed): its record.
-                existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
-            }
-        }
-    }
-
-    if !claimed {
-        drop(tx); // read-only: rolled back
-        let Some(row) = existing else {
-            // Deleted by cleanup between the two statements: ask for a retry.
-            return Err(in_progress(
-                "the record was deleted by the cleanup meanwhile",
-            ));
-        };
-        let stored_fingerprint: String = row.get(0);
-        if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
-            metrics.key_conflicts.with_label_values(&[endpoint]).inc();
-            tracing::info!(
-                endpoint,
-                key_hash,
-                "idempotency key reused with another request"
-            );
-            return Err(ApiError::KeyReused);
-        }
-        let status: Option<i32> = row.get(1);
-        let body: Option<Vec<u8>> = row.get(2);
-        let (Some(status), Some(body)) = (status, body) else {
-            // Cannot be committed without a response (one transaction); defensive.
-            return Err(in_progress("the record has no response"));
-        };
-        metrics.replays.with_label_values(&[endpoint]).inc();
-        tracing::info!(endpoint, key_hash, status, "idempotent replay");
-        let stored = Stored {
-            status: u16::try_from(status).unwrap_or(500),
-            body,
-            resource_id: row.get(3),
-        };
-        return Ok(stored.response(true));
-    }
-
-    // The owner. Any error below drops `tx` uncommitted: nothing is stored.
-    let _in_flight = state.in_flight.enter();
-    let rollback = |error: ApiError| {
+    let rolled_back = |error: &ApiError| {
         metrics.rollbacks.with_label_values(&[endpoint]).inc();
         tracing::warn!(endpoint, key_hash, %error, "owner transaction rolled back");
-        if let ApiError::Database(db) = &error {
-            if ApiError::is_lock_timeout(db) {
-                return ApiError::Busy;
+    };
+    let work = async {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&tenant, &endpoint, &key, &fingerprint, &ttl];
+        let claim = tx.prepare_cached(CLAIM).await?;
+        // Each statement of the transaction ends within the budget left now
+        // (`statement_timeout`; 0 would mean none). Sent with the claim, in
+        // one write: `join` polls the SET first, and a request is queued on
+        // the connection when first polled; the server runs them in order.
+        // No extra round trip.
+        let left_ms = deadline.left_ms();
+        if left_ms == 0 {
+            return Err(deadline.exceeded());
+        }
+        let limit = format!("SET LOCAL statement_timeout = {left_ms}");
+        let (limited, claimed) =
+            futures_util::future::join(tx.batch_execute(&limit), tx.query_opt(&claim, &params))
+                .await;
+        limited?;
+        // A wait for the key's owner that the lock_timeout or the budget
+        // ended: the owner is still in flight.
+        let waited_out = |error: &tokio_postgres::Error| {
+            ApiError::is_lock_timeout(error)
+                || (deadline.passed()
+                    && error.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED))
+        };
+        let mut claimed = match claimed {
+            Ok(row) => row.is_some(),
+            Err(error) if waited_out(&error) => {
+                return Err(in_progress("the wait for the key's owner ran out"))
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let mut existing = None;
+        if !claimed {
+            let read = tx.prepare_cached(READ).await?;
+            existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+            if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
+                let take_over = tx.prepare_cached(TAKE_OVER).await?;
+                claimed = match tx.query_opt(&take_over, &params).await {
+                    Ok(row) => row.is_some(),
+                    Err(error) if waited_out(&error) => {
+                        return Err(in_progress("the wait for the key's owner ran out"))
+                    }
+                    Err(error) => return Err(error.into()),
+                };
+                if !claimed {
+                    // Another request took it over (and committed): its record.
+                    existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+                }
             }
         }
-        error
-    };
-    let stored = match operations::run(&tx, tenant, operation).await {
-        Ok(Ok(stored)) => stored,
-        // A rejection by a state that can still change (a delivery before the
-        // payment) is not stored: the transaction rolls back, the key stays
-        // free, and the same request under the same key succeeds once the
-        // state allows it. Only final rejections are replayed (seed 004:
-        // "a deterministic business rejection").
-        Ok(Err(rejection)) if !rejection.is_final() => {
-            metrics
-                .rejections
-                .with_label_values(&[rejection.problem().code])
-                .inc();
-            return Err(ApiError::Rejected(RejectedError(rejection)));
-        }
-        Ok(Err(rejection)) => {
-            let problem = rejection.problem();
-            metrics.rejections.with_label_values(&[problem.code]).inc();
-            Stored {
-                status: problem.status,
-                body: rejection.to_body(),
-                resource_id: rejection.resource_id(),
+
+        if !claimed {
+            let Some(row) = existing else {
+                // Deleted by cleanup between the two statements: ask for a retry.
+                return Err(in_progress(
+                    "the record was deleted by the cleanup meanwhile",
+                ));
+            };
+            let stored_fingerprint: String = row.get(0);
+            if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
+                metrics.key_conflicts.with_label_values(&[endpoint]).inc();
+                tracing::info!(
+                    endpoint,
+                    key_hash,
+                    "idempotency key reused with another request"
+                );
+                return Err(ApiError::KeyReused);
             }
+            let status: Option<i32> = row.get(1);
+            let body: Option<Vec<u8>> = row.get(2);
+            let (Some(status), Some(body)) = (status, body) else {
+                // Cannot be committed without a response (one transaction); defensive.
+                return Err(in_progress("the record has no response"));
+            };
+            metrics.replays.with_label_values(&[endpoint]).inc();
+            tracing::info!(endpoint, key_hash, status, "idempotent replay");
+            let stored = Stored {
+                status: u16::try_from(status).unwrap_or(500),
+                body,
+                resource_id: row.get(3),
+            };
+            return Ok(Step::Answer(stored.response(true)));
         }
-        Err(error) => return Err(rollback(error)),
+
+        // The owner. Any error below drops `tx` uncommitted: nothing is stored.
+        let in_flight = state.in_flight.enter();
+        let rollback = |error: ApiError| {
+            let error = match &error {
+                // The budget ended the statement (or the one after it).
+                ApiError::Database(_) if deadline.passed() => deadline.exceeded(),
+                ApiError::Database(db) if ApiError::is_lock_timeout(db) => ApiError::Busy,
+                _ => error,
+            };
+            rolled_back(&error);
+            error
+        };
+        let stored = match operations::run(&tx, tenant, operation).await {
+            Ok(Ok(stored)) => stored,
+            // A rejection by a state that can still change (a delivery before the
+            // payment) is not stored: the transaction rolls back, the key stays
+            // free, and the same request under the same key succeeds once the
+            // state allows it. Only final rejections are replayed (seed 004:
+            // "a deterministic business rejection").
+            Ok(Err(rejection)) if !rejection.is_final() => {
+                metrics
+                    .rejections
+                    .with_label_values(&[rejection.problem().code])
+                    .inc();
+                return Err(ApiError::Rejected(RejectedError(rejection)));
+            }
+            Ok(Err(rejection)) => {
+                let problem = rejection.problem();
+                metrics.rejections.with_label_values(&[problem.code]).inc();
+                Stored {
+                    status: problem.status,
+                    body: rejection.to_body(),
+                    resource_id: rejection.resource_id(),
+                }
+            }
+            Err(error) => return Err(rollback(error)),
+        };
+        let status = i32::from(stored.status);
+        let store = tx
+            .prepare_cached(STORE)
+            .await
+            .map_err(|e| rollback(e.into()))?;
+        let stored_rows = tx
+            .execute(
+                &store,
+                &[
+                    &tenant,
+                    &endpoint,
+                    &key,
+                    &status,
+                    &stored.body,
+                    &stored.resource_id,
+                ],
+            )
+            .await
+            .map_err(|e| rollback(e.into()))?;
+        // The claimed row is this transaction's (inserted or locked by it), so
+        // exactly one row is updated; anything else would commit an operation
+        // whose key has no stored response, and a retry would run it again.
+        if stored_rows != 1 {
+            return Err(rollback(ApiError::Internal(format!(
+                "storing the response updated {stored_rows} idempotency rows, not 1"
+            ))));
+        }
+        Ok(Step::Owner(stored, in_flight))
     };
-    let status = i32::from(stored.status);
-    let store = tx
-        .prepare_cached(STORE)
-        .await
-        .map_err(|e| rollback(e.into()))?;
-    let stored_rows = tx
-        .execute(
-            &store,
-            &[
-                &tenant,
-                &endpoint,
-                &key,
-                &status,
-                &stored.body,
-                &stored.resource_id,
-            ],
-        )
-        .await
-        .map_err(|e| rollback(e.into()))?;
-    // The claimed row is this transaction's (inserted or locked by it), so
-    // exactly one row is updated; anything else would commit an operation
-    // whose key has no stored response, and a retry would run it again.
-    if stored_rows != 1 {
-        return Err(rollback(ApiError::Internal(format!(
-            "storing the response updated {stored_rows} idempotency rows, not 1"
-        ))));
+    let (stored, _in_flight) = match deadline.bound(&tx.cancel_token(), work).await {
+        Ok(Step::Answer(response)) => return Ok(response),
+        Ok(Step::Owner(stored, in_flight)) => (stored, in_flight),
+        // A loser's read cancelled at the deadline.
+        Err(ApiError::Database(_)) if deadline.passed() => return Err(deadline.exceeded()),
+        Err(error) => return Err(error),
+    };
+    // The budget ran out before COMMIT is sent (the work ended just then, or
+    // a cancel reached the server between two statements): the client is
+    // told that nothing was stored, so nothing may be.
+    if deadline.passed() {
+        let error = deadline.exceeded();
+        rolled_back(&error);
+        return Err(error);
     }
     crash_point("order_api.before_commit");
     tx.commit().await.map_err(|e| {
@@ -341,6 +473,7 @@ pub async fn execute(
     })?;
     crash_point("order_api.after_commit");
     metrics.claims.with_label_values(&[endpoint]).inc();
+    let status = stored.status;
     tracing::info!(
         endpoint,
         key_hash,

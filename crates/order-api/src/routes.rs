@@ -148,6 +148,7 @@ async fn create_order(
     request: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    let deadline = idempotency::Deadline::start(state.settings.idempotency.request_budget_ms);
     let tenant = auth::tenant(&state, &request).await?;
     let key = idempotency::key(&request)?;
     let body = body(&state, &request, payload).await?;
@@ -161,6 +162,7 @@ async fn create_order(
         &key,
         (&fingerprint, &[]),
         Operation::CreateOrder(order, trace),
+        deadline,
     )
     .instrument(span)
     .await
@@ -278,6 +280,7 @@ async fn order_command<C: OrderCommand>(
     path: web::Path<String>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
+    let deadline = idempotency::Deadline::start(state.settings.idempotency.request_budget_ms);
     let tenant = auth::tenant(&state, &request).await?;
     let key = idempotency::key(&request)?;
     let order_id = order_id(&path)?;
@@ -285,7 +288,7 @@ async fn order_command<C: OrderCommand>(
     let mut command = request::parse::<C>(&body)?;
     command.validate()?;
     let order = if command.defaults_from_order() {
-        let client = state.pool.get().await?;
+        let client = deadline.client(&state.pool).await?;
         match operations::order_currency(&client, &tenant, order_id).await? {
             Some(currency) => OrderDefaults::Order { currency },
             None => OrderDefaults::NoOrder,
@@ -302,6 +305,7 @@ async fn order_command<C: OrderCommand>(
         &key,
         (&fingerprint, &earlier),
         command.into_operation(order_id, trace),
+        deadline,
     )
     .instrument(span)
     .await

@@ -37,6 +37,19 @@ pub struct IdempotencySettings {
     /// How long a loser waits for the key's owner before 409 idempotency_in_progress
     /// (PostgreSQL `lock_timeout` of every session).
     pub lock_timeout_ms: u64,
+    /// The time budget of one POST (milliseconds, 1 to the sessions'
+    /// `statement_timeout` of 30 000), counted from the request's start: the
+    /// pool wait, the transaction's statements and its lock waits all end
+    /// within it (the transaction runs with `statement_timeout` = the budget
+    /// left, and the statement running when it runs out is cancelled). Past
+    /// it, before COMMIT is sent, the transaction rolls back: 503
+    /// `deadline_exceeded` + `Retry-After`, nothing stored, the key free (a
+    /// loser waiting for its key's owner gets 409 `idempotency_in_progress`,
+    /// as at `lock_timeout_ms`). Keep it below the clients' timeout, so that
+    /// they get an answer rather than an unknown outcome. A lock wait ends at
+    /// whichever of the two comes first; with `lock_timeout_ms` at or above
+    /// the budget, the budget alone bounds it.
+    pub request_budget_ms: u64,
     /// Key retention (`expires_at = created_at + ttl`); default 24 h.
     pub ttl_seconds: u64,
     /// How often expired keys are deleted, and how many per statement.
@@ -53,6 +66,7 @@ impl Default for Settings {
             database: DatabaseSettings::local("orders"),
             idempotency: IdempotencySettings {
                 lock_timeout_ms: 2_000,
+                request_budget_ms: 10_000,
                 ttl_seconds: 24 * 60 * 60,
                 cleanup_interval_seconds: 60,
                 cleanup_batch: 1_000,
@@ -75,8 +89,11 @@ impl Settings {
     /// waiting request would sit until `statement_timeout`), and so is in
     /// effect one at or above the sessions' `statement_timeout` (the wait
     /// ends as a cancelled statement, a 503, not 409
-    /// `idempotency_in_progress`); a key TTL beyond an interval's range
-    /// fails every POST.
+    /// `idempotency_in_progress`); a request budget of 0 would answer every
+    /// POST 503, and one above `statement_timeout` would raise the
+    /// statements' limit it is meant to lower (`SET LOCAL statement_timeout`
+    /// to the budget left); a key TTL beyond an interval's range fails every
+    /// POST.
     pub fn validate(&self) -> anyhow::Result<()> {
         let i = &self.idempotency;
         anyhow::ensure!(
@@ -86,6 +103,11 @@ impl Settings {
              wait first, and a request waiting for its key's owner would get 503 instead of \
              409 idempotency_in_progress)",
             STATEMENT_TIMEOUT_MS - 1
+        );
+        anyhow::ensure!(
+            (1..=STATEMENT_TIMEOUT_MS).contains(&i.request_budget_ms),
+            "idempotency.request_budget_ms must be 1 to {STATEMENT_TIMEOUT_MS} (the sessions' \
+             statement_timeout: the budget only ever shortens it)"
         );
         anyhow::ensure!(
             (1..=MAX_TTL_SECONDS).contains(&i.ttl_seconds),
@@ -137,6 +159,15 @@ mod tests {
                 .contains("idempotency.lock_timeout_ms must be 1 to 29999"),
             "{error}"
         );
+        assert!(with(|s| s.idempotency.request_budget_ms = 0).is_err());
+        assert!(with(|s| s.idempotency.request_budget_ms = 30_000).is_ok());
+        assert!(with(|s| s.idempotency.request_budget_ms = 30_001).is_err());
+        // A lock wait ends at whichever bound comes first.
+        assert!(with(|s| {
+            s.idempotency.request_budget_ms = 500;
+            s.idempotency.lock_timeout_ms = 20_000;
+        })
+        .is_ok());
         assert!(with(|s| s.idempotency.ttl_seconds = 0).is_err());
         assert!(with(|s| s.idempotency.ttl_seconds = u64::MAX).is_err());
         assert!(with(|s| s.idempotency.cleanup_batch = 0).is_err());
