@@ -2137,6 +2137,135 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
     );
 }
 
+/// Seed 003: revenue is recognised on delivery, so ParcelDelivered carries
+/// when the parcel was delivered, which the courier may report later than
+/// it happened. A delivery's `delivered_at` (RFC 3339, any offset): before
+/// the order was placed or in the future is 422 and malformed is 400, each
+/// naming the field and storing nothing; the order's placement time itself
+/// is accepted, and the event carries it while `occurred_at` stays the
+/// recording time; the same key with the same instant in another offset
+/// replays, with another time or none it is 409 idempotency_key_reused.
+#[tokio::test]
+async fn a_delivery_carries_the_given_delivered_at_and_its_fingerprint() {
+    use time::format_description::well_known::Rfc3339;
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("delivered-at");
+    let id = place_seed_order(&api, &caller).await;
+    let url = api.url(&format!("/orders/{id}/deliveries"));
+    let paid = caller
+        .post(
+            &api.url(&format!("/orders/{id}/payments")),
+            "p",
+            SEED_PAYMENT,
+        )
+        .await;
+    assert_eq!(paid.status(), StatusCode::CREATED);
+    let (_, order) = json_of(caller.get(&api.url(&format!("/orders/{id}"))).await).await;
+    let placed_text = order["created_at"].as_str().expect("created_at");
+    let placed = time::OffsetDateTime::parse(placed_text, &Rfc3339).expect("placed");
+    let at = |t: time::OffsetDateTime| t.format(&Rfc3339).expect("format");
+    let delivered_at =
+        |value: &str| SEED_DELIVERY.replacen('{', &format!("{{\"delivered_at\":\"{value}\","), 1);
+    let endpoint = "POST /orders/{id}/deliveries";
+    let before = vec![
+        (1, "OrderPlaced".to_owned()),
+        (2, "PaymentReceived".to_owned()),
+    ];
+
+    // Whole seconds: a finer time than PostgreSQL keeps is refused too.
+    let future = (time::OffsetDateTime::now_utc() + time::Duration::hours(1))
+        .replace_nanosecond(0)
+        .expect("whole second");
+    for (value, status, code, why) in [
+        (
+            at(placed - time::Duration::microseconds(1)),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+            "before the order was placed",
+        ),
+        (
+            at(future),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+            "in the future",
+        ),
+        (
+            at(placed + time::Duration::nanoseconds(1)),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation_failed",
+            "microsecond precision",
+        ),
+        (
+            "2024-05-13 14:00".to_owned(),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "RFC 3339",
+        ),
+        (
+            "2024-05-13T14:00:00".to_owned(),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "with an offset",
+        ),
+    ] {
+        let response = caller.post(&url, "d", &delivered_at(&value)).await;
+        let problem = expect_problem(response, status, code).await;
+        assert_eq!(problem["field"], "delivered_at", "{value}: {problem}");
+        assert!(
+            problem["detail"].as_str().is_some_and(|d| d.contains(why)),
+            "{value}: {why}: {problem}"
+        );
+        assert_eq!(
+            stored_body(&caller.tenant, endpoint, "d").await,
+            None,
+            "{value}"
+        );
+        assert_eq!(effects(&caller.tenant).await, (1, 0), "{value}");
+        assert_eq!(outbox_of(&id).await, before, "{value}");
+    }
+
+    // The placement time itself (as GET shows it, in UTC), under the key
+    // that the rejected attempts left free.
+    let (status, delivered) =
+        json_of(caller.post(&url, "d", &delivered_at(placed_text)).await).await;
+    assert_eq!(status, StatusCode::CREATED, "{delivered}");
+    let recorded = delivered["recorded_at"].as_str().expect("recorded_at");
+    let row = pg(Database::Orders)
+        .await
+        .query_one(
+            "SELECT (e.payload->>'delivered_at')::timestamptz = $2::text::timestamptz,
+                    e.occurred_at = $3::text::timestamptz,
+                    e.occurred_at > $2::text::timestamptz,
+                    $4::text::timestamptz = $2::text::timestamptz,
+                    (SELECT d.delivered_at FROM deliveries d WHERE d.order_id = e.aggregate_id::uuid)
+                      = $2::text::timestamptz
+               FROM outbox_events e
+              WHERE e.aggregate_id = $1 AND e.event_type = 'ParcelDelivered'",
+            &[&id, &placed_text, &recorded, &delivered["delivered_at"].as_str().expect("delivered_at")],
+        )
+        .await
+        .expect("event");
+    let checks: (bool, bool, bool, bool, bool) =
+        (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+    assert_eq!(
+        checks,
+        (true, true, true, true, true),
+        "payload delivered_at, occurred_at = recorded_at, recorded after, response, row: {delivered}"
+    );
+
+    let plus_two = at(placed.to_offset(time::macros::offset!(+2)));
+    let replay = caller.post(&url, "d", &delivered_at(&plus_two)).await;
+    assert!(is_replay(&replay), "the same instant in another offset");
+    for other in [
+        delivered_at(&at(placed + time::Duration::seconds(1))),
+        SEED_DELIVERY.to_owned(),
+    ] {
+        let response = caller.post(&url, "d", &other).await;
+        expect_problem(response, StatusCode::CONFLICT, "idempotency_key_reused").await;
+    }
+    assert_eq!(effects(&caller.tenant).await, (1, 1));
+}
+
 /// A record the cleanup deletes while a request is about to take it over
 /// (expired, not yet deleted): the request is told to retry, 409
 /// idempotency_in_progress with Retry-After, and counted in

@@ -113,7 +113,10 @@ pub struct ParcelDeliveredV1 {
     pub order_id: Uuid,
     /// The delivery's id.
     pub delivery_id: String,
-    /// When the parcel was delivered (RFC 3339).
+    /// When the parcel was delivered (RFC 3339): the business time (revenue
+    /// is recognised on delivery, seed 003). It may be earlier than the
+    /// envelope's `occurred_at`, when the delivery was recorded (a courier
+    /// reporting late), never before the order was placed.
     #[serde(with = "crate::timestamp")]
     pub delivered_at: OffsetDateTime,
     /// What was delivered.

@@ -32,14 +32,25 @@ pub enum Rejection {
     OrderNotPaid,
     OrderAlreadyDelivered,
     DeliveryLinesMismatch,
+    /// A delivery's `delivered_at` before the order was placed: a bad value
+    /// of the request, answered like a validation failure (not stored: the
+    /// same key with a corrected time may run).
+    DeliveredBeforePlaced {
+        placed_at: time::OffsetDateTime,
+    },
 }
 
 impl Rejection {
-    /// Whether the same request can never succeed later: then the rejection
-    /// is stored with its key and replayed. `OrderNotPaid` is not final (the
-    /// payment may come), so it is answered without being stored.
+    /// Whether the rejection is stored with its key and replayed: the same
+    /// request can never succeed later. `OrderNotPaid` is not final (the
+    /// payment may come), so it is answered without being stored; nor is
+    /// `DeliveredBeforePlaced`, a bad request value found under the order's
+    /// lock, which is answered like a validation failure (nothing stored).
     pub fn is_final(&self) -> bool {
-        !matches!(self, Rejection::OrderNotPaid)
+        !matches!(
+            self,
+            Rejection::OrderNotPaid | Rejection::DeliveredBeforePlaced { .. }
+        )
     }
 
     pub fn problem(&self) -> Problem {
@@ -97,6 +108,16 @@ impl Rejection {
                 "The delivered lines must match the order's lines",
             )
             .field("lines"),
+            DeliveredBeforePlaced { placed_at } => ApiError::validation(
+                "delivered_at",
+                format!(
+                    "must not be before the order was placed ({})",
+                    placed_at
+                        .format(&time::format_description::well_known::Rfc3339)
+                        .unwrap_or_default()
+                ),
+            )
+            .problem(),
         }
     }
 

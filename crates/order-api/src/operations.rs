@@ -226,9 +226,10 @@ async fn create_order(
 }
 
 /// Lock the order row (the per-order sequence is assigned under this lock)
-/// and return (status, total, currency), or None if not the tenant's order.
+/// and return (status, total, currency, placed at), or None if not the
+/// tenant's order.
 const LOCK_ORDER: &str = "\
-SELECT status, total_minor, currency FROM orders
+SELECT status, total_minor, currency, created_at FROM orders
  WHERE order_id = $1 AND tenant_id = $2
    FOR UPDATE";
 
@@ -248,6 +249,7 @@ struct LockedOrder {
     status: String,
     total: Money,
     currency: String,
+    placed_at: OffsetDateTime,
 }
 
 /// The tenant's order, locked for the rest of the transaction.
@@ -264,6 +266,7 @@ async fn lock_order(
             status: row.get(0),
             total: Money::from_minor(row.get(1)),
             currency: row.get(2),
+            placed_at: row.get(3),
         }))
 }
 
@@ -318,6 +321,7 @@ async fn pay(
         status,
         total,
         currency,
+        ..
     }) = lock_order(tx, tenant, order_id).await?
     else {
         return Ok(Err(Rejection::OrderNotFound));
@@ -389,8 +393,13 @@ pub struct DeliveryView {
     pub lines: Vec<DeliveredLineV1>,
     pub order_status: &'static str,
     pub event_sequence: i64,
+    /// When the parcel was delivered: the request's `delivered_at`, or
+    /// `recorded_at`.
     #[serde(with = "time::serde::rfc3339")]
     pub delivered_at: OffsetDateTime,
+    /// When the API recorded the delivery (the event's `occurred_at`).
+    #[serde(with = "time::serde::rfc3339")]
+    pub recorded_at: OffsetDateTime,
 }
 
 async fn deliver(
@@ -427,14 +436,27 @@ async fn deliver(
     if delivered != ordered {
         return Ok(Err(Rejection::DeliveryLinesMismatch));
     }
+    if let Some(at) = delivery.delivered_at {
+        if at < order.placed_at {
+            return Ok(Err(Rejection::DeliveredBeforePlaced {
+                placed_at: order.placed_at,
+            }));
+        }
+    }
+    // `at`: when the delivery is recorded (the event's occurred_at);
+    // `delivered_at`: when the parcel was delivered, if the request says.
     let (sequence, at) = advance(tx, order_id, "delivered").await?;
+    let delivered_at = delivery.delivered_at.unwrap_or(at);
     let insert = tx
         .prepare_cached(
             "INSERT INTO deliveries (order_id, delivery_id, tenant_id, delivered_at) VALUES ($1, $2, $3, $4)",
         )
         .await?;
-    tx.execute(&insert, &[&order_id, &delivery.delivery_id, &tenant, &at])
-        .await?;
+    tx.execute(
+        &insert,
+        &[&order_id, &delivery.delivery_id, &tenant, &delivered_at],
+    )
+    .await?;
     let lines: Vec<DeliveredLineV1> = delivery
         .lines
         .iter()
@@ -446,7 +468,7 @@ async fn deliver(
     let event = ParcelDeliveredV1 {
         order_id,
         delivery_id: delivery.delivery_id.clone(),
-        delivered_at: at,
+        delivered_at,
         lines: lines.clone(),
     };
     write_outbox(tx, tenant, order_id, sequence, at, &event, trace).await?;
@@ -456,7 +478,8 @@ async fn deliver(
         lines,
         order_status: "delivered",
         event_sequence: sequence,
-        delivered_at: at,
+        delivered_at,
+        recorded_at: at,
     };
     Ok(Ok(created(&view, order_id)?))
 }

@@ -7,7 +7,8 @@
 //! an omitted vs an explicit correct `total`) do not change it.
 
 use events::{Currency, Money};
-use serde::{de::DeserializeOwned, Deserialize};
+use serde::{de::DeserializeOwned, Deserialize, Deserializer};
+use time::{format_description::well_known::Rfc3339, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
 use crate::error::ApiError;
@@ -309,6 +310,32 @@ impl PaymentRequest {
 pub struct DeliveryRequest {
     pub delivery_id: String,
     pub lines: Vec<DeliveryLineRequest>,
+    /// When the parcel was delivered (seed 003: revenue is recognised on
+    /// delivery), if not now: RFC 3339 with an offset, kept in UTC. Absent
+    /// (or null): the time the API records the delivery.
+    #[serde(default, deserialize_with = "rfc3339_utc")]
+    pub delivered_at: Option<OffsetDateTime>,
+}
+
+/// How far ahead of this server's clock a `delivered_at` may be (the
+/// courier's clock may run ahead a little).
+pub const MAX_CLOCK_SKEW: time::Duration = time::Duration::minutes(2);
+
+/// An optional RFC 3339 timestamp (an offset required), in UTC.
+fn rfc3339_utc<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<OffsetDateTime>, D::Error> {
+    let Some(text) = Option::<String>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    OffsetDateTime::parse(&text, &Rfc3339)
+        .map(|at| Some(at.to_offset(UtcOffset::UTC)))
+        .map_err(|error| {
+            serde::de::Error::custom(format_args!(
+                "expected an RFC 3339 timestamp with an offset like \"2024-05-13T14:00:00Z\", \
+                 got {text:?} ({error})"
+            ))
+        })
 }
 
 #[derive(Debug, Deserialize)]
@@ -320,6 +347,29 @@ pub struct DeliveryLineRequest {
 
 impl DeliveryRequest {
     pub fn validate(&self) -> Result<(), ApiError> {
+        self.validate_at(OffsetDateTime::now_utc())
+    }
+
+    /// [`Self::validate`] with the server's clock at `now`. (That it is not
+    /// before the order was placed is checked under the order's lock.)
+    pub fn validate_at(&self, now: OffsetDateTime) -> Result<(), ApiError> {
+        if let Some(at) = self.delivered_at {
+            if at > now + MAX_CLOCK_SKEW {
+                return Err(ApiError::validation(
+                    "delivered_at",
+                    format!(
+                        "must not be in the future (more than {} s ahead of the server's clock)",
+                        MAX_CLOCK_SKEW.whole_seconds()
+                    ),
+                ));
+            }
+            if at.nanosecond() % 1_000 != 0 {
+                return Err(ApiError::validation(
+                    "delivered_at",
+                    "has at most microsecond precision (6 fractional digits)",
+                ));
+            }
+        }
         text("delivery_id", &self.delivery_id)?;
         if self.lines.is_empty() {
             return Err(ApiError::validation(
@@ -376,6 +426,12 @@ impl DeliveryRequest {
         for (sku, qty) in lines {
             c.field("sku", sku).field("qty", &qty.to_string());
         }
+        // The instant, whatever offset it was given in. Left out when absent
+        // (the recording time): such a request keeps the fingerprint it had
+        // before the field existed.
+        if let Some(at) = self.delivered_at {
+            c.field("delivered_at", &at.unix_timestamp_nanos().to_string());
+        }
         c.finish()
     }
 }
@@ -431,6 +487,7 @@ mod tests {
 
     fn delivery(lines: &[(&str, u32)]) -> DeliveryRequest {
         DeliveryRequest {
+            delivered_at: None,
             delivery_id: "311".to_owned(),
             lines: lines
                 .iter()
@@ -468,6 +525,63 @@ mod tests {
         // accepts it too (`earlier_fingerprints`).
         let reordered = delivery(&[("B", 1), ("A", 2)]);
         assert_ne!(reordered.fingerprint_in_line_order(order_id), base);
+    }
+
+    #[test]
+    fn a_delivery_s_time_is_an_instant_in_the_past_and_part_of_its_fingerprint() {
+        let order_id = Uuid::nil();
+        let at = |value: &str| {
+            parse::<DeliveryRequest>(
+                format!(r#"{{"delivery_id":"311","lines":[{{"sku":"A","qty":2}}],"delivered_at":{value}}}"#)
+                    .as_bytes(),
+            )
+        };
+        let absent = delivery(&[("A", 2)]);
+        assert_eq!(
+            at("null").expect("null").fingerprint(order_id),
+            absent.fingerprint(order_id)
+        );
+        let utc = at(r#""2024-05-13T14:00:00Z""#).expect("utc");
+        let offset = at(r#""2024-05-13T16:00:00.000+02:00""#).expect("offset");
+        assert_eq!(utc.delivered_at, offset.delivered_at);
+        assert_eq!(offset.delivered_at.expect("at").offset(), UtcOffset::UTC);
+        assert_eq!(
+            utc.fingerprint(order_id),
+            offset.fingerprint(order_id),
+            "one instant"
+        );
+        assert_ne!(utc.fingerprint(order_id), absent.fingerprint(order_id));
+        let later = at(r#""2024-05-13T14:00:01Z""#).expect("later");
+        assert_ne!(later.fingerprint(order_id), utc.fingerprint(order_id));
+
+        for malformed in [
+            r#""2024-05-13T14:00:00""#,
+            r#""2024-05-13""#,
+            r#""yesterday""#,
+            "1715608800",
+        ] {
+            let error = at(malformed).expect_err(malformed);
+            assert_eq!(error.problem().status, 400, "{malformed}");
+            assert_eq!(error.field(), Some("delivered_at"), "{malformed}");
+        }
+
+        let now = OffsetDateTime::parse("2024-05-13T14:00:00Z", &Rfc3339).expect("now");
+        assert!(utc.validate_at(now).is_ok());
+        assert!(at(r#""2024-05-13T14:02:00Z""#)
+            .expect("skew")
+            .validate_at(now)
+            .is_ok());
+        for invalid in [
+            r#""2024-05-13T14:02:00.000001Z""#,
+            r#""2024-05-13T14:00:00.0000001Z""#,
+        ] {
+            let error = at(invalid)
+                .expect("parses")
+                .validate_at(now)
+                .expect_err(invalid);
+            assert_eq!(error.problem().status, 422, "{invalid}");
+            assert_eq!(error.field(), Some("delivered_at"), "{invalid}");
+        }
     }
 
     #[test]
