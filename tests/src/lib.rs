@@ -296,6 +296,19 @@ pub async fn insert_seed_order(orders: &tokio_postgres::Client, tenant: &str, or
         .expect("line");
 }
 
+/// Delete an order [`insert_seed_order`] made (its lines, then the order).
+pub async fn delete_seed_order(orders: &tokio_postgres::Client, order: uuid::Uuid) {
+    for table in ["order_lines", "orders"] {
+        orders
+            .execute(
+                &format!("DELETE FROM {table} WHERE order_id = $1"),
+                &[&order],
+            )
+            .await
+            .expect("clean up");
+    }
+}
+
 /// A tenant id no other test uses.
 pub fn unique_tenant(prefix: &str) -> String {
     format!(

@@ -284,15 +284,7 @@ async fn every_orders_row_carries_its_tenant() {
         .expect("line")
         .get(0);
     assert_eq!(line_tenant, tenant, "the order's tenant");
-    for table in ["order_lines", "orders"] {
-        client
-            .execute(
-                &format!("DELETE FROM {table} WHERE order_id = $1"),
-                &[&order],
-            )
-            .await
-            .expect("clean up");
-    }
+    system_tests::delete_seed_order(&client, order).await;
 }
 
 /// Orders V9: one payment and one delivery per order, and a line, payment
@@ -357,15 +349,7 @@ async fn payments_deliveries_and_lines_are_one_per_order_and_in_its_tenant() {
         .await
         .expect("a line in the order's tenant");
     tx.rollback().await.expect("rollback");
-    for table in ["order_lines", "orders"] {
-        client
-            .execute(
-                &format!("DELETE FROM {table} WHERE order_id = $1"),
-                &[&order],
-            )
-            .await
-            .expect("clean up");
-    }
+    system_tests::delete_seed_order(&client, order).await;
 }
 
 #[tokio::test]

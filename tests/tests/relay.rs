@@ -2084,13 +2084,7 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
 
     // One instance at a time: while another holds the lock, nothing happens.
     let locker = pg(Database::Orders).await;
-    locker
-        .execute(
-            "SELECT pg_advisory_lock($1)",
-            &[&outbox_relay_cleanup_lock_key()],
-        )
-        .await
-        .expect("lock");
+    cleanup_lock(&locker, "pg_advisory_lock").await;
     let (ok, output) = admin(&["cleanup"], &batch).await;
     assert!(ok, "{output}");
     assert!(
@@ -2098,13 +2092,7 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
         "{output}"
     );
     assert_eq!(remaining(old.clone()).await, 25);
-    locker
-        .execute(
-            "SELECT pg_advisory_unlock($1)",
-            &[&outbox_relay_cleanup_lock_key()],
-        )
-        .await
-        .expect("unlock");
+    cleanup_lock(&locker, "pg_advisory_unlock").await;
 
     // A crash inside the second batch: the first batch is committed, the
     // second rolled back.
@@ -2172,13 +2160,7 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
     let started = SystemTime::now();
     // Locked out while another instance holds the lock: neither a success
     // nor a failure.
-    locker
-        .execute(
-            "SELECT pg_advisory_lock($1)",
-            &[&outbox_relay_cleanup_lock_key()],
-        )
-        .await
-        .expect("lock");
+    cleanup_lock(&locker, "pg_advisory_lock").await;
     let mut relay = Relay::start(
         &tenant,
         &[
@@ -2202,13 +2184,7 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
         assert_eq!(relay.gauge(metric).await, want, "{metric} while locked out");
     }
     assert_eq!(remaining(aged.clone()).await, 25);
-    locker
-        .execute(
-            "SELECT pg_advisory_unlock($1)",
-            &[&outbox_relay_cleanup_lock_key()],
-        )
-        .await
-        .expect("unlock");
+    cleanup_lock(&locker, "pg_advisory_unlock").await;
 
     // The first batch is counted as it commits; then the run's connection
     // is lost during the pause: a failed run.
@@ -2308,6 +2284,18 @@ async fn cleanup_when_unlocked(env: &[(&str, String)]) -> (bool, String) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     panic!("the cleanup lock stayed taken");
+}
+
+/// Take (`pg_advisory_lock`) or give back (`pg_advisory_unlock`) the
+/// cleanup's advisory lock on `locker`'s session, as another instance would.
+async fn cleanup_lock(locker: &tokio_postgres::Client, function: &str) {
+    locker
+        .execute(
+            &format!("SELECT {function}($1)"),
+            &[&outbox_relay_cleanup_lock_key()],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{function}: {e}"));
 }
 
 fn outbox_relay_cleanup_lock_key() -> i64 {

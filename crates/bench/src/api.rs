@@ -235,13 +235,18 @@ async fn raw_order(
 ) -> Result<(), tokio_postgres::Error> {
     let fingerprint = blake_like(body);
     let tx = client.transaction().await?;
-    let claimed = tx
-        .query_opt(
+    // As order-api does: the request budget's statement timeout, sent in
+    // the same write as the claim (crates/order-api/src/idempotency.rs).
+    let (limited, claimed) = futures_util::future::join(
+        tx.batch_execute("SET LOCAL statement_timeout = 10000"),
+        tx.query_opt(
             &statements[0],
             &[&tenant, &"POST /orders", &key, &fingerprint, &86_400_i64],
-        )
-        .await?;
-    assert!(claimed.is_some(), "raw keys are unique");
+        ),
+    )
+    .await;
+    limited?;
+    assert!(claimed?.is_some(), "raw keys are unique");
     let order_id = Uuid::now_v7();
     let lines = body["lines"].as_array().cloned().unwrap_or_default();
     let merchandise: i64 = lines
