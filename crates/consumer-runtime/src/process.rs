@@ -386,12 +386,19 @@ impl<D: Domain> Processor<D> {
         order: OrderRef<'_>,
         reason: String,
     ) -> Result<Outcome, Infra> {
-        if self.applied_already(order).await? {
-            // A copy of an event applied here before (a replay read by a
-            // binary that cannot decode it): nothing to hold.
-            self.metrics.stale.inc();
-            tracing::info!(event_id = %order.event_id, sequence = order.sequence, "undecodable copy of an applied event acknowledged");
-            return Ok(Outcome::Stale);
+        let progress = self.progress_of(order).await?;
+        if let Some((last, owner)) = &progress {
+            if *last >= order.sequence {
+                // A copy of an event applied here before (a replay read by
+                // a binary that cannot decode it): nothing to hold.
+                self.metrics.stale.inc();
+                tracing::info!(event_id = %order.event_id, sequence = order.sequence, "undecodable copy of an applied event acknowledged");
+                return Ok(Outcome::Stale);
+            }
+            if *last > 0 && owner != order.tenant_id {
+                // As in `apply`: parking would hold another tenant's order.
+                return self.foreign_tenant(publisher, incoming, order, owner).await;
+            }
         }
         tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettering and parking the order");
         self.dead_letter_and_park(publisher, incoming, order, &reason)
@@ -432,22 +439,13 @@ impl<D: Domain> Processor<D> {
             // message forged on the broker): applied, it would move that
             // order's sequence and book its effect under the wrong tenant,
             // and the order's genuine event would then be dropped as stale.
-            // Dead-lettered alone: parking would hold the genuine order.
             // Only once an event is applied: before that the row may have
             // been created by a dead letter naming any tenant.
             tx.rollback().await?;
             drop(client);
-            let reason = format!(
-                "poison: order {} belongs to tenant {:?}, the event names tenant {:?}",
-                raw.aggregate_id, opened.tenant, raw.tenant_id
-            );
-            tracing::error!(event_id = %raw.event_id, %reason, "dead-lettering an event of another tenant's order");
-            self.dead_letter(publisher, incoming, &reason).await?;
-            self.metrics
-                .dead_lettered
-                .with_label_values(&["poison"])
-                .inc();
-            return Ok(Outcome::DeadLettered { reason });
+            return self
+                .foreign_tenant(publisher, incoming, raw.into(), &opened.tenant)
+                .await;
         }
         let last = opened.last;
         let sequence = raw.aggregate_sequence;
@@ -712,21 +710,47 @@ impl<D: Domain> Processor<D> {
     }
 
     /// Whether the order's progress is at or past `raw`'s sequence here.
-    async fn applied_already(&self, order: OrderRef<'_>) -> Result<bool, Infra> {
+    /// The order's last applied sequence and tenant (see [`Opened::tenant`]),
+    /// if it has a progress row here.
+    async fn progress_of(&self, order: OrderRef<'_>) -> Result<Option<(i64, String)>, Infra> {
         let client = self.pool.get().await?;
         match client
             .query_opt(
-                "SELECT last_sequence >= $3 FROM order_progress \
+                "SELECT last_sequence, tenant_id FROM order_progress \
                  WHERE consumer_name = $1 AND aggregate_id = $2",
-                &[&self.name(), &order.aggregate_id, &order.sequence],
+                &[&self.name(), &order.aggregate_id],
             )
             .await
         {
-            Ok(row) => Ok(row.is_some_and(|row| row.get(0))),
-            // Ids the database cannot even compare: never applied here.
-            Err(error) if the_event_s_own(&error).is_some() => Ok(false),
+            Ok(row) => Ok(row.map(|row| (row.get(0), row.get(1)))),
+            // Ids the database cannot even compare: never seen here.
+            Err(error) if the_event_s_own(&error).is_some() => Ok(None),
             Err(error) => Err(error.into()),
         }
+    }
+
+    /// An event naming an order that belongs to another tenant (`owner`,
+    /// set by the order's first applied event): dead-lettered alone as
+    /// poison, never applied, and the order not parked (parking would hold
+    /// the genuine order for a message that is not its own).
+    async fn foreign_tenant(
+        &self,
+        publisher: &Channel,
+        incoming: &Incoming<'_>,
+        order: OrderRef<'_>,
+        owner: &str,
+    ) -> Result<Outcome, Infra> {
+        let reason = format!(
+            "poison: order {} belongs to tenant {owner:?}, the event names tenant {:?}",
+            order.aggregate_id, order.tenant_id
+        );
+        tracing::error!(event_id = %order.event_id, %reason, "dead-lettering an event of another tenant's order");
+        self.dead_letter(publisher, incoming, &reason).await?;
+        self.metrics
+            .dead_lettered
+            .with_label_values(&["poison"])
+            .inc();
+        Ok(Outcome::DeadLettered { reason })
     }
 
     /// Park the order and publish to the DLQ in one database transaction: the
