@@ -11,8 +11,8 @@ use system_tests::{
     bin,
     consumers::{
         drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
-        payment_received, queue_consumers, queue_depth, story, unique, Consumer, Kind, Options,
-        Publisher, Story, TopologyGuard, TEST_TOKEN,
+        payment_received, queue_consumers, queue_depth, story, unique, Consumer, Kind, Message,
+        Options, Publisher, Story, TopologyGuard, TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -1249,6 +1249,66 @@ async fn a_malformed_body_parks_its_order_and_a_replay_and_redrive_repair_it() {
         letters[0].body, garbled.body,
         "only the malformed letter stays"
     );
+}
+
+/// Seed 003: revenue is recognised on delivery. A delivery reported late
+/// (its `delivered_at` a day before it was recorded) is posted now but
+/// takes effect at `delivered_at`; the payment takes effect when it was
+/// recorded (its envelope's `occurred_at`). `GET /journal` shows both times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_entry_takes_effect_at_the_event_s_business_time() {
+    let tenant = unique("t5-effective");
+    let name = unique("t5-effective-led");
+    let ledger = Consumer::start(Kind::Ledger, &name, Options::one_partition()).await;
+    let publisher = Publisher::connect().await;
+    let s = story(&tenant);
+    let mut delivered: Value = serde_json::from_slice(&s.delivered.body).expect("json");
+    delivered["payload"]["delivered_at"] = json!("2024-05-13T14:00:00Z");
+    let late = Message {
+        body: serde_json::to_vec(&delivered).expect("json"),
+        ..s.delivered.clone()
+    };
+    for m in [&s.placed, &s.paid, &late] {
+        publisher.to_consumer(&name, m).await;
+    }
+    wait_sequence(Database::Ledger, &name, s.order, 3).await;
+    let (status, journal) = ledger
+        .get(&format!("/journal?tenant={tenant}&order_id={}", s.order))
+        .await;
+    assert_eq!(status, 200, "{journal}");
+    let paid: Value = serde_json::from_slice(&s.paid.body).expect("json");
+    let times: Vec<(String, String)> = journal["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .map(|e| {
+            (
+                e["event_type"].as_str().unwrap_or_default().to_owned(),
+                e["effective_at"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        times,
+        vec![
+            (
+                "PaymentReceived".to_owned(),
+                paid["occurred_at"]
+                    .as_str()
+                    .expect("occurred_at")
+                    .to_owned()
+            ),
+            (
+                "ParcelDelivered".to_owned(),
+                "2024-05-13T14:00:00Z".to_owned()
+            ),
+        ],
+        "{journal}"
+    );
+    let posted = journal["entries"][1]["posted_at"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(posted > "2024-05-14", "posted when applied: {posted}");
 }
 
 /// An event naming another tenant's order (a producer bug, a forged

@@ -68,10 +68,13 @@ async fn ensure_accounts(
     Ok(())
 }
 
+/// Post one journal entry of `lines`, effective at `effective_at` (the
+/// business time of the event: when the parcel was delivered, when the
+/// payment was recorded).
 async fn post(
     tx: &Transaction<'_>,
     envelope: &RawEnvelope,
-    order_id: Uuid,
+    (order_id, effective_at): (Uuid, time::OffsetDateTime),
     description: &str,
     currency: &str,
     lines: &[Line],
@@ -80,8 +83,9 @@ async fn post(
     tx.execute(
         &tx.prepare_cached(
             "INSERT INTO journal_entries \
-           (entry_id, tenant_id, order_id, event_id, event_type, description, currency) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+           (entry_id, tenant_id, order_id, event_id, event_type, description, currency, \
+            effective_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .await?,
         &[
@@ -92,6 +96,7 @@ async fn post(
             &envelope.event_type,
             &description,
             &currency,
+            &effective_at,
         ],
     )
     .await?;
@@ -180,7 +185,9 @@ impl consumer_runtime::Domain for Ledger {
                 post(
                     tx,
                     envelope,
-                    payment.order_id,
+                    // A payment carries no business time of its own: it
+                    // takes effect when order-api recorded it.
+                    (payment.order_id, envelope.occurred_at),
                     &format!("Payment {} ({})", payment.payment_id, payment.method),
                     payment.currency.as_str(),
                     &[
@@ -241,7 +248,8 @@ impl consumer_runtime::Domain for Ledger {
                 post(
                     tx,
                     envelope,
-                    delivery.order_id,
+                    // Revenue is recognised on delivery (seed 003).
+                    (delivery.order_id, delivery.delivered_at),
                     &format!("Delivery {}", delivery.delivery_id),
                     &currency,
                     &[
@@ -309,6 +317,10 @@ struct EntryView {
     currency: String,
     #[serde(with = "time::serde::rfc3339")]
     posted_at: time::OffsetDateTime,
+    /// When the entry takes effect in the books (a delivery's
+    /// `delivered_at`; `posted_at` for entries from before the column).
+    #[serde(with = "time::serde::rfc3339")]
+    effective_at: time::OffsetDateTime,
     total_debit: String,
     total_credit: String,
     lines: Vec<LineView>,
@@ -357,7 +369,8 @@ async fn get_journal(
                          WHERE c.tenant_id = $1 AND c.entry_id = $3)) \
                  ORDER BY e.posted_at, e.entry_id LIMIT $4) \
              SELECT e.entry_id, e.order_id, e.event_id, e.event_type, e.description, e.currency, \
-                    e.posted_at, l.line_no, l.account_code, a.name, l.debit, l.credit \
+                    e.posted_at, l.line_no, l.account_code, a.name, l.debit, l.credit, \
+                    coalesce(e.effective_at, e.posted_at) \
              FROM page p \
              JOIN journal_entries e ON e.entry_id = p.entry_id \
              JOIN journal_lines l ON l.entry_id = e.entry_id \
@@ -383,6 +396,7 @@ async fn get_journal(
                     description: row.get(4),
                     currency: row.get(5),
                     posted_at: row.get(6),
+                    effective_at: row.get(12),
                     total_debit: String::new(),
                     total_credit: String::new(),
                     lines: Vec::new(),
