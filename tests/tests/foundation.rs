@@ -287,7 +287,7 @@ async fn every_orders_row_carries_its_tenant() {
     system_tests::delete_seed_order(&client, order).await;
 }
 
-/// Orders V9: one payment and one delivery per order, and a line, payment
+/// Orders V9 and V10: one payment and one delivery per order, and a line, payment
 /// or delivery only in its order's tenant, refused by the database itself
 /// (order-api decides both under the order's lock; a second path writing
 /// these tables must not get around them). Each write runs in a
@@ -298,6 +298,28 @@ async fn payments_deliveries_and_lines_are_one_per_order_and_in_its_tenant() {
         .await
         .expect("migrate");
     let mut client = pg(Database::Orders).await;
+    let validated: Vec<(String, bool)> = client
+        .query(
+            "SELECT conname::text, convalidated FROM pg_constraint \
+             WHERE conname IN ('order_lines_order_tenant_fk', 'payments_order_tenant_fk', \
+                               'deliveries_order_tenant_fk') ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("constraints")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(
+        validated,
+        [
+            "deliveries_order_tenant_fk",
+            "order_lines_order_tenant_fk",
+            "payments_order_tenant_fk"
+        ]
+        .map(|name| (name.to_owned(), true)),
+        "V9 adds them, V10 validates them"
+    );
     let tenant = system_tests::unique_tenant("v9");
     let other = system_tests::unique_tenant("v9-other");
     let order = uuid::Uuid::now_v7();

@@ -466,6 +466,11 @@ async fn many_orders_with_retries_and_a_full_replay_apply_exactly_once_with_zero
 /// Both orders earn their points once, nothing is dead-lettered or parked,
 /// and the books agree. (Without the replay the first order would earn
 /// nothing and the second's delivery would wait at the gap, then park.)
+/// The replay is scoped to the test's tenant (`--tenant`: the shared
+/// database holds other tests' events), which makes it a filtered replay
+/// that queues behind the live messages instead of purging first; the
+/// runbook's unfiltered one also purges, which changes nothing here (no
+/// live message of this order waits in the queue when it runs).
 #[tokio::test]
 async fn a_listener_added_later_catches_up_through_a_replay_without_dead_letters() {
     let _serial = SERIAL.lock().await;

@@ -143,12 +143,32 @@ fn is_replay(response: &Response) -> bool {
 /// body and `Location` byte for byte (with the default 2 s wait a loaded
 /// machine may answer some 409 idempotency_in_progress, which
 /// `the_wait_for_an_in_flight_owner_is_bounded` covers).
+/// Settings of a test whose requests wait on purpose (for a transaction of
+/// the test's, on a slow machine): a lock wait of 20 s, within a request
+/// budget of 30 s (the default 10 s budget would end them first).
+fn patient() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "30000".to_owned(),
+        ),
+    ]
+}
+
 #[tokio::test]
 async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
     let api = OrderApi::start(&[
         (
             "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
             "20000".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "30000".to_owned(),
         ),
         (
             "ORDER_API__DATABASE__ACQUIRE_TIMEOUT_MS",
@@ -1294,11 +1314,7 @@ async fn the_wait_for_an_in_flight_owner_is_bounded() {
 /// must wait for that transaction and, once it commits, replay a's 201.
 #[tokio::test]
 async fn a_loser_waits_for_the_owner_s_commit_and_replays_its_result() {
-    let api = OrderApi::start(&[(
-        "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-        "20000".to_owned(),
-    )])
-    .await;
+    let api = OrderApi::start(&patient()).await;
     let caller = std::sync::Arc::new(Caller::new("waitreplay"));
     let first = caller.post(&api.url("/orders"), "a", SEED_ORDER).await;
     assert_eq!(first.status(), StatusCode::CREATED);
@@ -1371,10 +1387,17 @@ async fn a_loser_waits_for_the_owner_s_commit_and_replays_its_result() {
 /// row lock: the payment's owner waits for it after claiming its key.
 #[tokio::test]
 async fn a_running_owner_is_the_oldest_incomplete_key_and_a_failed_one_a_rollback() {
-    let api = OrderApi::start(&[(
-        "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-        "20000".to_owned(),
-    )])
+    let api = OrderApi::start(&[
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+        // The waits below are the test's, not the default 10 s budget's.
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "30000".to_owned(),
+        ),
+    ])
     .await;
     let caller = std::sync::Arc::new(Caller::new("rollback"));
     let id = place_seed_order(&api, &caller).await;
@@ -1755,6 +1778,10 @@ async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
             "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
             "20000".to_owned(),
         ),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "30000".to_owned(),
+        ),
     ])
     .await;
     let caller = Caller::new("takeover");
@@ -1999,11 +2026,7 @@ async fn without_the_order_a_payment_retry_replays_its_404_whatever_its_currency
 /// transaction's start) it was dated before.
 #[tokio::test]
 async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
-    let api = OrderApi::start(&[(
-        "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-        "20000".to_owned(),
-    )])
-    .await;
+    let api = OrderApi::start(&patient()).await;
     let caller = std::sync::Arc::new(Caller::new("dated"));
     let id = place_seed_order(&api, &caller).await;
 
@@ -2078,8 +2101,9 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
             "25000".to_owned(),
         ),
         (
+            // Room for a cold connection on a slow machine before the claim.
             "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "500".to_owned(),
+            "2000".to_owned(),
         ),
     ])
     .await;
@@ -2116,7 +2140,7 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
     assert!(
         problem["detail"]
             .as_str()
-            .is_some_and(|d| d.contains("500 ms") && d.contains("nothing was stored")),
+            .is_some_and(|d| d.contains("2000 ms") && d.contains("nothing was stored")),
         "{problem}"
     );
     assert_eq!(counts(&caller.tenant).await, nothing, "while held");
@@ -2283,6 +2307,10 @@ async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
         (
             "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
             "20000".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "30000".to_owned(),
         ),
     ])
     .await;

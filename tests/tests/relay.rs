@@ -2147,7 +2147,7 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
     );
 
     // The periodic cleanup of `serve`, on /metrics: 25 more rows past the
-    // horizon (the oldest in the table again), batches of 10 two seconds
+    // horizon (the oldest in the table again), batches of 10 eight seconds
     // apart, a run every 200 ms.
     let aged = orders_with_events(25, 1, &event_type);
     insert_occurred(&db, &tenant, &aged, |_| Some(Timestamp::Value(y2k))).await;
@@ -2167,7 +2167,9 @@ async fn cleanup_deletes_only_published_rows_past_the_horizon_in_batches() {
             ("OUTBOX_RELAY__CLEANUP__ENABLED", "true".to_owned()),
             ("OUTBOX_RELAY__CLEANUP__INTERVAL_MS", "200".to_owned()),
             ("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", "10".to_owned()),
-            ("OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS", "2000".to_owned()),
+            // Long enough for this test to see the first batch and cut the
+            // run's connection inside the pause on a loaded machine.
+            ("OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS", "8000".to_owned()),
         ],
     );
     relay.ready().await;

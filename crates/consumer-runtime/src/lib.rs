@@ -441,6 +441,9 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                 for kept in &report.kept {
                     println!("kept {kept}");
                 }
+                for discarded in &report.discarded {
+                    println!("discarded {discarded}");
+                }
                 println!(
                     "{}: {} dead letter(s) moved to {}, {} order(s) unparked",
                     topology.name,

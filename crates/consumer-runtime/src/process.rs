@@ -388,16 +388,17 @@ impl<D: Domain> Processor<D> {
     ) -> Result<Outcome, Infra> {
         let progress = self.progress_of(order).await?;
         if let Some((last, owner)) = &progress {
+            if *last > 0 && owner != order.tenant_id {
+                // As in `apply` (checked before staleness there too):
+                // parking would hold another tenant's order.
+                return self.foreign_tenant(publisher, incoming, order, owner).await;
+            }
             if *last >= order.sequence {
                 // A copy of an event applied here before (a replay read by
                 // a binary that cannot decode it): nothing to hold.
                 self.metrics.stale.inc();
                 tracing::info!(event_id = %order.event_id, sequence = order.sequence, "undecodable copy of an applied event acknowledged");
                 return Ok(Outcome::Stale);
-            }
-            if *last > 0 && owner != order.tenant_id {
-                // As in `apply`: parking would hold another tenant's order.
-                return self.foreign_tenant(publisher, incoming, order, owner).await;
             }
         }
         tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettering and parking the order");

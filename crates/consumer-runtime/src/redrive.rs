@@ -35,6 +35,9 @@ pub struct Report {
     pub unparked: Vec<String>,
     /// Messages left in the dead-letter queue, with why.
     pub kept: Vec<String>,
+    /// Malformed letters dropped: their sequence is applied, or moved as a
+    /// readable copy.
+    pub discarded: Vec<String>,
 }
 
 struct Letter {
@@ -205,18 +208,6 @@ async fn move_letters(
                 ));
                 others.push(letter);
             }
-            Some(order) if !letter.readable => {
-                // Its order was parked behind it: the event itself is in
-                // the outbox, unharmed; a replay re-publishes it (that copy
-                // is dead-lettered behind the park, then moved from here).
-                report.kept.push(format!(
-                    "{} ({} #{} of order {order}): the body is not an event and never \
-                     applies: replay the event (`outbox-relay replay --consumer <name> \
-                     --order {order}`), redrive again, and delete this letter by hand: {}",
-                    letter.event_id, letter.event_type, letter.sequence, letter.reason
-                ));
-                others.push(letter);
-            }
             Some(order) => selected.entry(order.clone()).or_default().push(letter),
         }
     }
@@ -248,6 +239,57 @@ async fn move_letters(
         // of the order's letters may lie past `--max`, or its earliest was
         // lowered into the DLQ behind later ones.
         let last = last_applied(pool, &topology.name, &order).await?;
+        // A malformed letter (its order named by its metadata) never
+        // applies: moved, it would only park the order again. It is not a
+        // letter of its sequence, so it leaves a hole there until a
+        // readable copy (a replay of the event, dead-lettered behind the
+        // park) is among the letters; then, or once the order applied its
+        // sequence, it is dropped.
+        let (readable, malformed): (Vec<Letter>, Vec<Letter>) =
+            letters.into_iter().partition(|l| l.readable);
+        let mut letters = readable;
+        let mut unreadable = Vec::new();
+        for letter in malformed {
+            if letter.sequence <= last || letters.iter().any(|l| l.sequence == letter.sequence) {
+                letter
+                    .delivery
+                    .acker
+                    .ack(BasicAckOptions::default())
+                    .await?;
+                report.discarded.push(format!(
+                    "{} ({} #{} of order {order}): a malformed letter whose sequence is {}",
+                    letter.event_id,
+                    letter.event_type,
+                    letter.sequence,
+                    if letter.sequence <= last {
+                        "applied"
+                    } else {
+                        "moved as a readable copy"
+                    }
+                ));
+            } else {
+                report.kept.push(format!(
+                    "{} ({} #{} of order {order}): the body is not an event and never \
+                     applies; replay the event (`outbox-relay replay --consumer <name> \
+                     --order {order}`) and redrive again: {}",
+                    letter.event_id, letter.event_type, letter.sequence, letter.reason
+                ));
+                unreadable.push(letter);
+            }
+        }
+        let hole = unreadable.iter().map(|l| l.sequence).min();
+        others.extend(unreadable);
+        if let Some(hole) = hole {
+            // Nothing at or past the malformed letter's sequence can apply
+            // before a readable copy of it does.
+            let at = letters.partition_point(|l| l.sequence < hole);
+            others.extend(letters.split_off(at));
+        }
+        if letters.is_empty() {
+            // The order's only letters were malformed (or applied): it
+            // stays parked.
+            continue;
+        }
         let sequences: Vec<i64> = letters.iter().map(|l| l.sequence).collect();
         let (moving, missing) = continuing(last, &sequences);
         if let Some(missing) = missing {

@@ -223,28 +223,42 @@ impl Deadline {
     /// `work` (the transaction's statements), ended at the deadline: the
     /// statement running then is cancelled (a cancel request to the server,
     /// only on this path), again every [`CANCEL_AGAIN`] until `work`
-    /// returns. Each cancel is acknowledged before `work` goes on, so none
-    /// can reach the session after it went back to the pool. The server
-    /// bounds each statement by itself too (`statement_timeout`, see
-    /// [`execute`]): this ends the sum.
+    /// returns; the cancels are sent while `work` goes on being polled.
+    /// The server bounds each statement by itself too (`statement_timeout`,
+    /// see [`execute`]): this ends the sum. Also returns whether a cancel
+    /// was sent: a cancel request is delivered to the session
+    /// asynchronously (tokio-postgres does not wait for the server to act on
+    /// it), so it may still reach the session after `work` returned, and
+    /// that connection must not serve another request (the caller discards
+    /// it: [`discard`]).
     async fn bound<T>(
         &self,
         cancel: &tokio_postgres::CancelToken,
         work: impl std::future::Future<Output = Result<T, ApiError>>,
-    ) -> Result<T, ApiError> {
+    ) -> (Result<T, ApiError>, bool) {
         tokio::pin!(work);
         if let Ok(done) = tokio::time::timeout_at(self.at, &mut work).await {
-            return done;
+            return (done, false);
         }
         loop {
-            if let Err(error) = cancel.cancel_query(tokio_postgres::NoTls).await {
-                tracing::warn!(%error, "cancelling the statement past the request budget failed");
-            }
-            if let Ok(done) = tokio::time::timeout(CANCEL_AGAIN, &mut work).await {
-                return done;
+            let cancel_then_pause = async {
+                if let Err(error) = cancel.cancel_query(tokio_postgres::NoTls).await {
+                    tracing::warn!(%error, "cancelling the statement past the request budget failed");
+                }
+                tokio::time::sleep(CANCEL_AGAIN).await;
+            };
+            tokio::select! {
+                done = &mut work => return (done, true),
+                () = cancel_then_pause => {}
             }
         }
     }
+}
+
+/// Close `client`'s connection instead of returning it to the pool (a
+/// cancel sent to its session may still arrive).
+fn discard(client: deadpool_postgres::Client) {
+    drop(deadpool_postgres::Object::take(client));
 }
 
 /// What the transaction's work before COMMIT came to.
@@ -306,13 +320,11 @@ pub async fn execute(
             futures_util::future::join(tx.batch_execute(&limit), tx.query_opt(&claim, &params))
                 .await;
         limited?;
-        // A wait for the key's owner that the lock_timeout or the budget
-        // ended: the owner is still in flight.
-        let waited_out = |error: &tokio_postgres::Error| {
-            ApiError::is_lock_timeout(error)
-                || (deadline.passed()
-                    && error.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED))
-        };
+        // A wait for the key's owner that the lock_timeout ended: the owner
+        // is still in flight. (A claim the budget ended, whether it waited
+        // for an owner or not, is the budget's 503: only the lock timeout
+        // tells a wait for an owner apart.)
+        let waited_out = ApiError::is_lock_timeout;
         let mut claimed = match claimed {
             Ok(row) => row.is_some(),
             Err(error) if waited_out(&error) => {
@@ -439,7 +451,24 @@ pub async fn execute(
         }
         Ok(Step::Owner(stored, in_flight))
     };
-    let (stored, _in_flight) = match deadline.bound(&tx.cancel_token(), work).await {
+    let (outcome, cancelled) = deadline.bound(&tx.cancel_token(), work).await;
+    if cancelled {
+        // Past the deadline: nothing is committed, and the connection, which
+        // a late cancel may still reach, is closed, not pooled.
+        drop(tx);
+        discard(client);
+        return match outcome {
+            Ok(Step::Answer(response)) => Ok(response),
+            Ok(Step::Owner(..)) => {
+                let error = deadline.exceeded();
+                rolled_back(&error);
+                Err(error)
+            }
+            Err(ApiError::Database(_)) => Err(deadline.exceeded()),
+            Err(error) => Err(error),
+        };
+    }
+    let (stored, _in_flight) = match outcome {
         Ok(Step::Answer(response)) => return Ok(response),
         Ok(Step::Owner(stored, in_flight)) => (stored, in_flight),
         // A loser's read cancelled at the deadline.

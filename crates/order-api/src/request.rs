@@ -328,12 +328,18 @@ fn rfc3339_utc<'de, D: Deserializer<'de>>(
     let Some(text) = Option::<String>::deserialize(deserializer)? else {
         return Ok(None);
     };
-    OffsetDateTime::parse(&text, &Rfc3339)
-        .map(|at| Some(at.to_offset(UtcOffset::UTC)))
-        .map_err(|error| {
+    let at = OffsetDateTime::parse(&text, &Rfc3339).map_err(|error| {
+        serde::de::Error::custom(format_args!(
+            "expected an RFC 3339 timestamp with an offset like \"2024-05-13T14:00:00Z\", \
+             got {text:?} ({error})"
+        ))
+    })?;
+    // In UTC the value may leave the years 0000-9999 ("9999-12-31T23:30:00-01:00").
+    at.checked_to_offset(UtcOffset::UTC)
+        .map(Some)
+        .ok_or_else(|| {
             serde::de::Error::custom(format_args!(
-                "expected an RFC 3339 timestamp with an offset like \"2024-05-13T14:00:00Z\", \
-                 got {text:?} ({error})"
+                "{text:?} is outside the years 0000-9999 in UTC"
             ))
         })
 }
@@ -559,6 +565,8 @@ mod tests {
             r#""2024-05-13""#,
             r#""yesterday""#,
             "1715608800",
+            // Year 10000 in UTC: refused, not a panic.
+            r#""9999-12-31T23:30:00-01:00""#,
         ] {
             let error = at(malformed).expect_err(malformed);
             assert_eq!(error.problem().status, 400, "{malformed}");

@@ -86,9 +86,11 @@ pub struct RelaySettings {
 pub struct CleanupSettings {
     /// Run the periodic cleanup in `serve` (one instance at a time, by advisory lock).
     pub enabled: bool,
-    /// The replay horizon: how long a published row stays replayable
-    /// (`outbox-relay replay`; the consumers' inboxes must remember an
-    /// event at least this long). Default 7 days.
+    /// The replay horizon: how long a published row stays replayable at
+    /// least (`outbox-relay replay`; the consumers' inboxes must remember
+    /// an event at least this long). Default 7 days. A replay re-sends every
+    /// row still in the table, so up to the audit horizon when that is
+    /// later (`--since` bounds it).
     pub retention_secs: u64,
     /// The audit horizon: how long a published row is kept as the record
     /// of what was sent; unset (the default), the replay horizon. Rows are
