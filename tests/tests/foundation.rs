@@ -251,25 +251,14 @@ async fn every_orders_row_carries_its_tenant() {
         without.is_empty(),
         "tables whose rows may lack a tenant_id: {without:?}"
     );
-    let validated: Vec<(String, bool)> = client
-        .query(
-            "SELECT conname::text, convalidated FROM pg_constraint \
-             WHERE conrelid = 'order_lines'::regclass \
-               AND conname IN ('order_lines_tenant_not_null', 'order_lines_tenant_fk') \
-             ORDER BY 1",
-            &[],
-        )
-        .await
-        .expect("constraints")
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
     assert_eq!(
-        validated,
-        vec![
-            ("order_lines_tenant_fk".to_owned(), true),
-            ("order_lines_tenant_not_null".to_owned(), true)
-        ]
+        constraints_validated(
+            &client,
+            &["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+        )
+        .await,
+        ["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+            .map(|name| (name.to_owned(), true))
     );
 
     let tenant = system_tests::unique_tenant("rows");
@@ -298,20 +287,16 @@ async fn payments_deliveries_and_lines_are_one_per_order_and_in_its_tenant() {
         .await
         .expect("migrate");
     let mut client = pg(Database::Orders).await;
-    let validated: Vec<(String, bool)> = client
-        .query(
-            "SELECT conname::text, convalidated FROM pg_constraint \
-             WHERE conname IN ('order_lines_order_tenant_fk', 'payments_order_tenant_fk', \
-                               'deliveries_order_tenant_fk') ORDER BY 1",
-            &[],
-        )
-        .await
-        .expect("constraints")
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
     assert_eq!(
-        validated,
+        constraints_validated(
+            &client,
+            &[
+                "deliveries_order_tenant_fk",
+                "order_lines_order_tenant_fk",
+                "payments_order_tenant_fk"
+            ]
+        )
+        .await,
         [
             "deliveries_order_tenant_fk",
             "order_lines_order_tenant_fk",
@@ -721,7 +706,15 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
     system_tests::insert_seed_order(&client, "acme", a).await;
     system_tests::insert_seed_order(&client, "globex", b).await;
     run(6).await;
-    assert_eq!(constraints_validated(&client).await, vec![false, false]);
+    assert_eq!(
+        constraints_validated(
+            &client,
+            &["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+        )
+        .await,
+        ["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+            .map(|name| (name.to_owned(), false))
+    );
     client
         .execute(
             "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
@@ -742,7 +735,15 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
     );
 
     run(7).await;
-    assert_eq!(constraints_validated(&client).await, vec![true, true]);
+    assert_eq!(
+        constraints_validated(
+            &client,
+            &["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+        )
+        .await,
+        ["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+            .map(|name| (name.to_owned(), true))
+    );
     assert_eq!(
         line_tenants(&client).await,
         vec![
@@ -758,18 +759,23 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
 }
 
 /// Whether order_lines' tenant constraints are validated (NOT NULL, FK).
-async fn constraints_validated(client: &tokio_postgres::Client) -> Vec<bool> {
+/// (name, validated) of the constraints `names` of the tables on the
+/// session's search path (the V6/V7 test runs in a schema of its own), by
+/// name.
+async fn constraints_validated(
+    client: &tokio_postgres::Client,
+    names: &[&str],
+) -> Vec<(String, bool)> {
     client
         .query(
-            "SELECT convalidated FROM pg_constraint \
-             WHERE conrelid = 'order_lines'::regclass \
-               AND conname IN ('order_lines_tenant_not_null', 'order_lines_tenant_fk')",
-            &[],
+            "SELECT conname::text, convalidated FROM pg_constraint \
+             WHERE conname = ANY($1) AND pg_table_is_visible(conrelid) ORDER BY 1",
+            &[&names],
         )
         .await
         .expect("constraints")
         .iter()
-        .map(|row| row.get(0))
+        .map(|row| (row.get(0), row.get(1)))
         .collect()
 }
 

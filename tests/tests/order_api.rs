@@ -88,6 +88,23 @@ struct Counts {
     outbox: i64,
 }
 
+impl Counts {
+    /// Nothing stored.
+    const NOTHING: Counts = Counts {
+        orders: 0,
+        lines: 0,
+        keys: 0,
+        outbox: 0,
+    };
+    /// One order of the seed (one line), its key and its event.
+    const ONE_ORDER: Counts = Counts {
+        orders: 1,
+        lines: 1,
+        keys: 1,
+        outbox: 1,
+    };
+}
+
 async fn counts(tenant: &str) -> Counts {
     let client = pg(Database::Orders).await;
     let row = client
@@ -211,15 +228,7 @@ async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
         answers.iter().all(|a| (&a.2, &a.3) == (location, body)),
         "every 201 must carry the same body and Location byte for byte"
     );
-    assert_eq!(
-        counts(&caller.tenant).await,
-        Counts {
-            orders: 1,
-            lines: 1,
-            keys: 1,
-            outbox: 1
-        }
-    );
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
     let (_, _, stored) = stored_body(&caller.tenant, "POST /orders", "same-key")
         .await
         .expect("stored");
@@ -269,15 +278,7 @@ async fn same_key_different_request_is_rejected_and_changes_nothing() {
         ),
         "the first executes; the reuse is counted as a conflict, nothing else"
     );
-    assert_eq!(
-        counts(&caller.tenant).await,
-        Counts {
-            orders: 1,
-            lines: 1,
-            keys: 1,
-            outbox: 1
-        }
-    );
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
 }
 
 #[tokio::test]
@@ -348,15 +349,7 @@ async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
         .expect("the fail point aborts the process");
     assert!(system_tests::system::aborted(&status), "{status:?}");
     // Committed: exactly one order, one outbox row, one key with the response.
-    assert_eq!(
-        counts(&caller.tenant).await,
-        Counts {
-            orders: 1,
-            lines: 1,
-            keys: 1,
-            outbox: 1
-        }
-    );
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
     let (_, stored_status, stored) = stored_body(&caller.tenant, "POST /orders", "retry-me")
         .await
         .expect("stored");
@@ -394,12 +387,7 @@ async fn a_transaction_rolled_back_before_commit_stores_nothing_and_the_key_work
     assert!(system_tests::system::aborted(&status), "{status:?}");
     assert_eq!(
         counts(&caller.tenant).await,
-        Counts {
-            orders: 0,
-            lines: 0,
-            keys: 0,
-            outbox: 0
-        },
+        Counts::NOTHING,
         "a rolled-back mutation leaves no order, no key and no outbox intent"
     );
 
@@ -407,15 +395,7 @@ async fn a_transaction_rolled_back_before_commit_stores_nothing_and_the_key_work
     let retry = caller.post(&api.url("/orders"), "again", SEED_ORDER).await;
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert!(!is_replay(&retry), "the retry is the first execution");
-    assert_eq!(
-        counts(&caller.tenant).await,
-        Counts {
-            orders: 1,
-            lines: 1,
-            keys: 1,
-            outbox: 1
-        }
-    );
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
 }
 
 #[tokio::test]
@@ -1180,12 +1160,7 @@ async fn malformed_input_gets_a_clear_4xx_and_writes_nothing() {
 
     assert_eq!(
         counts(&caller.tenant).await,
-        Counts {
-            orders: 0,
-            lines: 0,
-            keys: 0,
-            outbox: 0
-        },
+        Counts::NOTHING,
         "no malformed request may store anything"
     );
 }
@@ -2112,12 +2087,7 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
         "{\"customer_id\"",
         "{\"checkout_id\":\"chk-held\",\"customer_id\"",
     );
-    let nothing = Counts {
-        orders: 0,
-        lines: 0,
-        keys: 0,
-        outbox: 0,
-    };
+    let nothing = Counts::NOTHING;
 
     let mut holder = pg(Database::Orders).await;
     let tx = holder.transaction().await.expect("begin");
@@ -2150,15 +2120,7 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
     let (status, order) =
         json_of(caller.post(&api.url("/orders"), "o", &with_checkout).await).await;
     assert_eq!(status, StatusCode::CREATED, "{order}");
-    assert_eq!(
-        counts(&caller.tenant).await,
-        Counts {
-            orders: 1,
-            lines: 1,
-            keys: 1,
-            outbox: 1
-        }
-    );
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
 }
 
 /// Seed 003: revenue is recognised on delivery, so ParcelDelivered carries
@@ -2670,12 +2632,7 @@ async fn malformed_payments_and_deliveries_get_a_4xx_and_store_nothing() {
     }
     assert_eq!(
         counts(&caller.tenant).await,
-        Counts {
-            orders: 1,
-            lines: 1,
-            keys: 1,
-            outbox: 1
-        },
+        Counts::ONE_ORDER,
         "only the order's own key and event"
     );
     assert_eq!(effects(&caller.tenant).await, (0, 0));
