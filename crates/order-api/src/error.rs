@@ -299,7 +299,8 @@ impl ApiError {
                 "The request did not complete within the service's time budget",
             )
             .detail(format!(
-                "the database work took longer than {budget_ms} ms; nothing was stored; \
+                "the request took longer than {budget_ms} ms from its start (reading it, \
+                 waiting for a connection, the database work); nothing was stored; \
                  retry with the same key"
             ))
             .retry_after(1),
