@@ -13,24 +13,40 @@
 -- unique indexes are built here, blocking writes to their table while they
 -- build: on a large live orders database build them by hand first
 -- (`CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS ...`, these names and
--- columns), and this migration finds them. A concurrent build that failed
--- leaves an invalid index of the same name, which enforces nothing: the
--- check below refuses to go on with one (drop it and build it again).
+-- columns), and this migration finds them. It checks that what it found is
+-- what it would have built: a concurrent build that failed leaves an
+-- invalid index of the same name, and a hand-built one may differ (not
+-- unique, other columns); either would enforce nothing, so the migration
+-- stops and says which (drop it and build it again).
 CREATE UNIQUE INDEX IF NOT EXISTS payments_one_per_order ON payments (order_id);
 CREATE UNIQUE INDEX IF NOT EXISTS deliveries_one_per_order ON deliveries (order_id);
 CREATE UNIQUE INDEX IF NOT EXISTS orders_order_tenant_uq ON orders (order_id, tenant_id);
 DO $$
 DECLARE
-    invalid text;
+    wanted record;
+    as_built boolean;
 BEGIN
-    SELECT string_agg(c.relname, ', ') INTO invalid
-      FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-     WHERE c.relname IN ('payments_one_per_order', 'deliveries_one_per_order',
-                         'orders_order_tenant_uq')
-       AND NOT i.indisvalid;
-    IF invalid IS NOT NULL THEN
-        RAISE EXCEPTION 'invalid index(es) %: a failed CREATE INDEX CONCURRENTLY; drop and build again', invalid;
-    END IF;
+    FOR wanted IN
+        SELECT * FROM (VALUES
+            ('payments_one_per_order', 'payments', ARRAY['order_id']),
+            ('deliveries_one_per_order', 'deliveries', ARRAY['order_id']),
+            ('orders_order_tenant_uq', 'orders', ARRAY['order_id', 'tenant_id'])
+        ) AS w (index_name, table_name, columns)
+    LOOP
+        SELECT i.indisvalid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+               AND i.indrelid = to_regclass(wanted.table_name)
+               AND ARRAY(SELECT a.attname::text
+                           FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k (attnum, n)
+                           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                          ORDER BY k.n) = wanted.columns
+          INTO as_built
+          FROM pg_index i
+         WHERE i.indexrelid = to_regclass(wanted.index_name);
+        IF as_built IS DISTINCT FROM true THEN
+            RAISE EXCEPTION 'index % is not a valid unique index on %(%): drop it and build it again',
+                wanted.index_name, wanted.table_name, array_to_string(wanted.columns, ', ');
+        END IF;
+    END LOOP;
 END
 $$;
 

@@ -1243,7 +1243,7 @@ async fn a_malformed_body_parks_its_order_and_a_replay_and_redrive_repair_it() {
         .await;
     let report = redrive_order().await;
     assert!(
-        report.contains("a malformed letter whose sequence is moved as a readable copy"),
+        report.contains("malformed; its event moved as a readable copy"),
         "{report}"
     );
     wait_sequence(Database::Inventory, &name, order, 2).await;

@@ -665,50 +665,20 @@ async fn a_misspelled_setting_stops_the_service_and_names_it() {
 /// (each migration commits on its own): V7 runs at the next start.
 #[tokio::test]
 async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
-    let client = pg(Database::Orders).await;
-    let schema = format!("migration_test_{}", uuid::Uuid::new_v4().simple());
-    client
-        .batch_execute(&format!(
-            "CREATE SCHEMA {schema}; SET search_path TO {schema}"
-        ))
-        .await
-        .expect("scratch schema");
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../migrations/orders");
-    let mut files: Vec<(u32, String)> = std::fs::read_dir(dir)
-        .expect("migrations")
-        .map(|entry| entry.expect("entry").path())
-        .filter_map(|path| {
-            let name = path.file_name()?.to_str()?.to_owned();
-            let version = name.strip_prefix('V')?.split("__").next()?.parse().ok()?;
-            Some((version, std::fs::read_to_string(&path).expect("read")))
-        })
-        .collect();
-    files.sort_by_key(|(version, _)| *version);
-    let run = |version: u32| {
-        let sql = files
-            .iter()
-            .find(|(v, _)| *v == version)
-            .map(|(_, sql)| sql.clone())
-            .unwrap_or_else(|| panic!("no V{version}"));
-        let client = &client;
-        async move {
-            client
-                .batch_execute(&sql)
-                .await
-                .unwrap_or_else(|e| panic!("V{version}: {e}"));
-        }
-    };
+    let scratch = Scratch::new().await;
+    let client = &scratch.client;
+    let run = |version: u32| scratch.run_ok(version);
     for version in 1..=5 {
         run(version).await;
     }
     let (a, b) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     // Two orders of two tenants from before V6, a line each.
-    system_tests::insert_seed_order(&client, "acme", a).await;
-    system_tests::insert_seed_order(&client, "globex", b).await;
+    system_tests::insert_seed_order(client, "acme", a).await;
+    system_tests::insert_seed_order(client, "globex", b).await;
     run(6).await;
     assert_eq!(
         constraints_validated(
-            &client,
+            client,
             &["order_lines_tenant_fk", "order_lines_tenant_not_null"]
         )
         .await,
@@ -726,7 +696,7 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
     let (a, b) = (a.to_string(), b.to_string());
     let some = |t: &str| Some(t.to_owned());
     assert_eq!(
-        line_tenants(&client).await,
+        line_tenants(client).await,
         vec![
             (a.clone(), 1, None),
             (b.clone(), 1, None),
@@ -737,7 +707,7 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
     run(7).await;
     assert_eq!(
         constraints_validated(
-            &client,
+            client,
             &["order_lines_tenant_fk", "order_lines_tenant_not_null"]
         )
         .await,
@@ -745,17 +715,14 @@ async fn orders_v6_and_v7_give_existing_lines_their_tenant() {
             .map(|name| (name.to_owned(), true))
     );
     assert_eq!(
-        line_tenants(&client).await,
+        line_tenants(client).await,
         vec![
             (a, 1, some("acme")),
             (b.clone(), 1, some("globex")),
             (b, 2, some("globex")),
         ]
     );
-    client
-        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
-        .await
-        .expect("drop the scratch schema");
+    scratch.drop_schema().await;
 }
 
 /// Whether order_lines' tenant constraints are validated (NOT NULL, FK).
@@ -791,4 +758,137 @@ async fn line_tenants(client: &tokio_postgres::Client) -> Vec<(String, i32, Opti
         .iter()
         .map(|row| (row.get(0), row.get(1), row.get(2)))
         .collect()
+}
+
+/// A connection whose search path is a fresh scratch schema, to run the
+/// orders migrations' SQL files there one by one (not on the shared tables).
+struct Scratch {
+    client: tokio_postgres::Client,
+    schema: String,
+    files: Vec<(u32, String)>,
+}
+
+impl Scratch {
+    async fn new() -> Self {
+        let client = pg(Database::Orders).await;
+        let schema = format!("migration_test_{}", uuid::Uuid::new_v4().simple());
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; SET search_path TO {schema}"
+            ))
+            .await
+            .expect("scratch schema");
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../migrations/orders");
+        let mut files: Vec<(u32, String)> = std::fs::read_dir(dir)
+            .expect("migrations")
+            .map(|entry| entry.expect("entry").path())
+            .filter_map(|path| {
+                let name = path.file_name()?.to_str()?.to_owned();
+                let version = name.strip_prefix('V')?.split("__").next()?.parse().ok()?;
+                Some((version, std::fs::read_to_string(&path).expect("read")))
+            })
+            .collect();
+        files.sort_by_key(|(version, _)| *version);
+        Self {
+            client,
+            schema,
+            files,
+        }
+    }
+
+    /// Migration `version`'s SQL, in one transaction as refinery runs it.
+    async fn run(&self, version: u32) -> Result<(), tokio_postgres::Error> {
+        let sql = self
+            .files
+            .iter()
+            .find(|(v, _)| *v == version)
+            .map(|(_, sql)| sql.clone())
+            .unwrap_or_else(|| panic!("no V{version}"));
+        let result = self
+            .client
+            .batch_execute(&format!("BEGIN; {sql}; COMMIT"))
+            .await;
+        if result.is_err() {
+            let _ = self.client.batch_execute("ROLLBACK").await;
+        }
+        result
+    }
+
+    async fn run_ok(&self, version: u32) {
+        self.run(version)
+            .await
+            .unwrap_or_else(|e| panic!("V{version}: {e}"));
+    }
+
+    async fn drop_schema(self) {
+        self.client
+            .batch_execute(&format!("DROP SCHEMA {} CASCADE", self.schema))
+            .await
+            .expect("drop the scratch schema");
+    }
+}
+
+/// Orders V9 finds the unique indexes built by hand before it (as its
+/// header advises on a large live database) only when they are what it
+/// would have built: an index of the same name that is not unique, on other
+/// columns, or left invalid by a failed `CREATE INDEX CONCURRENTLY` stops
+/// it with the index's name (each in a scratch schema built by V1-V8); one
+/// built right is taken, and V10 validates.
+#[tokio::test]
+async fn orders_v9_refuses_a_hand_built_index_other_than_its_own() {
+    let order = uuid::Uuid::now_v7();
+    let cases = [
+        (
+            "CREATE INDEX payments_one_per_order ON payments (order_id)",
+            Some("payments_one_per_order"),
+        ),
+        (
+            "CREATE UNIQUE INDEX deliveries_one_per_order ON deliveries (delivery_id)",
+            Some("deliveries_one_per_order"),
+        ),
+        (
+            // Two payments of one order: the concurrent build fails and
+            // leaves the index invalid.
+            "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
+             VALUES ($ORDER, 'p1', 'acme', 9300, 'card'), ($ORDER, 'p2', 'acme', 9300, 'card')",
+            Some("payments_one_per_order"),
+        ),
+        (
+            "CREATE UNIQUE INDEX orders_order_tenant_uq ON orders (order_id, tenant_id)",
+            None,
+        ),
+    ];
+    for (setup, refused) in cases {
+        let scratch = Scratch::new().await;
+        for version in 1..=8 {
+            scratch.run_ok(version).await;
+        }
+        system_tests::insert_seed_order(&scratch.client, "acme", order).await;
+        let setup = setup.replace("$ORDER", &format!("'{order}'"));
+        scratch.client.batch_execute(&setup).await.expect("set-up");
+        if setup.starts_with("INSERT") {
+            let failed = scratch
+                .client
+                .batch_execute("CREATE UNIQUE INDEX CONCURRENTLY payments_one_per_order ON payments (order_id)")
+                .await;
+            assert!(failed.is_err(), "the duplicate payments fail the build");
+        }
+        match refused {
+            Some(index) => {
+                let error = scratch.run(9).await.expect_err(index);
+                let message = error.as_db_error().map(|e| e.message().to_owned());
+                assert!(
+                    message.as_deref().is_some_and(
+                        |m| m.contains(index) && m.contains("not a valid unique index")
+                    ),
+                    "{setup}: {error:?}"
+                );
+            }
+            None => {
+                scratch.run_ok(9).await;
+                scratch.run_ok(10).await;
+            }
+        }
+        scratch.drop_schema().await;
+    }
 }

@@ -122,6 +122,32 @@ fn continuing(last: i64, sequences: &[i64]) -> (usize, Option<i64>) {
     (sequences.len(), None)
 }
 
+/// Acknowledge (drop) a malformed `letter` of `order` that is no longer
+/// needed, saying `why` in the report.
+async fn discard(
+    report: &mut Report,
+    letter: Letter,
+    order: &str,
+    why: &str,
+) -> anyhow::Result<()> {
+    let acknowledged = letter
+        .delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await?;
+    anyhow::ensure!(
+        acknowledged,
+        "malformed letter {} of order {order} could not be acknowledged (the channel closed): \
+         it stays in the DLQ; run redrive again",
+        letter.event_id
+    );
+    report.discarded.push(format!(
+        "{} ({} #{} of order {order}): malformed; {why}",
+        letter.event_id, letter.event_type, letter.sequence
+    ));
+    Ok(())
+}
+
 async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
     let client = pool.get().await?;
     let updated = client
@@ -242,31 +268,20 @@ async fn move_letters(
         // A malformed letter (its order named by its metadata) never
         // applies: moved, it would only park the order again. It is not a
         // letter of its sequence, so it leaves a hole there until a
-        // readable copy (a replay of the event, dead-lettered behind the
-        // park) is among the letters; then, or once the order applied its
-        // sequence, it is dropped.
+        // readable copy of the same event (a replay of it, dead-lettered
+        // behind the park: the same event id) is among the letters. It is
+        // dropped once the order applied its sequence, or once that copy
+        // has been moved (below), and kept otherwise.
         let (readable, malformed): (Vec<Letter>, Vec<Letter>) =
             letters.into_iter().partition(|l| l.readable);
         let mut letters = readable;
-        let mut unreadable = Vec::new();
+        let mut twins = Vec::new();
+        let mut hole = None::<i64>;
         for letter in malformed {
-            if letter.sequence <= last || letters.iter().any(|l| l.sequence == letter.sequence) {
-                letter
-                    .delivery
-                    .acker
-                    .ack(BasicAckOptions::default())
-                    .await?;
-                report.discarded.push(format!(
-                    "{} ({} #{} of order {order}): a malformed letter whose sequence is {}",
-                    letter.event_id,
-                    letter.event_type,
-                    letter.sequence,
-                    if letter.sequence <= last {
-                        "applied"
-                    } else {
-                        "moved as a readable copy"
-                    }
-                ));
+            if letter.sequence <= last {
+                discard(&mut report, letter, &order, "its sequence is applied").await?;
+            } else if letters.iter().any(|l| l.event_id == letter.event_id) {
+                twins.push(letter);
             } else {
                 report.kept.push(format!(
                     "{} ({} #{} of order {order}): the body is not an event and never \
@@ -274,21 +289,15 @@ async fn move_letters(
                      --order {order}`) and redrive again: {}",
                     letter.event_id, letter.event_type, letter.sequence, letter.reason
                 ));
-                unreadable.push(letter);
+                hole = Some(hole.map_or(letter.sequence, |h| h.min(letter.sequence)));
+                others.push(letter);
             }
         }
-        let hole = unreadable.iter().map(|l| l.sequence).min();
-        others.extend(unreadable);
         if let Some(hole) = hole {
             // Nothing at or past the malformed letter's sequence can apply
             // before a readable copy of it does.
             let at = letters.partition_point(|l| l.sequence < hole);
             others.extend(letters.split_off(at));
-        }
-        if letters.is_empty() {
-            // The order's only letters were malformed (or applied): it
-            // stays parked.
-            continue;
         }
         let sequences: Vec<i64> = letters.iter().map(|l| l.sequence).collect();
         let (moving, missing) = continuing(last, &sequences);
@@ -302,11 +311,13 @@ async fn move_letters(
                 held.first().map_or(0, |l| l.sequence)
             ));
             others.extend(held);
-            if !letters.iter().any(|l| l.sequence > last) {
-                // Nothing continues the order: it stays parked.
-                others.extend(letters);
-                continue;
-            }
+        }
+        if !letters.iter().any(|l| l.sequence > last) {
+            // Nothing continues the order (its letters are held at a hole,
+            // or only copies of applied events are left): it stays parked.
+            others.extend(letters);
+            others.extend(twins);
+            continue;
         }
         // Un-park first, or the moved events would go straight back to the DLQ.
         if unpark(pool, &topology.name, &order).await? {
@@ -366,6 +377,25 @@ async fn move_letters(
             }
         }
         others.extend(letters);
+        // A malformed twin goes only once its readable copy is confirmed in
+        // the consumer's exchange (and acknowledged here).
+        for twin in twins {
+            let moved = report
+                .moved
+                .iter()
+                .any(|m| m.order == order && m.event_id == twin.event_id);
+            if moved {
+                discard(
+                    &mut report,
+                    twin,
+                    &order,
+                    "its event moved as a readable copy",
+                )
+                .await?;
+            } else {
+                others.push(twin);
+            }
+        }
     }
     for letter in others {
         letter

@@ -275,8 +275,8 @@ enum Step {
 /// request (its canonical form changed since): a record stored under one of
 /// them is the same request, not a reused key. Everything up to COMMIT runs
 /// within `deadline`; past it, the transaction rolls back and the answer is
-/// 503 `deadline_exceeded` (409 `idempotency_in_progress` for a request
-/// still waiting for its key's owner).
+/// 503 `deadline_exceeded` (409 `idempotency_in_progress` only when
+/// `lock_timeout` ended a wait for the key's owner first).
 pub async fn execute(
     state: &AppState,
     tenant: &str,

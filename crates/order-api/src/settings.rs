@@ -43,9 +43,10 @@ pub struct IdempotencySettings {
     /// within it (the transaction runs with `statement_timeout` = the budget
     /// left, and the statement running when it runs out is cancelled). Past
     /// it, before COMMIT is sent, the transaction rolls back: 503
-    /// `deadline_exceeded` + `Retry-After`, nothing stored, the key free (a
-    /// loser waiting for its key's owner gets 409 `idempotency_in_progress`,
-    /// as at `lock_timeout_ms`). Keep it below the clients' timeout, so that
+    /// `deadline_exceeded` + `Retry-After`, nothing stored, the key free
+    /// (also for a loser still waiting for its key's owner: only
+    /// `lock_timeout_ms` ending that wait first is 409
+    /// `idempotency_in_progress`). Keep it below the clients' timeout, so that
     /// they get an answer rather than an unknown outcome. A lock wait ends at
     /// whichever of the two comes first; with `lock_timeout_ms` at or above
     /// the budget, the budget alone bounds it.
