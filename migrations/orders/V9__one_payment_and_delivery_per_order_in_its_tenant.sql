@@ -16,7 +16,8 @@
 -- columns), and this migration finds them. It checks that what it found is
 -- what it would have built: a concurrent build that failed leaves an
 -- invalid index of the same name, and a hand-built one may differ (not
--- unique, other columns); either would enforce nothing, so the migration
+-- unique, deferrable, other or INCLUDEd columns, partial); none would
+-- enforce this or serve the foreign keys, so the migration
 -- stops and says which (drop it and build it again).
 CREATE UNIQUE INDEX IF NOT EXISTS payments_one_per_order ON payments (order_id);
 CREATE UNIQUE INDEX IF NOT EXISTS deliveries_one_per_order ON deliveries (order_id);
@@ -33,7 +34,8 @@ BEGIN
             ('orders_order_tenant_uq', 'orders', ARRAY['order_id', 'tenant_id'])
         ) AS w (index_name, table_name, columns)
     LOOP
-        SELECT i.indisvalid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+        SELECT i.indisvalid AND i.indisunique AND i.indimmediate
+               AND i.indnatts = i.indnkeyatts AND i.indpred IS NULL AND i.indexprs IS NULL
                AND i.indrelid = to_regclass(wanted.table_name)
                AND ARRAY(SELECT a.attname::text
                            FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k (attnum, n)

@@ -2296,12 +2296,31 @@ async fn a_sale_without_stock_is_dead_lettered_and_redriven_per_order_after_the_
     );
     assert_eq!(queue_depth(&format!("{name}.dlq")).await, 1);
 
+    // A malformed letter naming b's order and sequence for another tenant
+    // (forged, or another tenant's garbled event): dead-lettered alone, it
+    // is no hole of b's and must not hold b's own letter back.
+    let mut stray = parcel_delivered(&unique("t5-stock-other"), b.order, 3, 2);
+    stray.body = b"{\"event_id\": \"garbled".to_vec();
+    publisher.to_consumer(&name, &stray).await;
+    system_tests::consumers::eventually("the stray letter in the DLQ", WAIT, || async {
+        (live_counts(&format!("{name}.dlq")).await.0 == 2).then_some(())
+    })
+    .await;
     let stdout = redrive(Kind::Inventory, &name, &[]).await;
     assert!(
         stdout.contains(&format!("moved {}", b.delivered.event_id)),
         "{stdout}"
     );
+    assert!(
+        stdout.contains("its metadata names another tenant"),
+        "{stdout}"
+    );
     wait_sequence(Database::Inventory, &name, b.order, 3).await;
+    assert_eq!(
+        queue_depth(&format!("{name}.dlq")).await,
+        1,
+        "the stray stays"
+    );
     assert_eq!(level(&tenant).await, Some((6, 0, 6)));
     assert_levels_equal_movements(&tenant).await;
     inventory

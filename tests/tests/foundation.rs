@@ -831,7 +831,7 @@ impl Scratch {
 /// Orders V9 finds the unique indexes built by hand before it (as its
 /// header advises on a large live database) only when they are what it
 /// would have built: an index of the same name that is not unique, on other
-/// columns, or left invalid by a failed `CREATE INDEX CONCURRENTLY` stops
+/// or INCLUDEd columns, or left invalid by a failed `CREATE INDEX CONCURRENTLY` stops
 /// it with the index's name (each in a scratch schema built by V1-V8); one
 /// built right is taken, and V10 validates.
 #[tokio::test]
@@ -845,6 +845,10 @@ async fn orders_v9_refuses_a_hand_built_index_other_than_its_own() {
         (
             "CREATE UNIQUE INDEX deliveries_one_per_order ON deliveries (delivery_id)",
             Some("deliveries_one_per_order"),
+        ),
+        (
+            "CREATE UNIQUE INDEX orders_order_tenant_uq ON orders (order_id) INCLUDE (tenant_id)",
+            Some("orders_order_tenant_uq"),
         ),
         (
             // Two payments of one order: the concurrent build fails and
@@ -871,7 +875,12 @@ async fn orders_v9_refuses_a_hand_built_index_other_than_its_own() {
                 .client
                 .batch_execute("CREATE UNIQUE INDEX CONCURRENTLY payments_one_per_order ON payments (order_id)")
                 .await;
-            assert!(failed.is_err(), "the duplicate payments fail the build");
+            let error = failed.expect_err("the duplicate payments fail the build");
+            assert_eq!(
+                error.code(),
+                Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION),
+                "{error:?}"
+            );
         }
         match refused {
             Some(index) => {

@@ -45,6 +45,8 @@ struct Letter {
     /// The body is an envelope (a malformed one never applies anywhere).
     readable: bool,
     order: Option<String>,
+    /// The tenant its envelope or metadata names.
+    tenant: Option<String>,
     sequence: i64,
     event_id: String,
     event_type: String,
@@ -58,6 +60,10 @@ fn letter(delivery: Delivery) -> Letter {
         .as_ref()
         .map(|r| r.aggregate_id.clone())
         .or_else(|| topology::str_header(headers, events::headers::AGGREGATE_ID));
+    let tenant = raw
+        .as_ref()
+        .map(|r| r.tenant_id.clone())
+        .or_else(|| topology::str_header(headers, events::headers::TENANT_ID));
     let sequence = raw
         .as_ref()
         .map(|r| r.aggregate_sequence)
@@ -84,6 +90,7 @@ fn letter(delivery: Delivery) -> Letter {
         delivery,
         readable: raw.is_some(),
         order,
+        tenant,
         sequence,
         event_id,
         event_type,
@@ -91,16 +98,25 @@ fn letter(delivery: Delivery) -> Letter {
     }
 }
 
-/// The order's last applied sequence (0: none, or no progress row).
-async fn last_applied(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<i64> {
+/// The order's last applied sequence (0: none, or no progress row) and,
+/// once an event is applied, its tenant (the first applied event's).
+async fn last_applied(
+    pool: &PgPool,
+    consumer: &str,
+    order: &str,
+) -> anyhow::Result<(i64, Option<String>)> {
     let client = pool.get().await?;
     Ok(client
         .query_opt(
-            "SELECT last_sequence FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2",
+            "SELECT last_sequence, tenant_id FROM order_progress \
+             WHERE consumer_name = $1 AND aggregate_id = $2",
             &[&consumer, &order],
         )
         .await?
-        .map_or(0, |row| row.get(0)))
+        .map_or((0, None), |row| {
+            let last: i64 = row.get(0);
+            (last, (last > 0).then(|| row.get(1)))
+        }))
 }
 
 /// Which of an order's letters (their `sequences`, sorted) to move: how
@@ -264,7 +280,7 @@ async fn move_letters(
         // Every letter from the next sequence on, without a hole: the rest
         // of the order's letters may lie past `--max`, or its earliest was
         // lowered into the DLQ behind later ones.
-        let last = last_applied(pool, &topology.name, &order).await?;
+        let (last, owner) = last_applied(pool, &topology.name, &order).await?;
         // A malformed letter (its order named by its metadata) never
         // applies: moved, it would only park the order again. It is not a
         // letter of its sequence, so it leaves a hole there until a
@@ -278,7 +294,25 @@ async fn move_letters(
         let mut twins = Vec::new();
         let mut hole = None::<i64>;
         for letter in malformed {
-            if letter.sequence <= last {
+            let foreign = owner.is_some() && letter.tenant != owner;
+            if letter.sequence < 1 || foreign {
+                // No usable sequence, or another tenant's (dead-lettered
+                // alone, its order never parked for it): no hole of the
+                // order's, and nothing to tell it is applied.
+                report.kept.push(format!(
+                    "{} ({} of order {order}): the body is not an event and its metadata \
+                     names {}: {}",
+                    letter.event_id,
+                    letter.event_type,
+                    if foreign {
+                        "another tenant"
+                    } else {
+                        "no sequence"
+                    },
+                    letter.reason
+                ));
+                others.push(letter);
+            } else if letter.sequence <= last {
                 discard(&mut report, letter, &order, "its sequence is applied").await?;
             } else if letters.iter().any(|l| l.event_id == letter.event_id) {
                 twins.push(letter);
@@ -312,9 +346,11 @@ async fn move_letters(
             ));
             others.extend(held);
         }
-        if !letters.iter().any(|l| l.sequence > last) {
-            // Nothing continues the order (its letters are held at a hole,
-            // or only copies of applied events are left): it stays parked.
+        if (missing.is_some() || hole.is_some()) && !letters.iter().any(|l| l.sequence > last) {
+            // Nothing continues the order before the hole (a missing
+            // letter, or a malformed one): it stays parked, its letters
+            // wait with it. (Without a hole, copies of applied events move
+            // as harmless stale ones and the order is un-parked.)
             others.extend(letters);
             others.extend(twins);
             continue;
@@ -384,7 +420,7 @@ async fn move_letters(
                 .moved
                 .iter()
                 .any(|m| m.order == order && m.event_id == twin.event_id);
-            if moved {
+            if moved && failure.is_none() {
                 discard(
                     &mut report,
                     twin,
