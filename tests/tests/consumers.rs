@@ -1445,6 +1445,17 @@ async fn an_event_the_database_refuses_is_dead_lettered_and_the_partition_flows(
         inventory.metric("consumer_retried_total", "").await >= 4.0,
         "retried through the tiers first"
     );
+    // A redrive moves the letter of an order that could never be parked
+    // (no progress row to read or un-park) and goes on: the consumer fails
+    // it through the tiers again, back into the DLQ.
+    let report = redrive_with(Kind::Inventory, &name, &[], Options::one_partition()).await;
+    assert!(
+        report.contains(&format!("moved {}", refused.event_id)),
+        "{report}"
+    );
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 2.0)
+        .await;
     let letters = drain_dead_letters(&name).await;
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!(letters[0].body, refused.body, "byte for byte");

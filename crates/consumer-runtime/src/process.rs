@@ -832,7 +832,7 @@ const PARK: &str = "INSERT INTO order_progress \
 /// retried in place, which would hold its partition forever. Anything else
 /// (the connection, resources, a missing table) is the infrastructure's:
 /// `None`, retried in place.
-fn the_event_s_own(error: &tokio_postgres::Error) -> Option<String> {
+pub(crate) fn the_event_s_own(error: &tokio_postgres::Error) -> Option<String> {
     let db = error.as_db_error()?;
     let code = db.code().code();
     ["22", "23", "54"]

@@ -14,7 +14,7 @@ use lapin::{
 };
 
 use crate::{
-    process::{publish, Infra},
+    process::{publish, the_event_s_own, Infra},
     topology::{self, headers, Topology},
 };
 
@@ -106,17 +106,24 @@ async fn last_applied(
     order: &str,
 ) -> anyhow::Result<(i64, Option<String>)> {
     let client = pool.get().await?;
-    Ok(client
+    let row = match client
         .query_opt(
             "SELECT last_sequence, tenant_id FROM order_progress \
              WHERE consumer_name = $1 AND aggregate_id = $2",
             &[&consumer, &order],
         )
-        .await?
-        .map_or((0, None), |row| {
-            let last: i64 = row.get(0);
-            (last, (last > 0).then(|| row.get(1)))
-        }))
+        .await
+    {
+        Ok(row) => row,
+        // An id the database cannot even compare (a NUL byte, too long to
+        // index): its events were dead-lettered alone, it has no progress.
+        Err(error) if the_event_s_own(&error).is_some() => None,
+        Err(error) => return Err(error.into()),
+    };
+    Ok(row.map_or((0, None), |row| {
+        let last: i64 = row.get(0);
+        (last, (last > 0).then(|| row.get(1)))
+    }))
 }
 
 /// Which of an order's letters (their `sequences`, sorted) to move: how
@@ -166,14 +173,20 @@ async fn discard(
 
 async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
     let client = pool.get().await?;
-    let updated = client
+    let updated = match client
         .execute(
             "UPDATE order_progress SET parked_at = NULL, parked_event_id = NULL, parked_sequence = NULL, \
              parked_reason = NULL, updated_at = now() \
              WHERE consumer_name = $1 AND aggregate_id = $2 AND parked_at IS NOT NULL",
             &[&consumer, &order],
         )
-        .await?;
+        .await
+    {
+        Ok(updated) => updated,
+        // An id the database cannot store has no progress row to un-park.
+        Err(error) if the_event_s_own(&error).is_some() => 0,
+        Err(error) => return Err(error.into()),
+    };
     Ok(updated > 0)
 }
 
