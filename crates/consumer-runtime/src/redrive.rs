@@ -145,6 +145,14 @@ fn continuing(last: i64, sequences: &[i64]) -> (usize, Option<i64>) {
     (sequences.len(), None)
 }
 
+/// Acknowledge `delivery`; `lost` says what it means when the channel
+/// closed first (the broker returns the message to the queue).
+async fn acknowledge(delivery: &Delivery, lost: impl FnOnce() -> String) -> anyhow::Result<()> {
+    let acknowledged = delivery.acker.ack(BasicAckOptions::default()).await?;
+    anyhow::ensure!(acknowledged, "{}", lost());
+    Ok(())
+}
+
 /// Acknowledge (drop) a malformed `letter` of `order` that is no longer
 /// needed, saying `why` in the report.
 async fn discard(
@@ -153,17 +161,14 @@ async fn discard(
     order: &str,
     why: &str,
 ) -> anyhow::Result<()> {
-    let acknowledged = letter
-        .delivery
-        .acker
-        .ack(BasicAckOptions::default())
-        .await?;
-    anyhow::ensure!(
-        acknowledged,
-        "malformed letter {} of order {order} could not be acknowledged (the channel closed): \
-         it stays in the DLQ; run redrive again",
-        letter.event_id
-    );
+    acknowledge(&letter.delivery, || {
+        format!(
+            "malformed letter {} of order {order} could not be acknowledged (the channel \
+             closed): it stays in the DLQ; run redrive again",
+            letter.event_id
+        )
+    })
+    .await?;
     report.discarded.push(format!(
         "{} ({} #{} of order {order}): malformed; {why}",
         letter.event_id, letter.event_type, letter.sequence
@@ -398,18 +403,15 @@ async fn move_letters(
                     // moves it again and the inbox takes the second copy as
                     // a duplicate.
                     kit::failpoint::crash_point("consumer.redrive.after_publish_before_ack");
-                    let acknowledged = letter
-                        .delivery
-                        .acker
-                        .ack(BasicAckOptions::default())
-                        .await?;
-                    anyhow::ensure!(
-                        acknowledged,
-                        "dead letter {} of order {order} was sent back but could not be \
-                         acknowledged (the channel closed): it stays in the DLQ; run redrive \
-                         again (the copy already sent is a duplicate the inbox skips)",
-                        letter.event_id
-                    );
+                    acknowledge(&letter.delivery, || {
+                        format!(
+                            "dead letter {} of order {order} was sent back but could not be \
+                             acknowledged (the channel closed): it stays in the DLQ; run \
+                             redrive again (the copy already sent is a duplicate the inbox skips)",
+                            letter.event_id
+                        )
+                    })
+                    .await?;
                     report.moved.push(Moved {
                         order: order.clone(),
                         sequence: letter.sequence,
