@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{json, Value};
-use system_tests::{api_key, free_port, pg, unique_tenant, Database, OrderApi, Service};
+use system_tests::{
+    api_key, consumers::eventually, free_port, pg, unique_tenant, Database, OrderApi, Service,
+};
 
 const SEED_ORDER: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","total":"93.00","currency":"USD","location":"WH-1"}"#;
 /// The seed order's payment (its exact total) and delivery (its one line).
@@ -153,6 +155,29 @@ fn is_replay(response: &Response) -> bool {
         .is_some_and(|v| v == "true")
 }
 
+/// Settings of a test whose requests wait on purpose (for a transaction of
+/// the test's, on a slow machine): a lock wait of 20 s, within a request
+/// budget of 30 s (the default 10 s budget would end them first).
+fn patient() -> Vec<(&'static str, String)> {
+    patient_with(&[])
+}
+
+/// [`patient`] and `extra` settings.
+fn patient_with(extra: &[(&'static str, String)]) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "30000".to_owned(),
+        ),
+    ];
+    env.extend(extra.iter().cloned());
+    env
+}
+
 /// Seed 004: fifty concurrent requests with one key make one order and one
 /// event, and every loser waits for the owner's commit and replays its
 /// result. With a lock wait (and pool wait) far longer than the owner's
@@ -160,38 +185,12 @@ fn is_replay(response: &Response) -> bool {
 /// body and `Location` byte for byte (with the default 2 s wait a loaded
 /// machine may answer some 409 idempotency_in_progress, which
 /// `the_wait_for_an_in_flight_owner_is_bounded` covers).
-/// Settings of a test whose requests wait on purpose (for a transaction of
-/// the test's, on a slow machine): a lock wait of 20 s, within a request
-/// budget of 30 s (the default 10 s budget would end them first).
-fn patient() -> Vec<(&'static str, String)> {
-    vec![
-        (
-            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "30000".to_owned(),
-        ),
-    ]
-}
-
 #[tokio::test]
 async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
-    let api = OrderApi::start(&[
-        (
-            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "30000".to_owned(),
-        ),
-        (
-            "ORDER_API__DATABASE__ACQUIRE_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-    ])
+    let api = OrderApi::start(&patient_with(&[(
+        "ORDER_API__DATABASE__ACQUIRE_TIMEOUT_MS",
+        "20000".to_owned(),
+    )]))
     .await;
     let caller = std::sync::Arc::new(Caller::new("conc"));
     let url = api.url("/orders");
@@ -556,14 +555,12 @@ async fn the_key_cleanup_counts_deleted_keys_and_failed_runs() {
     ))
     .await
     .expect("keys");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while deleted().await < deleted_before + 3 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "expired keys not deleted"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "expired keys not deleted",
+        Duration::from_secs(30),
+        || async { (deleted().await >= deleted_before + 3).then_some(()) },
+    )
+    .await;
     let count: i64 = db.query_one(keys, &[]).await.expect("count").get(0);
     assert_eq!(count, 1, "the unexpired key stays");
     assert_eq!(
@@ -580,28 +577,24 @@ async fn the_key_cleanup_counts_deleted_keys_and_failed_runs() {
     ))
     .await
     .expect("lock");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while failures().await < failures_before + 2 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "failed runs not counted"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "failed runs not counted",
+        Duration::from_secs(30),
+        || async { (failures().await >= failures_before + 2).then_some(()) },
+    )
+    .await;
     assert_eq!(
         deleted().await,
         deleted_before + 3,
         "nothing deleted while failing"
     );
     tx.commit().await.expect("commit");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while deleted().await < deleted_before + 4 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the cleanup did not recover"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "the cleanup did not recover",
+        Duration::from_secs(30),
+        || async { (deleted().await >= deleted_before + 4).then_some(()) },
+    )
+    .await;
     let count: i64 = db.query_one(keys, &[]).await.expect("count").get(0);
     assert_eq!(count, 1);
     drop(api);
@@ -1362,18 +1355,7 @@ async fn a_loser_waits_for_the_owner_s_commit_and_replays_its_result() {
 /// row lock: the payment's owner waits for it after claiming its key.
 #[tokio::test]
 async fn a_running_owner_is_the_oldest_incomplete_key_and_a_failed_one_a_rollback() {
-    let api = OrderApi::start(&[
-        (
-            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-        // The waits below are the test's, not the default 10 s budget's.
-        (
-            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "30000".to_owned(),
-        ),
-    ])
-    .await;
+    let api = OrderApi::start(&patient()).await;
     let caller = std::sync::Arc::new(Caller::new("rollback"));
     let id = place_seed_order(&api, &caller).await;
     let endpoint = "POST /orders/{id}/payments";
@@ -1407,14 +1389,12 @@ async fn a_running_owner_is_the_oldest_incomplete_key_and_a_failed_one_a_rollbac
     )
     .await;
     // The gauge is refreshed every second, in whole seconds.
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while oldest().await < 1 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the waiting owner never showed in the gauge"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "the waiting owner never showed in the gauge",
+        Duration::from_secs(15),
+        || async { (oldest().await >= 1).then_some(()) },
+    )
+    .await;
     let cancelled = watcher
         .execute(
             "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
@@ -1440,14 +1420,12 @@ async fn a_running_owner_is_the_oldest_incomplete_key_and_a_failed_one_a_rollbac
         "nothing stored"
     );
     tx.rollback().await.expect("release the order");
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while oldest().await > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the gauge stayed up after the owner ended"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "the gauge stayed up after the owner ended",
+        Duration::from_secs(15),
+        || async { (oldest().await <= 0).then_some(()) },
+    )
+    .await;
     let retry = caller.post(&pay_url, "p", SEED_PAYMENT).await;
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert!(!is_replay(&retry), "the retry executes");
@@ -1744,20 +1722,10 @@ async fn a_replay_takes_no_lock_on_the_stored_record() {
 #[tokio::test]
 async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     // Nine requests wait for the taker's commit: room for a slow machine.
-    let api = OrderApi::start(&[
-        (
-            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
-            "3600".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "30000".to_owned(),
-        ),
-    ])
+    let api = OrderApi::start(&patient_with(&[(
+        "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+        "3600".to_owned(),
+    )]))
     .await;
     let caller = Caller::new("takeover");
     let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
@@ -2261,20 +2229,10 @@ async fn a_delivery_carries_the_given_delivered_at_and_its_fingerprint() {
 /// takeover waits for that lock.
 #[tokio::test]
 async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
-    let api = OrderApi::start(&[
-        (
-            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
-            "3600".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "30000".to_owned(),
-        ),
-    ])
+    let api = OrderApi::start(&patient_with(&[(
+        "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+        "3600".to_owned(),
+    )]))
     .await;
     let caller = std::sync::Arc::new(Caller::new("vanish"));
     let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;

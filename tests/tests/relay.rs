@@ -333,20 +333,17 @@ impl Relay {
 
     /// The value of a metric (the sum over its label sets), 0 when absent.
     async fn metric(&self, name: &str) -> u64 {
-        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.port))
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("metrics body");
-        text.lines()
-            .filter(|line| {
-                line.strip_prefix(name)
-                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-            })
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-            .map(|v| v as u64)
-            .sum()
+        self.metric_of(name, "").await as u64
+    }
+
+    /// The sum of the series of metric `name` whose labels contain `labels`.
+    async fn metric_of(&self, name: &str, labels: &str) -> f64 {
+        system_tests::consumers::scrape_metric(
+            &format!("http://127.0.0.1:{}", self.port),
+            name,
+            labels,
+        )
+        .await
     }
 
     /// The value of an unlabelled gauge, as written (may be negative).
@@ -1149,23 +1146,10 @@ async fn nacks_of_a_full_queue_back_off_and_never_quarantine() {
         0,
         "a nack is never the message's own failure, and nothing was marked published"
     );
-    let metrics = reqwest::get(format!("http://127.0.0.1:{}/metrics", relay.port))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics body");
-    let nacked: f64 = metrics
-        .lines()
-        .filter(|l| {
-            l.starts_with("outbox_publish_failures_total{") && l.contains("reason=\"nacked\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    assert!(
-        nacked >= 10.0,
-        "nacked failures counted: {nacked}\n{metrics}"
-    );
+    let nacked = relay
+        .metric_of("outbox_publish_failures_total", "reason=\"nacked\"")
+        .await;
+    assert!(nacked >= 10.0, "nacked failures counted: {nacked}");
     assert_eq!(relay.metric("outbox_quarantined_total").await, 0);
     // The attempt counts are watched: two rows retrying, five attempts and more.
     let deadline = Instant::now() + Duration::from_secs(30);
