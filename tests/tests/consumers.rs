@@ -1254,6 +1254,53 @@ async fn a_malformed_body_parks_its_order_and_a_replay_and_redrive_repair_it() {
     let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
     assert_eq!(kinds, vec!["receipt", "reserve", "sale"]);
     assert!(drain_dead_letters(&name).await.is_empty());
+
+    // A redrive that dies right before dropping a malformed letter
+    // (`consumer.redrive.before_discard`), its readable copy moved: the
+    // order applies the copy, the malformed letter stays in the DLQ; the
+    // next redrive finds its sequence applied and drops it.
+    let second = Uuid::now_v7();
+    let placed = order_placed(&tenant, second, 1, "78", 1);
+    let mut garbled = placed.clone();
+    garbled.body = b"{\"event_id\": \"garbled again".to_vec();
+    publisher.to_consumer(&name, &garbled).await;
+    publisher.to_consumer(&name, &placed).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 5.0)
+        .await;
+    let second_id = second.to_string();
+    let crashed = run_redrive(
+        Kind::Inventory,
+        &name,
+        &["--order", &second_id],
+        &Options {
+            failpoints: Some("consumer.redrive.before_discard=return".to_owned()),
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    assert!(
+        system_tests::system::aborted(&crashed.status),
+        "aborted at the fail point: {:?}",
+        crashed.status
+    );
+    wait_sequence(Database::Inventory, &name, second, 1).await;
+    eventually("the malformed letter back in the DLQ", WAIT, || async {
+        (live_counts(&format!("{name}.dlq")).await.0 == 1).then_some(())
+    })
+    .await;
+    let report = redrive_with(
+        Kind::Inventory,
+        &name,
+        &["--order", &second_id],
+        Options::one_partition(),
+    )
+    .await;
+    assert!(
+        report.contains("malformed; its sequence is applied"),
+        "{report}"
+    );
+    assert!(drain_dead_letters(&name).await.is_empty());
 }
 
 /// Seed 003: revenue is recognised on delivery. A delivery reported late

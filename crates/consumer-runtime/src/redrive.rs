@@ -161,6 +161,11 @@ async fn discard(
     order: &str,
     why: &str,
 ) -> anyhow::Result<()> {
+    // Crash window: a crash before this acknowledgement leaves the letter
+    // in the DLQ (unacknowledged, the broker returns it); the next redrive
+    // finds its sequence applied, or its copy again, and drops it then.
+    // After it, the letter is gone; it could never have applied.
+    kit::failpoint::crash_point("consumer.redrive.before_discard");
     acknowledge(&letter.delivery, || {
         format!(
             "malformed letter {} of order {order} could not be acknowledged (the channel \
