@@ -630,6 +630,21 @@ pub struct DeadLetter {
     pub aggregate_id: Option<String>,
     /// `x-consumer-attempts`: the failed attempts it had.
     pub attempts: Option<i64>,
+    /// `x-delivery-count`: how often the quorum queue delivered it before.
+    pub delivery_count: Option<i64>,
+}
+
+fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongLongInt(n) => Some(*n),
+        AMQPValue::LongInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
+        _ => None,
+    }
 }
 
 fn header_string(headers: Option<&FieldTable>, name: &str) -> Option<String> {
@@ -659,11 +674,8 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
             body: message.delivery.data.clone(),
             reason: header_string(headers, "x-dead-letter-reason").unwrap_or_default(),
             aggregate_id: header_string(headers, "aggregate_id"),
-            attempts: match headers.and_then(|h| h.inner().get("x-consumer-attempts")) {
-                Some(AMQPValue::LongLongInt(n)) => Some(*n),
-                Some(AMQPValue::LongInt(n)) => Some(i64::from(*n)),
-                _ => None,
-            },
+            attempts: header_int(headers, "x-consumer-attempts"),
+            delivery_count: header_int(headers, "x-delivery-count"),
         });
         message
             .delivery

@@ -2988,6 +2988,76 @@ async fn a_redrive_keeps_letters_that_do_not_continue_their_order() {
     );
 }
 
+/// A letter a redrive keeps goes back to the DLQ as a new message, not as
+/// a returned one: a quorum queue counts returns (`x-delivery-count`), and
+/// under a delivery limit (RabbitMQ 4's default is 20) it would drop a
+/// letter kept that many times. A redrive dying between the copy's confirm
+/// and the letter's acknowledgement (`consumer.redrive.after_keep_before_ack`)
+/// leaves two copies; the next redrive drops one. The letter left is the
+/// one dead-lettered, byte for byte, with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() {
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-keep").await;
+    let order = Uuid::now_v7();
+    let letter = order_placed(&tenant, order, 1, "77", 1).as_version_99();
+    publisher.to_consumer(&name, &letter).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    // Redrives of another order keep the letter each time.
+    let other = Uuid::now_v7().to_string();
+    let args = ["--order", other.as_str()];
+    for _ in 0..3 {
+        let report = redrive_with(Kind::Inventory, &name, &args, Options::one_partition()).await;
+        assert!(!report.contains(&letter.event_id.to_string()), "{report}");
+    }
+    let crashed = run_redrive(
+        Kind::Inventory,
+        &name,
+        &args,
+        &Options {
+            failpoints: Some("consumer.redrive.after_keep_before_ack=return".to_owned()),
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    assert!(
+        system_tests::system::aborted(&crashed.status),
+        "aborted at the fail point: {:?}",
+        crashed.status
+    );
+    let dlq = format!("{name}.dlq");
+    eventually("the letter and its copy in the DLQ", WAIT, || async {
+        (live_counts(&dlq).await.0 == 2).then_some(())
+    })
+    .await;
+    let report = redrive_with(Kind::Inventory, &name, &args, Options::one_partition()).await;
+    assert!(
+        report.contains(&format!(
+            "discarded {} (OrderPlaced): an exact copy of a letter kept",
+            letter.event_id
+        )),
+        "{report}"
+    );
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].body, letter.body, "byte for byte");
+    assert!(
+        letters[0].reason.contains("unsupported schema version 99"),
+        "{letters:?}"
+    );
+    assert_eq!(
+        letters[0].delivery_count.unwrap_or(0),
+        0,
+        "never returned: {letters:?}"
+    );
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((0, true)),
+        "still parked"
+    );
+}
+
 /// `inventory-consumer redrive --order <order>` of a one-partition consumer.
 async fn redrive_one_partition(name: &str, order: Uuid) -> String {
     let output = run_redrive(

@@ -2,14 +2,16 @@
 //! consumer's hash exchange (so each returns to its partition), per order in
 //! sequence order, after un-parking the order. A malformed body (never
 //! applicable: moved, it would park its order again) and the letters of
-//! other orders (with `--order`) stay in the dead-letter queue.
+//! other orders (with `--order`) stay in the dead-letter queue, as new
+//! copies of themselves (see [`keep`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use kit::{db::PgPool, CancellationToken};
 use lapin::{
     message::Delivery,
     options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions},
+    types::FieldTable,
     Channel,
 };
 
@@ -178,6 +180,88 @@ async fn discard(
         "{} ({} #{} of order {order}): malformed; {why}",
         letter.event_id, letter.event_type, letter.sequence
     ));
+    Ok(())
+}
+
+/// Put `letters` back in the dead-letter queue. Each is published there
+/// again as a new message and the one read is acknowledged after the
+/// broker's confirm: a nack with requeue would count a delivery against it
+/// every run, and a quorum queue with a delivery limit (RabbitMQ 4's
+/// default is 20) drops a message past it. An exact copy of a letter kept
+/// in this run (same event id and body: a crash in the window below, or an
+/// event dead-lettered twice) is dropped. After a failed move the channel
+/// may be gone: the letters are only returned (`broken`).
+async fn keep(
+    channel: &Channel,
+    topology: &Topology,
+    report: &mut Report,
+    letters: Vec<Letter>,
+    broken: bool,
+) -> anyhow::Result<()> {
+    let dlq = topology.dead_letter_queue();
+    let mut kept = HashSet::new();
+    for letter in letters {
+        if broken {
+            letter
+                .delivery
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    multiple: false,
+                })
+                .await?;
+            continue;
+        }
+        if !letter.event_id.is_empty()
+            && !kept.insert((letter.event_id.clone(), letter.delivery.data.clone()))
+        {
+            acknowledge(&letter.delivery, || {
+                format!(
+                    "a copy of dead letter {} could not be acknowledged (the channel closed): \
+                     it stays in the DLQ",
+                    letter.event_id
+                )
+            })
+            .await?;
+            report.discarded.push(format!(
+                "{} ({}): an exact copy of a letter kept",
+                letter.event_id, letter.event_type
+            ));
+            continue;
+        }
+        let mut table = letter
+            .delivery
+            .properties
+            .headers()
+            .as_ref()
+            .map(|table| table.inner().clone())
+            .unwrap_or_default();
+        // The broker's count of this message's deliveries: the copy is a
+        // new message.
+        table.remove(headers::DELIVERY_COUNT);
+        publish(
+            channel,
+            "",
+            dlq.as_str(),
+            &letter.delivery.data,
+            &letter.delivery.properties,
+            FieldTable::from(table),
+        )
+        .await
+        .map_err(|error| anyhow::anyhow!("keeping {}: {error}", letter.event_id))?;
+        // Crash window: the copy is confirmed in the DLQ, the letter read
+        // not yet acknowledged. A crash here returns it to the DLQ too: two
+        // copies, and the next redrive drops one of them.
+        kit::failpoint::crash_point("consumer.redrive.after_keep_before_ack");
+        acknowledge(&letter.delivery, || {
+            format!(
+                "dead letter {} was kept as a copy but could not be acknowledged (the channel \
+                 closed): the next redrive drops one of the two",
+                letter.event_id
+            )
+        })
+        .await?;
+    }
     Ok(())
 }
 
@@ -453,16 +537,7 @@ async fn move_letters(
             }
         }
     }
-    for letter in others {
-        letter
-            .delivery
-            .acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                multiple: false,
-            })
-            .await?;
-    }
+    keep(channel, topology, &mut report, others, failure.is_some()).await?;
     match failure {
         Some(error) => Err(error),
         None => Ok(report),

@@ -312,16 +312,21 @@ pub mod headers {
     pub const DEAD_LETTERED_BY: &str = "x-dead-lettered-by";
     /// Set on events moved back from the dead-letter queue by `redrive`.
     pub const REDRIVEN: &str = "x-redriven";
+    /// Set by a quorum queue on a message it delivers again: its earlier
+    /// deliveries. A message the runtime publishes is a new one.
+    pub const DELIVERY_COUNT: &str = "x-delivery-count";
 }
 
 /// Headers of `existing` without the runtime's bookkeeping and the broker's
-/// `x-death` history (which would otherwise grow with every retry).
+/// (the `x-death` history, which would otherwise grow with every retry, and
+/// the delivery count).
 pub(crate) fn clean_headers(existing: Option<&FieldTable>) -> FieldTable {
     let mut table = FieldTable::default();
     if let Some(existing) = existing {
         for (key, value) in existing.inner() {
             let k = key.as_str();
             let drop = k == "x-death"
+                || k == headers::DELIVERY_COUNT
                 || k.starts_with("x-first-death")
                 || k.starts_with("x-last-death")
                 || k == headers::ATTEMPTS
@@ -398,6 +403,7 @@ mod tests {
         set_int(&mut h, headers::ATTEMPTS, 3);
         set_str(&mut h, "x-first-death-queue", "q");
         h.insert("x-death".into(), AMQPValue::Boolean(true));
+        set_int(&mut h, headers::DELIVERY_COUNT, 2);
         let cleaned = clean_headers(Some(&h));
         assert_eq!(
             str_header(Some(&cleaned), "aggregate_id").as_deref(),
