@@ -2035,7 +2035,9 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
 /// uncommitted order waits on it until the budget runs out: 503
 /// `deadline_exceeded` + Retry-After (not `order_busy` at the lock
 /// timeout), nothing stored (no key, no order, no event), and the same key
-/// succeeds once the checkout is free.
+/// succeeds once the checkout is free. The connection whose statement was
+/// cancelled is closed, not returned to the pool (a late cancel would hit
+/// the next request on it): its backend ends.
 #[tokio::test]
 async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
     let api = OrderApi::start(&[
@@ -2067,7 +2069,31 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
     )
     .await
     .expect("hold the checkout");
-    let response = caller.post(&api.url("/orders"), "o", &with_checkout).await;
+    let holder_pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let observer = pg(Database::Orders).await;
+    let blocked = async {
+        eventually(
+            "the request's backend waiting on the held checkout",
+            Duration::from_secs(30),
+            || async {
+                observer
+                    .query_opt(
+                        "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                        &[&holder_pid],
+                    )
+                    .await
+                    .expect("pg_stat_activity")
+                    .map(|row| row.get::<_, i32>(0))
+            },
+        )
+        .await
+    };
+    let url = api.url("/orders");
+    let (response, blocked_pid) = tokio::join!(caller.post(&url, "o", &with_checkout), blocked);
     assert_eq!(header(&response, "Retry-After"), Some("1"));
     let problem = expect_problem(
         response,
@@ -2082,6 +2108,22 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
         "{problem}"
     );
     assert_eq!(counts(&caller.tenant).await, nothing, "while held");
+    eventually(
+        "the cancelled connection closed",
+        Duration::from_secs(30),
+        || async {
+            observer
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1",
+                    &[&blocked_pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
     tx.rollback().await.expect("release");
     assert_eq!(counts(&caller.tenant).await, nothing, "released");
 

@@ -178,6 +178,14 @@ pub struct Deadline {
     budget_ms: u64,
 }
 
+/// How long past the deadline the server ends a statement by itself
+/// (`statement_timeout`): a backstop for a cancel that cannot reach it. Were
+/// it the budget left exactly, the server could end a statement a moment
+/// before the deadline (whole milliseconds, counted from the statement's
+/// start) and the request would end one of two ways by a race; this way the
+/// cancel sent at the deadline ends it, and the connection is closed.
+const SERVER_BACKSTOP_MS: u64 = 250;
+
 /// How often the statement running past the budget is cancelled again, until
 /// the transaction's work returns (a cancel that reaches the server between
 /// two statements is ignored there).
@@ -224,8 +232,8 @@ impl Deadline {
     /// statement running then is cancelled (a cancel request to the server,
     /// only on this path), again every [`CANCEL_AGAIN`] until `work`
     /// returns; the cancels are sent while `work` goes on being polled.
-    /// The server bounds each statement by itself too (`statement_timeout`,
-    /// see [`execute`]): this ends the sum. Also returns whether a cancel
+    /// The server bounds each statement by itself too, a little later
+    /// (`statement_timeout`, see [`execute`]): this ends the sum. Also returns whether a cancel
     /// was sent: a cancel request is delivered to the session
     /// asynchronously (tokio-postgres does not wait for the server to act on
     /// it), so it may still reach the session after `work` returned, and
@@ -306,16 +314,20 @@ pub async fn execute(
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
             [&tenant, &endpoint, &key, &fingerprint, &ttl];
         let claim = tx.prepare_cached(CLAIM).await?;
-        // Each statement of the transaction ends within the budget left now
-        // (`statement_timeout`; 0 would mean none). Sent with the claim, in
-        // one write: `join` polls the SET first, and a request is queued on
-        // the connection when first polled; the server runs them in order.
-        // No extra round trip.
+        // Each statement of the transaction ends by itself shortly after the
+        // budget left now (`statement_timeout`, [`SERVER_BACKSTOP_MS`] past
+        // it; 0 would mean none), should the cancel at the deadline not
+        // reach the server. Sent with the claim, in one write: `join` polls
+        // the SET first, and a request is queued on the connection when
+        // first polled; the server runs them in order. No extra round trip.
         let left_ms = deadline.left_ms();
         if left_ms == 0 {
             return Err(deadline.exceeded());
         }
-        let limit = format!("SET LOCAL statement_timeout = {left_ms}");
+        let limit = format!(
+            "SET LOCAL statement_timeout = {}",
+            left_ms + 1 + SERVER_BACKSTOP_MS
+        );
         let (limited, claimed) =
             futures_util::future::join(tx.batch_execute(&limit), tx.query_opt(&claim, &params))
                 .await;
