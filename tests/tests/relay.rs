@@ -2610,7 +2610,8 @@ async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_
 }
 
 /// The claim query uses the partial indexes and never scans the table, with
-/// a large published history and a backlog: measured on a session-private
+/// a large published history and a backlog; it probes for an earlier
+/// unpublished event of the order only past an order's first event: measured on a session-private
 /// copy of the outbox (a temporary table of the same name shadows the real
 /// one for this connection; same columns, constraints and indexes), so the
 /// shared database is untouched.
@@ -2672,12 +2673,47 @@ async fn the_claim_query_uses_the_partial_indexes() {
         plan.contains(&format!("Index Scan using {dispatch}")),
         "{plan}"
     );
-    assert!(
-        plan.contains(&format!("Index Scan using {pending}")),
-        "{plan}"
-    );
+    // The hold-back probe reads the pending-sequence index (an index-only
+    // scan once the visibility map is set) ...
+    assert!(plan.contains(&format!(" using {pending}")), "{plan}");
     assert!(!plan.contains("Seq Scan"), "{plan}");
     assert!(plan.contains("rows=500 loops=1"), "a full batch: {plan}");
+    // ... but never for an order's first event (nothing precedes sequence
+    // 1): the 500 oldest rows are first events.
+    let probe = plan
+        .lines()
+        .find(|l| l.contains(&format!(" using {pending}")))
+        .expect("the probe's line");
+    assert!(probe.contains("(never executed)"), "{plan}");
+    // Later events are probed and held back behind their order's
+    // unpublished first event (leased, not published): a batch of 20,000
+    // takes the 3,500 first events left and nothing else.
+    let wide = CLAIM_SQL_FOR_EXPLAIN
+        .replace("$1", "'explain'")
+        .replace("$2", "30000")
+        .replace("$3", "20000")
+        .replace("$4", "''")
+        .replace("$5", "'-infinity'");
+    let plan = explain_analyze(&session, &wide).await;
+    println!("{plan}");
+    assert!(
+        plan.lines()
+            .next()
+            .is_some_and(|l| l.contains("rows=3500 loops=1")),
+        "only the first events: {plan}"
+    );
+    let claimed: Vec<(i64, i64)> = session
+        .query(
+            "SELECT aggregate_sequence, count(*) FROM outbox_events \
+             WHERE claimed_by = 'explain' GROUP BY 1 ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("claimed")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(claimed, vec![(1, 4000)]);
     // The floor bounds the walk: the index scan starts at it, and a floor
     // above every row claims nothing.
     let above_all = CLAIM_SQL_FOR_EXPLAIN

@@ -54,12 +54,12 @@ SELECT least(
     (SELECT o.available_at FROM outbox_events o
       WHERE o.published_at IS NULL AND o.quarantined_at IS NULL
         AND ($1 = '' OR o.tenant_id = $1)
-        AND NOT EXISTS (
+        AND (o.aggregate_sequence = 1 OR NOT EXISTS (
             SELECT 1 FROM outbox_events earlier
             WHERE earlier.aggregate_id = o.aggregate_id
               AND earlier.aggregate_type = o.aggregate_type
               AND earlier.aggregate_sequence < o.aggregate_sequence
-              AND earlier.published_at IS NULL)
+              AND earlier.published_at IS NULL))
       ORDER BY o.available_at
       LIMIT 1),
     now() - $2::bigint * interval '1 millisecond')";
@@ -175,12 +175,14 @@ mod tests {
     fn the_floor_holds_back_what_the_claim_holds_back() {
         let words = |sql: &str| sql.split_whitespace().collect::<Vec<_>>().join(" ");
         let claim = words(crate::claim::CLAIM_SQL);
-        let start = claim.find("NOT EXISTS (").expect("the claim's NOT EXISTS");
+        let start = claim
+            .find("(o.aggregate_sequence = 1 OR NOT EXISTS (")
+            .expect("the claim's hold-back condition");
         let end = claim[start..]
-            .find("earlier.published_at IS NULL)")
+            .find("earlier.published_at IS NULL))")
             .expect("its end")
             + start
-            + "earlier.published_at IS NULL)".len();
+            + "earlier.published_at IS NULL))".len();
         assert!(
             words(FLOOR_SQL).contains(&claim[start..end]),
             "{}",
