@@ -115,6 +115,40 @@ async fn outbox_rows_enforce_the_seed_000_contract() {
     tx.rollback().await.expect("rollback");
 }
 
+/// orders V11: ANALYZE of the outbox (frequent: it is a queue) computes no
+/// statistics of the columns no query filters on (the payload's were most
+/// of its cost: a sort of 30,000 jsonb documents); every other column keeps
+/// the default target.
+#[tokio::test]
+async fn the_outbox_keeps_no_statistics_of_its_payload() {
+    let client = pg(Database::Orders).await;
+    kit::migrations::run(&pool(Database::Orders), Database::Orders)
+        .await
+        .expect("migrate");
+    let targets: Vec<(String, i32)> = client
+        .query(
+            "SELECT attname::text, attstattarget::int FROM pg_attribute \
+             WHERE attrelid = 'public.outbox_events'::regclass AND attnum > 0 \
+               AND NOT attisdropped ORDER BY attnum",
+            &[],
+        )
+        .await
+        .expect("pg_attribute")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let none = ["payload", "traceparent", "tracestate", "last_error"];
+    for (column, target) in &targets {
+        let expected = if none.contains(&column.as_str()) {
+            0
+        } else {
+            -1
+        };
+        assert_eq!(*target, expected, "{column}: {targets:?}");
+    }
+    assert_eq!(targets.len(), 19, "{targets:?}");
+}
+
 /// Seed 000: the outbox row is immutable (migration V8). Every content
 /// column refuses an UPDATE naming it, even one writing the same value; the
 /// relay's columns (lease, mark, failures, quarantine) stay writable, and a
