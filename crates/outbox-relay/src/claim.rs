@@ -168,12 +168,15 @@ pub struct Claimed {
 /// (`available_at`), not under a live lease, and the lowest unpublished
 /// sequence of its order (the `NOT EXISTS`: any earlier unpublished row,
 /// whether leased by someone else, in backoff or quarantined, holds it
-/// back). The outer scan walks `outbox_dispatch_idx` in `available_at`
+/// back; an order's first event has nothing before it and skips the
+/// probe). The outer scan walks `outbox_dispatch_idx` in `available_at`
 /// order (oldest first) and the `NOT EXISTS` probes
 /// `outbox_pending_sequence_idx`; both are partial indexes on
 /// `published_at IS NULL`, so published rows cost nothing once vacuum has
 /// removed their entries (until then the walk steps over them: hence the
-/// floor).
+/// floor). The update finds each row by the version the CTE locked (`ctid`,
+/// and its event id): locked, it cannot change before the statement ends,
+/// and no primary-key lookup is needed.
 pub const CLAIM_SQL: &str = include_str!("claim.sql");
 
 fn millis(duration: Duration) -> i64 {
