@@ -426,9 +426,8 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                 kit::db::wait_until_ready(&pool, &shutdown).await?;
                 kit::migrations::run(&pool, D::DATABASE).await?;
                 let topology = topology_of(&settings)?;
-                let report =
-                    redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref(), max)
-                        .await?;
+                let (report, result) =
+                    redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref(), max).await;
                 for moved in &report.moved {
                     println!(
                         "moved {} {} order {} seq {} (was: {})",
@@ -451,7 +450,7 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                     topology.exchange(),
                     report.unparked.len()
                 );
-                Ok(())
+                result
             }
             Command::Migrate => {
                 let pool = kit::db::pool(&settings.database)?;

@@ -878,11 +878,25 @@ pub(crate) async fn publish(
     properties: &BasicProperties,
     headers: FieldTable,
 ) -> Result<(), Infra> {
+    let confirm = send(channel, exchange, routing_key, body, properties, headers).await?;
+    confirmed(confirm, routing_key).await
+}
+
+/// Publish (persistent, mandatory) without waiting for the confirm: its
+/// future, for [`confirmed`].
+pub(crate) async fn send(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: &BasicProperties,
+    headers: FieldTable,
+) -> Result<lapin::PublisherConfirm, Infra> {
     let properties = properties
         .clone()
         .with_headers(headers)
         .with_delivery_mode(2);
-    let confirm = channel
+    channel
         .basic_publish(
             ShortString::from(exchange),
             ShortString::from(routing_key),
@@ -894,7 +908,15 @@ pub(crate) async fn publish(
             properties,
         )
         .await
-        .map_err(|e| Infra::Broker(e.to_string()))?;
+        .map_err(|e| Infra::Broker(e.to_string()))
+}
+
+/// Wait (at most 30 s) for the broker's confirm of a message [`send`] sent
+/// to `routing_key`; only a plain Ack counts.
+pub(crate) async fn confirmed(
+    confirm: lapin::PublisherConfirm,
+    routing_key: &str,
+) -> Result<(), Infra> {
     let confirmation = tokio::time::timeout(Duration::from_secs(30), confirm)
         .await
         .map_err(|_| Infra::Broker(format!("no confirm from the broker for {routing_key}")))?

@@ -16,7 +16,7 @@ use lapin::{
 };
 
 use crate::{
-    process::{publish, the_event_s_own, Infra},
+    process::{confirmed, publish, send, the_event_s_own, Infra},
     topology::{self, headers, Topology},
 };
 
@@ -185,12 +185,13 @@ async fn discard(
 
 /// Put `letters` back in the dead-letter queue. Each is published there
 /// again as a new message and the one read is acknowledged after the
-/// broker's confirm: a nack with requeue would count a delivery against it
-/// every run, and a quorum queue with a delivery limit (RabbitMQ 4's
-/// default is 20) drops a message past it. An exact copy of a letter kept
-/// in this run (same event id and body: a crash in the window below, or an
-/// event dead-lettered twice) is dropped. After a failed move the channel
-/// may be gone: the letters are only returned (`broken`).
+/// broker's confirm (all published first, then the confirms awaited): a
+/// nack with requeue would count a delivery against it every run, and a
+/// quorum queue with a delivery limit (RabbitMQ 4's default is 20) drops a
+/// message past it. An exact copy of a letter kept in this run (same event
+/// id and body: a crash in the window below, or an event dead-lettered
+/// twice; only the first's headers are kept) is dropped. After a failed
+/// move the channel may be gone: the letters are only returned (`broken`).
 async fn keep(
     channel: &Channel,
     topology: &Topology,
@@ -200,6 +201,7 @@ async fn keep(
 ) -> anyhow::Result<()> {
     let dlq = topology.dead_letter_queue();
     let mut kept = HashSet::new();
+    let mut sent = Vec::new();
     for letter in letters {
         if broken {
             letter
@@ -239,7 +241,7 @@ async fn keep(
         // The broker's count of this message's deliveries: the copy is a
         // new message.
         table.remove(headers::DELIVERY_COUNT);
-        publish(
+        let confirm = send(
             channel,
             "",
             dlq.as_str(),
@@ -249,14 +251,21 @@ async fn keep(
         )
         .await
         .map_err(|error| anyhow::anyhow!("keeping {}: {error}", letter.event_id))?;
+        sent.push((letter, confirm));
+    }
+    for (letter, confirm) in sent {
+        confirmed(confirm, dlq.as_str())
+            .await
+            .map_err(|error| anyhow::anyhow!("keeping {}: {error}", letter.event_id))?;
         // Crash window: the copy is confirmed in the DLQ, the letter read
         // not yet acknowledged. A crash here returns it to the DLQ too: two
-        // copies, and the next redrive drops one of them.
+        // copies; a later redrive that reads both drops one (one that
+        // moves them moves both, and the inbox skips the second).
         kit::failpoint::crash_point("consumer.redrive.after_keep_before_ack");
         acknowledge(&letter.delivery, || {
             format!(
                 "dead letter {} was kept as a copy but could not be acknowledged (the channel \
-                 closed): the next redrive drops one of the two",
+                 closed): it is in the DLQ twice",
                 letter.event_id
             )
         })
@@ -285,25 +294,34 @@ async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bo
 }
 
 /// Drain the dead-letter queue (holding every message unacknowledged), move
-/// the selected ones back in per-order sequence order, return the others.
+/// the selected ones back in per-order sequence order, keep the others.
+/// The report says what was done also when the run failed part way (the
+/// letters not yet settled return to the DLQ when the connection closes).
 pub async fn redrive(
     pool: &PgPool,
     amqp: &kit::settings::AmqpSettings,
     topology: &Topology,
     only_order: Option<&str>,
     max: usize,
-) -> anyhow::Result<Report> {
+) -> (Report, anyhow::Result<()>) {
+    let mut report = Report::default();
     let shutdown = CancellationToken::new();
     let connection =
-        kit::amqp::connect(amqp, &format!("{}-redrive", topology.name), &shutdown).await?;
-    topology.check_and_declare(&connection, true).await?;
-    let channel = connection.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    let result = move_letters(pool, &channel, topology, only_order, max).await;
+        match kit::amqp::connect(amqp, &format!("{}-redrive", topology.name), &shutdown).await {
+            Ok(connection) => connection,
+            Err(error) => return (report, Err(error.into())),
+        };
+    let result = async {
+        topology.check_and_declare(&connection, true).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        move_letters(pool, &channel, topology, only_order, max, &mut report).await
+    }
+    .await;
     let _ = connection.close(200, "redrive done".into()).await;
-    result
+    (report, result)
 }
 
 async fn move_letters(
@@ -312,7 +330,8 @@ async fn move_letters(
     topology: &Topology,
     only_order: Option<&str>,
     max: usize,
-) -> anyhow::Result<Report> {
+    report: &mut Report,
+) -> anyhow::Result<()> {
     let mut letters = Vec::new();
     let mut drained = false;
     while letters.len() < max.max(1) {
@@ -344,7 +363,6 @@ async fn move_letters(
         }
     }
 
-    let mut report = Report::default();
     let mut selected: BTreeMap<String, Vec<Letter>> = BTreeMap::new();
     let mut others: Vec<Letter> = past_max.into_iter().collect();
     for letter in letters {
@@ -420,7 +438,7 @@ async fn move_letters(
                 ));
                 others.push(letter);
             } else if letter.sequence <= last {
-                discard(&mut report, letter, &order, "its sequence is applied").await?;
+                discard(report, letter, &order, "its sequence is applied").await?;
             } else if letters.iter().any(|l| l.event_id == letter.event_id) {
                 twins.push(letter);
             } else {
@@ -525,23 +543,14 @@ async fn move_letters(
                 .iter()
                 .any(|m| m.order == order && m.event_id == twin.event_id);
             if moved && failure.is_none() {
-                discard(
-                    &mut report,
-                    twin,
-                    &order,
-                    "its event moved as a readable copy",
-                )
-                .await?;
+                discard(report, twin, &order, "its event moved as a readable copy").await?;
             } else {
                 others.push(twin);
             }
         }
     }
-    keep(channel, topology, &mut report, others, failure.is_some()).await?;
-    match failure {
-        Some(error) => Err(error),
-        None => Ok(report),
-    }
+    keep(channel, topology, report, others, failure.is_some()).await?;
+    failure.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

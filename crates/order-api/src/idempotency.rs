@@ -316,8 +316,8 @@ pub async fn execute(
         let claim = tx.prepare_cached(CLAIM).await?;
         // Each statement of the transaction ends by itself shortly after the
         // budget left now (`statement_timeout`, [`SERVER_BACKSTOP_MS`] past
-        // it; 0 would mean none), should the cancel at the deadline not
-        // reach the server. Sent with the claim, in one write: `join` polls
+        // it, never above the sessions' own; 0 would mean none), should the
+        // cancel at the deadline not reach the server. Sent with the claim, in one write: `join` polls
         // the SET first, and a request is queued on the connection when
         // first polled; the server runs them in order. No extra round trip.
         let left_ms = deadline.left_ms();
@@ -326,7 +326,7 @@ pub async fn execute(
         }
         let limit = format!(
             "SET LOCAL statement_timeout = {}",
-            left_ms + 1 + SERVER_BACKSTOP_MS
+            (left_ms + 1 + SERVER_BACKSTOP_MS).min(crate::settings::STATEMENT_TIMEOUT_MS)
         );
         let (limited, claimed) =
             futures_util::future::join(tx.batch_execute(&limit), tx.query_opt(&claim, &params))

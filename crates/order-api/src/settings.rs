@@ -94,7 +94,8 @@ impl Settings {
     /// `idempotency_in_progress`); a request budget of 0 would answer every
     /// POST 503, and one above `statement_timeout` would raise the
     /// statements' limit it is meant to lower (`SET LOCAL statement_timeout`
-    /// to the budget left); a key TTL beyond an interval's range fails every
+    /// to the budget left plus a backstop, never above the sessions'); a key
+    /// TTL beyond an interval's range fails every
     /// POST.
     pub fn validate(&self) -> anyhow::Result<()> {
         let i = &self.idempotency;
@@ -132,8 +133,8 @@ impl Settings {
 }
 
 /// The `statement_timeout` of every session (`kit::db::SESSION_LIMITS`): a
-/// lock wait must end before it.
-const STATEMENT_TIMEOUT_MS: u64 = 30_000;
+/// lock wait must end before it, and a request's own limit never exceeds it.
+pub(crate) const STATEMENT_TIMEOUT_MS: u64 = 30_000;
 
 /// Ten years: far beyond any retention, far inside an interval's range.
 const MAX_TTL_SECONDS: u64 = 10 * 366 * 24 * 3600;

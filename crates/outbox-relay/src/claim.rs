@@ -174,9 +174,7 @@ pub struct Claimed {
 /// `outbox_pending_sequence_idx`; both are partial indexes on
 /// `published_at IS NULL`, so published rows cost nothing once vacuum has
 /// removed their entries (until then the walk steps over them: hence the
-/// floor). The update finds each row by the version the CTE locked (`ctid`,
-/// and its event id): locked, it cannot change before the statement ends,
-/// and no primary-key lookup is needed.
+/// floor).
 pub const CLAIM_SQL: &str = include_str!("claim.sql");
 
 fn millis(duration: Duration) -> i64 {

@@ -1,5 +1,5 @@
 WITH due AS (
-    SELECT o.ctid AS row_version, o.event_id, o.claimed_by AS previous_owner
+    SELECT o.event_id, o.claimed_by AS previous_owner
     FROM outbox_events o
     WHERE o.published_at IS NULL
       AND o.quarantined_at IS NULL
@@ -20,7 +20,7 @@ WITH due AS (
 UPDATE outbox_events t
 SET claimed_by = $1, claim_until = now() + $2::bigint * interval '1 millisecond'
 FROM due
-WHERE t.ctid = due.row_version AND t.event_id = due.event_id
+WHERE t.event_id = due.event_id
 RETURNING t.event_id, t.tenant_id, t.aggregate_type, t.aggregate_id, t.aggregate_sequence,
           t.event_type, t.schema_version, t.payload, t.traceparent, t.tracestate,
           t.occurred_at, t.attempt_count, due.previous_owner, t.claim_until
