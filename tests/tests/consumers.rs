@@ -844,21 +844,14 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     // it in the DLQ (fail point consumer.redrive.after_publish_before_ack):
     // the order is un-parked, the copy of sequence 1 is applied, and the
     // letter is back in the DLQ with the two behind it.
-    let crashed = run_redrive(
+    redrive_crashing_at(
         Kind::Loyalty,
         &name,
         &[],
-        &Options {
-            failpoints: Some("consumer.redrive.after_publish_before_ack=return".into()),
-            ..Options::default()
-        },
+        "consumer.redrive.after_publish_before_ack",
+        Options::default(),
     )
     .await;
-    assert!(
-        system_tests::system::aborted(&crashed.status),
-        "the redrive aborted at the fail point: {}",
-        String::from_utf8_lossy(&crashed.stderr)
-    );
     wait_sequence(Database::Loyalty, &name, bad.order, 1).await;
     assert_eq!(
         progress(Database::Loyalty, &name, bad.order).await,
@@ -1269,21 +1262,14 @@ async fn a_malformed_body_parks_its_order_and_a_replay_and_redrive_repair_it() {
         .wait_metric("consumer_dead_lettered_total", "", 5.0)
         .await;
     let second_id = second.to_string();
-    let crashed = run_redrive(
+    redrive_crashing_at(
         Kind::Inventory,
         &name,
         &["--order", &second_id],
-        &Options {
-            failpoints: Some("consumer.redrive.before_discard=return".to_owned()),
-            ..Options::one_partition()
-        },
+        "consumer.redrive.before_discard",
+        Options::one_partition(),
     )
     .await;
-    assert!(
-        system_tests::system::aborted(&crashed.status),
-        "aborted at the fail point: {:?}",
-        crashed.status
-    );
     wait_sequence(Database::Inventory, &name, second, 1).await;
     eventually("the malformed letter back in the DLQ", WAIT, || async {
         (live_counts(&format!("{name}.dlq")).await.0 == 1).then_some(())
@@ -2221,6 +2207,33 @@ async fn redrive(kind: Kind, name: &str, args: &[&str]) -> String {
     redrive_with(kind, name, args, Options::default()).await
 }
 
+/// Run a redrive that aborts at fail point `failpoint` (`return`), and
+/// check that it did.
+async fn redrive_crashing_at(
+    kind: Kind,
+    name: &str,
+    args: &[&str],
+    failpoint: &str,
+    options: Options,
+) {
+    let crashed = run_redrive(
+        kind,
+        name,
+        args,
+        &Options {
+            failpoints: Some(format!("{failpoint}=return")),
+            ..options
+        },
+    )
+    .await;
+    assert!(
+        system_tests::system::aborted(&crashed.status),
+        "the redrive aborted at {failpoint}: {:?}\n{}",
+        crashed.status,
+        String::from_utf8_lossy(&crashed.stderr)
+    );
+}
+
 /// [`redrive`] for a consumer run with `options` (its partitions).
 async fn redrive_with(kind: Kind, name: &str, args: &[&str], options: Options) -> String {
     let output = run_redrive(kind, name, args, &options).await;
@@ -2310,21 +2323,14 @@ async fn a_sale_without_stock_is_dead_lettered_and_redriven_per_order_after_the_
     // A redrive that dies after un-parking the order, before moving its
     // letter (`consumer.redrive.after_unpark_before_publish`): the order is
     // un-parked, the letter back in the DLQ; the next run moves it.
-    let crashed = run_redrive(
+    redrive_crashing_at(
         Kind::Inventory,
         &name,
         &["--order", &a.order.to_string()],
-        &Options {
-            failpoints: Some("consumer.redrive.after_unpark_before_publish=return".to_owned()),
-            ..Options::default()
-        },
+        "consumer.redrive.after_unpark_before_publish",
+        Options::default(),
     )
     .await;
-    assert!(
-        system_tests::system::aborted(&crashed.status),
-        "aborted at the fail point: {:?}",
-        crashed.status
-    );
     assert_eq!(
         progress(Database::Inventory, &name, a.order).await,
         Some((2, false)),
@@ -3011,21 +3017,14 @@ async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() 
         let report = redrive_with(Kind::Inventory, &name, &args, Options::one_partition()).await;
         assert!(!report.contains(&letter.event_id.to_string()), "{report}");
     }
-    let crashed = run_redrive(
+    redrive_crashing_at(
         Kind::Inventory,
         &name,
         &args,
-        &Options {
-            failpoints: Some("consumer.redrive.after_keep_before_ack=return".to_owned()),
-            ..Options::one_partition()
-        },
+        "consumer.redrive.after_keep_before_ack",
+        Options::one_partition(),
     )
     .await;
-    assert!(
-        system_tests::system::aborted(&crashed.status),
-        "aborted at the fail point: {:?}",
-        crashed.status
-    );
     let dlq = format!("{name}.dlq");
     eventually("the letter and its copy in the DLQ", WAIT, || async {
         (live_counts(&dlq).await.0 == 2).then_some(())

@@ -2661,12 +2661,7 @@ async fn the_claim_query_uses_the_partial_indexes() {
     let pending =
         index("%(aggregate_id, aggregate_type, aggregate_sequence) WHERE (published_at IS NULL)")
             .await;
-    let sql = CLAIM_SQL_FOR_EXPLAIN
-        .replace("$1", "'explain'")
-        .replace("$2", "30000")
-        .replace("$3", "500")
-        .replace("$4", "''")
-        .replace("$5", "'-infinity'");
+    let sql = claim_sql_for_explain(500, "-infinity");
     let plan = explain_analyze(&session, &sql).await;
     println!("{plan}");
     assert!(
@@ -2688,12 +2683,7 @@ async fn the_claim_query_uses_the_partial_indexes() {
     // Later events are probed and held back behind their order's
     // unpublished first event (leased, not published): a batch of 20,000
     // takes the 3,500 first events left and nothing else.
-    let wide = CLAIM_SQL_FOR_EXPLAIN
-        .replace("$1", "'explain'")
-        .replace("$2", "30000")
-        .replace("$3", "20000")
-        .replace("$4", "''")
-        .replace("$5", "'-infinity'");
+    let wide = claim_sql_for_explain(20000, "-infinity");
     let plan = explain_analyze(&session, &wide).await;
     println!("{plan}");
     assert!(
@@ -2716,12 +2706,7 @@ async fn the_claim_query_uses_the_partial_indexes() {
     assert_eq!(claimed, vec![(1, 4000)]);
     // The floor bounds the walk: the index scan starts at it, and a floor
     // above every row claims nothing.
-    let above_all = CLAIM_SQL_FOR_EXPLAIN
-        .replace("$1", "'explain'")
-        .replace("$2", "30000")
-        .replace("$3", "500")
-        .replace("$4", "''")
-        .replace("$5", "'infinity'");
+    let above_all = claim_sql_for_explain(500, "infinity");
     let plan = explain_analyze(&session, &above_all).await;
     println!("{plan}");
     assert!(
@@ -2816,6 +2801,17 @@ async fn explain_analyze(db: &impl tokio_postgres::GenericClient, sql: &str) -> 
 
 /// Must equal `outbox_relay::metrics::GAUGES_SQL` (the file the relay embeds).
 const GAUGES_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src/gauges.sql");
+
+/// The claim statement for `EXPLAIN`: instance `explain`, a 30 s lease,
+/// `batch` rows, every tenant, from `floor` (a timestamp literal).
+fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
+    CLAIM_SQL_FOR_EXPLAIN
+        .replace("$1", "'explain'")
+        .replace("$2", "30000")
+        .replace("$3", &batch.to_string())
+        .replace("$4", "''")
+        .replace("$5", &format!("'{floor}'"))
+}
 
 /// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and
 /// do not link the relay crate): the very file the relay embeds.
