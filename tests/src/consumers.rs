@@ -9,8 +9,8 @@ use futures_util::Future;
 use kit::amqp::{check_confirmation, lapin, PublishRejected};
 use lapin::{
     options::{
-        BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
-        ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+        BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
+        ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
     },
     types::{AMQPValue, FieldTable, LongString, ShortString},
     BasicProperties, Channel, Connection,
@@ -686,6 +686,37 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
     }
     let _ = connection.close(200, "ok".into()).await;
     letters
+}
+
+/// Read one message of `<consumer>.dlq` and return it to the queue (a nack
+/// with requeue, which the quorum queue counts): the `x-delivery-count` it
+/// was read with.
+pub async fn return_a_dead_letter(consumer: &str) -> Option<i64> {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let message = channel
+        .basic_get(
+            format!("{consumer}.dlq").as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .expect("basic.get on the dlq")
+        .expect("a dead letter");
+    let count = header_int(
+        message.delivery.properties.headers().as_ref(),
+        "x-delivery-count",
+    );
+    message
+        .delivery
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            multiple: false,
+        })
+        .await
+        .expect("nack");
+    let _ = connection.close(200, "ok".into()).await;
+    count
 }
 
 /// Number of messages ready in `queue`.

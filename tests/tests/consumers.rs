@@ -11,8 +11,8 @@ use system_tests::{
     bin,
     consumers::{
         drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
-        payment_received, queue_consumers, queue_depth, story, unique, Consumer, Kind, Message,
-        Options, Publisher, Story, TopologyGuard, TEST_TOKEN,
+        payment_received, queue_consumers, queue_depth, return_a_dead_letter, story, unique,
+        Consumer, Kind, Message, Options, Publisher, Story, TopologyGuard, TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -3000,7 +3000,8 @@ async fn a_redrive_keeps_letters_that_do_not_continue_their_order() {
 /// letter kept that many times. A redrive dying between the copy's confirm
 /// and the letter's acknowledgement (`consumer.redrive.after_keep_before_ack`)
 /// leaves two copies; the next redrive drops one. The letter left is the
-/// one dead-lettered, byte for byte, with its reason.
+/// one dead-lettered, byte for byte, with its reason, and no count of the
+/// two returns it had before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() {
     let (tenant, name, inventory, publisher) = one_partition_inventory("t5-keep").await;
@@ -3010,6 +3011,10 @@ async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() 
     inventory
         .wait_metric("consumer_dead_lettered_total", "", 1.0)
         .await;
+    // A return counts (and the header is read): the letter now has two.
+    let returned = return_a_dead_letter(&name).await;
+    assert_eq!(returned.unwrap_or(0), 0, "never delivered before");
+    assert_eq!(return_a_dead_letter(&name).await, Some(1));
     // Redrives of another order keep the letter each time.
     let other = Uuid::now_v7().to_string();
     let args = ["--order", other.as_str()];

@@ -2046,9 +2046,10 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
             "25000".to_owned(),
         ),
         (
-            // Room for a cold connection on a slow machine before the claim.
+            // Room for a cold connection on a slow machine before the claim,
+            // and for the test to see the request's backend waiting.
             "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "2000".to_owned(),
+            "3000".to_owned(),
         ),
     ])
     .await;
@@ -2104,7 +2105,7 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
     assert!(
         problem["detail"]
             .as_str()
-            .is_some_and(|d| d.contains("2000 ms") && d.contains("nothing was stored")),
+            .is_some_and(|d| d.contains("3000 ms") && d.contains("nothing was stored")),
         "{problem}"
     );
     assert_eq!(counts(&caller.tenant).await, nothing, "while held");

@@ -999,9 +999,35 @@ async fn consumer_phase(
 /// run), which belongs to what came before, not to the side measured next.
 async fn settle(db: &tokio_postgres::Client) {
     consumers::vacuum(db).await;
+    roll_over_quorum_wal().await;
     let waited = cpu::wait_quiet("rabbitmq", 0.25, Duration::from_secs(5)).await;
     if waited > Duration::from_millis(500) {
         println!("  (waited {waited:.1?} for RabbitMQ to finish earlier work)");
+    }
+}
+
+/// Start RabbitMQ's quorum-queue WAL afresh (`rabbitmqctl eval
+/// 'ra_log_wal:force_roll_over(ra_log_wal).'`; its entries are written out
+/// to the queues' segments, which [`settle`] then waits for), so that every
+/// side starts with an empty WAL and in-memory log tables, whatever earlier
+/// phases wrote (the WAL rolls over by itself at 512 MiB, inside whichever
+/// side happens to fill it). If `rabbitmqctl` cannot reach the node, the
+/// side runs without it and says so.
+async fn roll_over_quorum_wal() {
+    let output = tokio::task::spawn_blocking(|| {
+        std::process::Command::new("rabbitmqctl")
+            .args(["-q", "eval", "ra_log_wal:force_roll_over(ra_log_wal)."])
+            .output()
+    })
+    .await;
+    match output {
+        Ok(Ok(output)) if output.status.success() => {}
+        Ok(Ok(output)) => println!(
+            "  (could not roll RabbitMQ's quorum WAL over: {})",
+            String::from_utf8_lossy(&output.stderr).trim()
+        ),
+        Ok(Err(error)) => println!("  (could not run rabbitmqctl: {error})"),
+        Err(error) => println!("  (could not run rabbitmqctl: {error})"),
     }
 }
 

@@ -189,8 +189,9 @@ async fn discard(
 /// nack with requeue would count a delivery against it every run, and a
 /// quorum queue with a delivery limit (RabbitMQ 4's default is 20) drops a
 /// message past it. An exact copy of a letter kept in this run (same event
-/// id and body: a crash in the window below, or an event dead-lettered
-/// twice; only the first's headers are kept) is dropped. After a failed
+/// id, order, tenant, sequence and body: a crash in the window below, or an
+/// event dead-lettered twice; only the first's other headers are kept) is
+/// dropped. After a failed
 /// move the channel may be gone: the letters are only returned (`broken`).
 async fn keep(
     channel: &Channel,
@@ -204,19 +205,29 @@ async fn keep(
     let mut sent = Vec::new();
     for letter in letters {
         if broken {
-            letter
+            // Best effort: on a closed channel the broker returns it anyway,
+            // and the move's own error is the one to report.
+            if let Err(error) = letter
                 .delivery
                 .acker
                 .nack(BasicNackOptions {
                     requeue: true,
                     multiple: false,
                 })
-                .await?;
+                .await
+            {
+                tracing::debug!(%error, event_id = letter.event_id, "returning a letter failed");
+            }
             continue;
         }
-        if !letter.event_id.is_empty()
-            && !kept.insert((letter.event_id.clone(), letter.delivery.data.clone()))
-        {
+        let copy_of = (
+            letter.event_id.clone(),
+            letter.order.clone(),
+            letter.tenant.clone(),
+            letter.sequence,
+            letter.delivery.data.clone(),
+        );
+        if !letter.event_id.is_empty() && !kept.insert(copy_of) {
             acknowledge(&letter.delivery, || {
                 format!(
                     "a copy of dead letter {} could not be acknowledged (the channel closed): \

@@ -27,6 +27,7 @@ use actix_web::{http::StatusCode, HttpRequest, HttpResponse};
 use kit::failpoint::crash_point;
 use uuid::Uuid;
 
+use crate::settings::SERVER_BACKSTOP_MS;
 use crate::{
     error::{ApiError, RejectedError},
     operations, AppState,
@@ -178,14 +179,6 @@ pub struct Deadline {
     budget_ms: u64,
 }
 
-/// How long past the deadline the server ends a statement by itself
-/// (`statement_timeout`): a backstop for a cancel that cannot reach it. Were
-/// it the budget left exactly, the server could end a statement a moment
-/// before the deadline (whole milliseconds, counted from the statement's
-/// start) and the request would end one of two ways by a race; this way the
-/// cancel sent at the deadline ends it, and the connection is closed.
-const SERVER_BACKSTOP_MS: u64 = 250;
-
 /// How often the statement running past the budget is cancelled again, until
 /// the transaction's work returns (a cancel that reaches the server between
 /// two statements is ignored there).
@@ -316,17 +309,18 @@ pub async fn execute(
         let claim = tx.prepare_cached(CLAIM).await?;
         // Each statement of the transaction ends by itself shortly after the
         // budget left now (`statement_timeout`, [`SERVER_BACKSTOP_MS`] past
-        // it, never above the sessions' own; 0 would mean none), should the
-        // cancel at the deadline not reach the server. Sent with the claim, in one write: `join` polls
-        // the SET first, and a request is queued on the connection when
-        // first polled; the server runs them in order. No extra round trip.
+        // it; settings.rs keeps that within the sessions' own; 0 would mean
+        // none), should the cancel at the deadline not reach the server.
+        // Sent with the claim, in one write: `join` polls the SET first, and
+        // a request is queued on the connection when first polled; the
+        // server runs them in order. No extra round trip.
         let left_ms = deadline.left_ms();
         if left_ms == 0 {
             return Err(deadline.exceeded());
         }
         let limit = format!(
             "SET LOCAL statement_timeout = {}",
-            (left_ms + 1 + SERVER_BACKSTOP_MS).min(crate::settings::STATEMENT_TIMEOUT_MS)
+            left_ms + 1 + SERVER_BACKSTOP_MS
         );
         let (limited, claimed) =
             futures_util::future::join(tx.batch_execute(&limit), tx.query_opt(&claim, &params))

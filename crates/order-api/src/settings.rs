@@ -37,8 +37,9 @@ pub struct IdempotencySettings {
     /// How long a loser waits for the key's owner before 409 idempotency_in_progress
     /// (PostgreSQL `lock_timeout` of every session).
     pub lock_timeout_ms: u64,
-    /// The time budget of one POST (milliseconds, 1 to the sessions'
-    /// `statement_timeout` of 30 000), counted from the request's start: the
+    /// The time budget of one POST (milliseconds, 1 to 29 749: with its
+    /// 250 ms backstop it stays within the sessions' `statement_timeout` of
+    /// 30 000), counted from the request's start: the
     /// pool wait, the transaction's statements and its lock waits all end
     /// within it (the statement running when it runs out is cancelled; the
     /// transaction runs with `statement_timeout` = the budget left plus
@@ -108,9 +109,10 @@ impl Settings {
             STATEMENT_TIMEOUT_MS - 1
         );
         anyhow::ensure!(
-            (1..=STATEMENT_TIMEOUT_MS).contains(&i.request_budget_ms),
-            "idempotency.request_budget_ms must be 1 to {STATEMENT_TIMEOUT_MS} (the sessions' \
-             statement_timeout: the budget only ever shortens it)"
+            (1..=MAX_REQUEST_BUDGET_MS).contains(&i.request_budget_ms),
+            "idempotency.request_budget_ms must be 1 to {MAX_REQUEST_BUDGET_MS} (the budget, \
+             plus the server's {SERVER_BACKSTOP_MS} ms backstop behind the cancel at its end, \
+             stays within the sessions' statement_timeout of {STATEMENT_TIMEOUT_MS} ms)"
         );
         anyhow::ensure!(
             (1..=MAX_TTL_SECONDS).contains(&i.ttl_seconds),
@@ -135,6 +137,19 @@ impl Settings {
 /// The `statement_timeout` of every session (`kit::db::SESSION_LIMITS`): a
 /// lock wait must end before it, and a request's own limit never exceeds it.
 pub(crate) const STATEMENT_TIMEOUT_MS: u64 = 30_000;
+
+/// How long past a request's deadline the server ends a statement by
+/// itself (`statement_timeout`): a backstop for a cancel that cannot reach
+/// it. Were it the budget left exactly, the server could end a statement a
+/// moment before the deadline (whole milliseconds, counted from the
+/// statement's start) and the request would end one of two ways by a race;
+/// this way the cancel sent at the deadline ends it, and its connection is
+/// closed.
+pub(crate) const SERVER_BACKSTOP_MS: u64 = 250;
+
+/// The largest request budget: whole milliseconds rounded up, plus the
+/// backstop, within the sessions' `statement_timeout`.
+const MAX_REQUEST_BUDGET_MS: u64 = STATEMENT_TIMEOUT_MS - SERVER_BACKSTOP_MS - 1;
 
 /// Ten years: far beyond any retention, far inside an interval's range.
 const MAX_TTL_SECONDS: u64 = 10 * 366 * 24 * 3600;
@@ -163,8 +178,8 @@ mod tests {
             "{error}"
         );
         assert!(with(|s| s.idempotency.request_budget_ms = 0).is_err());
-        assert!(with(|s| s.idempotency.request_budget_ms = 30_000).is_ok());
-        assert!(with(|s| s.idempotency.request_budget_ms = 30_001).is_err());
+        assert!(with(|s| s.idempotency.request_budget_ms = 29_749).is_ok());
+        assert!(with(|s| s.idempotency.request_budget_ms = 29_750).is_err());
         // A lock wait ends at whichever bound comes first.
         assert!(with(|s| {
             s.idempotency.request_budget_ms = 500;
