@@ -3083,13 +3083,31 @@ async fn redrive_one_partition(name: &str, order: Uuid) -> String {
 /// event is held behind it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
+    crash_around_the_park("consumer.after_dead_letter_before_park", None).await;
+}
+
+/// A crash after the park commits, before the message's acknowledgement
+/// (`consumer.after_park_before_ack`): the order is parked, the message is
+/// redelivered and dead-lettered again as held behind the park. Two copies
+/// of the letter, nothing lost, and the order's next event is held too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_park_and_the_ack_letters_the_event_twice() {
+    crash_around_the_park("consumer.after_park_before_ack", Some((0, true))).await;
+}
+
+/// An undecodable first event of an order to a consumer crashing at
+/// `failpoint` once, with the order's progress `after_crash` then; a
+/// restarted consumer dead-letters the redelivered message, the order ends
+/// parked, its next event is held behind it, and the DLQ holds both copies
+/// of the letter and the held event.
+async fn crash_around_the_park(failpoint: &str, after_crash: Option<(i64, bool)>) {
     let tenant = unique("t5-crash-park");
     let name = unique("t5-crash-park-inv");
     let crashing = Consumer::start(
         Kind::Inventory,
         &name,
         Options {
-            failpoints: Some("consumer.after_dead_letter_before_park=1*return".to_owned()),
+            failpoints: Some(format!("{failpoint}=1*return")),
             ..Options::one_partition()
         },
     )
@@ -3101,8 +3119,8 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
     let _crashed = aborted_at_its_fail_point(crashing).await;
     assert_eq!(
         progress(Database::Inventory, &name, order).await,
-        None,
-        "the park rolled back with the crash"
+        after_crash,
+        "the order's progress after the crash at {failpoint}"
     );
 
     let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;

@@ -48,6 +48,13 @@
 //!   before the acknowledgement;
 //! - `consumer.after_republish_before_ack`: a crash point after a retry or
 //!   deferral copy is confirmed, before the message is acknowledged;
+//! - `consumer.after_dead_letter_before_ack`, `..._before_park`,
+//!   `consumer.after_park_before_ack`: crash points after a dead letter is
+//!   confirmed (before the acknowledgement, or before the order's park
+//!   commits) and after the park commits;
+//! - `consumer.redrive.after_unpark_before_publish`,
+//!   `..._after_publish_before_ack`, `..._after_keep_before_ack`,
+//!   `..._before_discard`: crash points of `redrive` (README's crash table);
 //! - `consumer.handler_error`: the handler fails (not a crash): `return` for
 //!   every event, `return(<order id or event id>)` for one order or event,
 //!   `N*return(...)` for the first N evaluations;

@@ -797,6 +797,11 @@ impl<D: Domain> Processor<D> {
         // duplicate), nothing lost.
         kit::failpoint::crash_point("consumer.after_dead_letter_before_park");
         tx.commit().await?;
+        // Crash window: the order is parked, the message not acknowledged.
+        // It is redelivered and, at or past the parked sequence, dead-
+        // lettered again as held behind the park: a second copy of the
+        // letter (as above), nothing lost.
+        kit::failpoint::crash_point("consumer.after_park_before_ack");
         self.metrics.parked_orders.inc();
         Ok(())
     }
