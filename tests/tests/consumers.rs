@@ -188,7 +188,21 @@ async fn loyalty(tenant: &str) -> Vec<(String, i64, Uuid, Uuid)> {
 }
 
 async fn receipt(consumer: &Consumer, tenant: &str, receipt_id: &str, qty: i64) -> (u16, Value) {
-    let response = reqwest::Client::new()
+    let response = send_receipt(consumer, tenant, receipt_id, qty)
+        .await
+        .expect("POST /stock/receipts");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// `POST /stock/receipts` of `qty` JKT-M at WH-1.
+async fn send_receipt(
+    consumer: &Consumer,
+    tenant: &str,
+    receipt_id: &str,
+    qty: i64,
+) -> reqwest::Result<reqwest::Response> {
+    reqwest::Client::new()
         .post(format!(
             "{}/stock/receipts?tenant={tenant}",
             consumer.base_url()
@@ -197,9 +211,44 @@ async fn receipt(consumer: &Consumer, tenant: &str, receipt_id: &str, qty: i64) 
         .json(&json!({"receipt_id": receipt_id, "sku": "JKT-M", "location": "WH-1", "qty": qty}))
         .send()
         .await
-        .expect("POST /stock/receipts");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// A crash right after a stock receipt commits, before its answer
+/// (`inventory.receipt.after_commit`): the client gets no answer and
+/// retries the same receipt id on the restarted consumer: 200
+/// `Idempotent-Replayed`, one receipt movement, the stock counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_retried_after_a_crash_past_its_commit_counts_once() {
+    let tenant = unique("t5-crash-receipt");
+    let name = unique("t5-crash-receipt-inv");
+    let crashing = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            failpoints: Some("inventory.receipt.after_commit=1*return".to_owned()),
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    let lost = send_receipt(&crashing, &tenant, "R-1", 48).await;
+    assert!(lost.is_err(), "no answer from a dying process: {lost:?}");
+    let crashed = aborted_at_its_fail_point(crashing).await;
+    let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+    let (status, body) = receipt(&restarted, &tenant, "R-1", 48).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["replayed"], json!(true), "{body}");
+    assert_eq!(body["level"]["on_hand"], json!(48), "{body}");
+    let movements = movements(&tenant).await;
+    assert_eq!(movements.len(), 1, "{movements:?}");
+    assert_eq!(
+        (
+            movements[0].0.as_str(),
+            movements[0].1,
+            movements[0].6.as_deref()
+        ),
+        ("receipt", 48, Some("R-1"))
+    );
+    drop(crashed);
 }
 
 async fn start_all(prefix: &str, options: &Options) -> (Consumer, Consumer, Consumer) {
