@@ -221,15 +221,7 @@ async fn send_receipt(
 async fn a_receipt_retried_after_a_crash_past_its_commit_counts_once() {
     let tenant = unique("t5-crash-receipt");
     let name = unique("t5-crash-receipt-inv");
-    let crashing = Consumer::start(
-        Kind::Inventory,
-        &name,
-        Options {
-            failpoints: Some("inventory.receipt.after_commit=1*return".to_owned()),
-            ..Options::one_partition()
-        },
-    )
-    .await;
+    let crashing = crashing_inventory(&name, "inventory.receipt.after_commit").await;
     let lost = send_receipt(&crashing, &tenant, "R-1", 48).await;
     assert!(lost.is_err(), "no answer from a dying process: {lost:?}");
     let crashed = aborted_at_its_fail_point(crashing).await;
@@ -3152,15 +3144,7 @@ async fn a_crash_between_the_park_and_the_ack_letters_the_event_twice() {
 async fn crash_around_the_park(failpoint: &str, after_crash: Option<(i64, bool)>) {
     let tenant = unique("t5-crash-park");
     let name = unique("t5-crash-park-inv");
-    let crashing = Consumer::start(
-        Kind::Inventory,
-        &name,
-        Options {
-            failpoints: Some(format!("{failpoint}=1*return")),
-            ..Options::one_partition()
-        },
-    )
-    .await;
+    let crashing = crashing_inventory(&name, failpoint).await;
     let publisher = Publisher::connect().await;
     let order = Uuid::now_v7();
     let poison = order_placed(&tenant, order, 1, "77", 1).as_version_99();
@@ -3213,15 +3197,7 @@ async fn crash_around_the_park(failpoint: &str, after_crash: Option<(i64, bool)>
 async fn a_crash_after_a_dead_letter_before_the_ack_letters_it_twice_and_flows_on() {
     let tenant = unique("t5-crash-dl");
     let name = unique("t5-crash-dl-inv");
-    let crashing = Consumer::start(
-        Kind::Inventory,
-        &name,
-        Options {
-            failpoints: Some("consumer.after_dead_letter_before_ack=1*return".to_owned()),
-            ..Options::one_partition()
-        },
-    )
-    .await;
+    let crashing = crashing_inventory(&name, "consumer.after_dead_letter_before_ack").await;
     let publisher = Publisher::connect().await;
     let mut malformed = order_placed(&tenant, Uuid::now_v7(), 1, "77", 1);
     malformed.body = b"{\"event_id\": \"not json".to_vec();
@@ -3272,6 +3248,20 @@ async fn aborted_at_its_fail_point(consumer: Consumer) -> Consumer {
         "aborted at the fail point: {status:?}"
     );
     consumer
+}
+
+/// A one-partition inventory consumer `name` whose fail point `failpoint`
+/// aborts it the first time it is reached.
+async fn crashing_inventory(name: &str, failpoint: &str) -> Consumer {
+    Consumer::start(
+        Kind::Inventory,
+        name,
+        Options {
+            failpoints: Some(format!("{failpoint}=1*return")),
+            ..Options::one_partition()
+        },
+    )
+    .await
 }
 
 /// Wait (off the runtime) for `consumer`'s process to exit, at most
