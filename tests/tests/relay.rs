@@ -393,6 +393,12 @@ impl Relay {
 
 /// Run an `outbox-relay` admin subcommand; (success, stdout + stderr).
 async fn admin(args: &[&str], env: &[(&str, String)]) -> (bool, String) {
+    let (status, text) = admin_run(args, env).await;
+    (status.success(), text)
+}
+
+/// [`admin`], with the process's exit status.
+async fn admin_run(args: &[&str], env: &[(&str, String)]) -> (std::process::ExitStatus, String) {
     let output = tokio::process::Command::new(system_tests::bin("outbox-relay"))
         .args(args)
         .env("OUTBOX_RELAY__DATABASE__URL", pg_url(Database::Orders))
@@ -409,7 +415,7 @@ async fn admin(args: &[&str], env: &[(&str, String)]) -> (bool, String) {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    (output.status.success(), text)
+    (output.status, text)
 }
 
 /// What most tests start from: a fresh tenant (also the name of its private
@@ -1657,13 +1663,31 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
     assert!(relay.metric("outbox_publish_failures_total").await >= 6);
     relay.stop();
 
-    // `requeue --all` releases every quarantined row of the relay's tenant
-    // (only the three: other tests' rows share the table).
-    let (ok, output) = admin(
+    // A requeue that dies before its commit (`relay.requeue.before_commit`)
+    // releases nothing.
+    let only_tenant = ("OUTBOX_RELAY__RELAY__ONLY_TENANT", tenant.clone());
+    let (status, output) = admin_run(
         &["requeue", "--all"],
-        &[("OUTBOX_RELAY__RELAY__ONLY_TENANT", tenant.clone())],
+        &[
+            only_tenant.clone(),
+            (
+                "FAILPOINTS",
+                "relay.requeue.before_commit=return".to_owned(),
+            ),
+        ],
     )
     .await;
+    assert!(
+        system_tests::system::aborted(&status),
+        "{status:?}: {output}"
+    );
+    let quarantined = "SELECT count(*) FROM outbox_events \
+                       WHERE tenant_id = $1 AND quarantined_at IS NOT NULL";
+    assert_eq!(count(&db, quarantined, &tenant).await, 3, "{output}");
+
+    // `requeue --all` releases every quarantined row of the relay's tenant
+    // (only the three: other tests' rows share the table).
+    let (ok, output) = admin(&["requeue", "--all"], &[only_tenant]).await;
     assert!(ok, "{output}");
     assert!(
         output.contains("released 3 event(s); 3 later event(s)"),

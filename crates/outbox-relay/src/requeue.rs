@@ -87,6 +87,10 @@ pub async fn requeue(pool: &PgPool, target: &Target) -> anyhow::Result<(Vec<Rele
         tx.execute("SELECT pg_notify('outbox_events', '')", &[])
             .await?;
     }
+    // Crash window: before the commit nothing is released (run it again);
+    // after it the rows are released, and only this report is lost (the
+    // relays publish them; a second run finds nothing quarantined).
+    kit::failpoint::crash_point("relay.requeue.before_commit");
     tx.commit().await?;
     let held = held - i64::try_from(released.len()).unwrap_or(0);
     Ok((released, held.max(0)))
