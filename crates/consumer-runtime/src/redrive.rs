@@ -191,8 +191,8 @@ async fn discard(
 /// message past it. An exact copy of a letter kept in this run (same event
 /// id, order, tenant, sequence and body: a crash in the window below, or an
 /// event dead-lettered twice; only the first's other headers are kept) is
-/// dropped. After a failed
-/// move the channel may be gone: the letters are only returned (`broken`).
+/// dropped. After a failed move the channel may be gone: the letters are
+/// only returned (`broken`).
 async fn keep(
     channel: &Channel,
     topology: &Topology,

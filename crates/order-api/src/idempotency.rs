@@ -27,10 +27,11 @@ use actix_web::{http::StatusCode, HttpRequest, HttpResponse};
 use kit::failpoint::crash_point;
 use uuid::Uuid;
 
-use crate::settings::SERVER_BACKSTOP_MS;
 use crate::{
     error::{ApiError, RejectedError},
-    operations, AppState,
+    operations,
+    settings::SERVER_BACKSTOP_MS,
+    AppState,
 };
 
 pub const HEADER: &str = "Idempotency-Key";
@@ -226,8 +227,9 @@ impl Deadline {
     /// only on this path), again every [`CANCEL_AGAIN`] until `work`
     /// returns; the cancels are sent while `work` goes on being polled.
     /// The server bounds each statement by itself too, a little later
-    /// (`statement_timeout`, see [`execute`]): this ends the sum. Also returns whether a cancel
-    /// was sent: a cancel request is delivered to the session
+    /// (`statement_timeout`, see [`execute`]): this ends the sum. Also
+    /// returns whether a cancel was sent: a cancel request is delivered to
+    /// the session
     /// asynchronously (tokio-postgres does not wait for the server to act on
     /// it), so it may still reach the session after `work` returned, and
     /// that connection must not serve another request (the caller discards

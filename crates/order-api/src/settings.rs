@@ -39,9 +39,8 @@ pub struct IdempotencySettings {
     pub lock_timeout_ms: u64,
     /// The time budget of one POST (milliseconds, 1 to 29 749: with its
     /// 250 ms backstop it stays within the sessions' `statement_timeout` of
-    /// 30 000), counted from the request's start: the
-    /// pool wait, the transaction's statements and its lock waits all end
-    /// within it (the statement running when it runs out is cancelled; the
+    /// 30 000), counted from the request's start: the pool wait, the
+    /// transaction's statements and its lock waits all end within it (the statement running when it runs out is cancelled; the
     /// transaction runs with `statement_timeout` = the budget left plus
     /// 250 ms, a backstop should the cancel not reach the server). Past
     /// it, before COMMIT is sent, the transaction rolls back: 503
@@ -93,11 +92,10 @@ impl Settings {
     /// effect one at or above the sessions' `statement_timeout` (the wait
     /// ends as a cancelled statement, a 503, not 409
     /// `idempotency_in_progress`); a request budget of 0 would answer every
-    /// POST 503, and one above `statement_timeout` would raise the
-    /// statements' limit it is meant to lower (`SET LOCAL statement_timeout`
-    /// to the budget left plus a backstop, never above the sessions'); a key
-    /// TTL beyond an interval's range fails every
-    /// POST.
+    /// POST 503, and one that with its backstop passes `statement_timeout`
+    /// would raise the statements' limit it is meant to lower (`SET LOCAL
+    /// statement_timeout` to the budget left plus the backstop); a key TTL
+    /// beyond an interval's range fails every POST.
     pub fn validate(&self) -> anyhow::Result<()> {
         let i = &self.idempotency;
         anyhow::ensure!(
@@ -136,7 +134,7 @@ impl Settings {
 
 /// The `statement_timeout` of every session (`kit::db::SESSION_LIMITS`): a
 /// lock wait must end before it, and a request's own limit never exceeds it.
-pub(crate) const STATEMENT_TIMEOUT_MS: u64 = 30_000;
+const STATEMENT_TIMEOUT_MS: u64 = 30_000;
 
 /// How long past a request's deadline the server ends a statement by
 /// itself (`statement_timeout`): a backstop for a cancel that cannot reach
