@@ -3187,6 +3187,51 @@ async fn crash_around_the_park(failpoint: &str, after_crash: Option<(i64, bool)>
     drop(_crashed);
 }
 
+/// A stale copy of an applied event whose inbox row was cleaned up gets a
+/// new inbox row; a crash after that commit, before the acknowledgement
+/// (`consumer.stale.after_commit`), redelivers it to the restarted consumer
+/// as a plain duplicate: the stock reserved once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_stale_copy_s_commit_leaves_a_duplicate() {
+    let tenant = unique("t5-crash-stale");
+    let name = unique("t5-crash-stale-inv");
+    let crashing = crashing_inventory(&name, "consumer.stale.after_commit").await;
+    assert_eq!(receipt(&crashing, &tenant, "R-1", 48).await.0, 201);
+    let publisher = Publisher::connect().await;
+    let order = Uuid::now_v7();
+    let placed = order_placed(&tenant, order, 1, "77", 2);
+    publisher.to_consumer(&name, &placed).await;
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+    // The inbox row cleaned up (past its retention), then a copy arrives.
+    let deleted = pg(Database::Inventory)
+        .await
+        .execute(
+            "DELETE FROM processed_events WHERE consumer_name = $1 AND event_id = $2",
+            &[&name, &placed.event_id],
+        )
+        .await
+        .expect("clean the inbox row");
+    assert_eq!(deleted, 1);
+    publisher.to_consumer(&name, &placed).await;
+    let crashed = aborted_at_its_fail_point(crashing).await;
+
+    let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+    restarted
+        .wait_metric("consumer_duplicates_total", "", 1.0)
+        .await;
+    assert_eq!(restarted.metric("consumer_stale_total", "").await, 0.0);
+    let kinds: Vec<(String, i64)> = movements(&tenant)
+        .await
+        .into_iter()
+        .map(|m| (m.0, m.1))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![("receipt".to_owned(), 48), ("reserve".to_owned(), 2)]
+    );
+    drop(crashed);
+}
+
 /// A crash after a letter dead-lettered alone (here a malformed body whose
 /// metadata names no sequence: no order to park) is confirmed and before
 /// its message is acknowledged

@@ -45,7 +45,8 @@
 //! - `consumer.in_handler`: a crash point inside the transaction, before the
 //!   handler (`return` aborts the process; `sleep(ms)` slows it down);
 //! - `consumer.after_commit_before_ack`: a crash point after the commit,
-//!   before the acknowledgement;
+//!   before the acknowledgement (`consumer.stale.after_commit`: the same
+//!   for a stale copy's inbox row);
 //! - `consumer.after_republish_before_ack`: a crash point after a retry or
 //!   deferral copy is confirmed, before the message is acknowledged;
 //! - `consumer.after_dead_letter_before_ack`, `..._before_park`,

@@ -455,6 +455,9 @@ impl<D: Domain> Processor<D> {
             // Applied before (its inbox row may be gone after cleanup); keep the
             // inbox row so the next copy is a plain duplicate.
             tx.commit().await?;
+            // Crash window: the inbox row is committed, the message not
+            // acknowledged: redelivered, it is a duplicate.
+            kit::failpoint::crash_point("consumer.stale.after_commit");
             self.metrics.stale.inc();
             tracing::info!(event_id = %raw.event_id, sequence, last, "stale event acknowledged");
             return Ok(Outcome::Stale);
