@@ -719,6 +719,19 @@ pub async fn return_a_dead_letter(consumer: &str) -> Option<i64> {
     count
 }
 
+/// Rows in the inbox (`processed_events`) of consumer `name` in `db`.
+pub async fn inbox_count(db: Database, name: &str) -> i64 {
+    crate::pg(db)
+        .await
+        .query_one(
+            "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("inbox count")
+        .get(0)
+}
+
 /// Number of messages ready in `queue`.
 pub async fn queue_depth(queue: &str) -> u32 {
     let connection = connect().await;

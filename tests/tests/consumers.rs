@@ -10,9 +10,10 @@ use serde_json::{json, Value};
 use system_tests::{
     bin,
     consumers::{
-        drain_dead_letters, eventually, management, message, order_placed, parcel_delivered,
-        payment_received, queue_consumers, queue_depth, return_a_dead_letter, story, unique,
-        Consumer, Kind, Message, Options, Publisher, Story, TopologyGuard, TEST_TOKEN,
+        drain_dead_letters, eventually, inbox_count, management, message, order_placed,
+        parcel_delivered, payment_received, queue_consumers, queue_depth, return_a_dead_letter,
+        story, unique, Consumer, Kind, Message, Options, Publisher, Story, TopologyGuard,
+        TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -2535,16 +2536,11 @@ async fn a_tenant_filtered_consumer_acknowledges_other_tenants_events_without_ef
     assert_eq!(loyalty(&mine).await.len(), 1);
     assert!(loyalty(&other).await.is_empty());
     assert_eq!(progress(Database::Loyalty, &name, b.order).await, None);
-    let inbox: i64 = pg(Database::Loyalty)
-        .await
-        .query_one(
-            "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
-            &[&name],
-        )
-        .await
-        .expect("inbox")
-        .get(0);
-    assert_eq!(inbox, 3, "only this tenant's events are in the inbox");
+    assert_eq!(
+        inbox_count(Database::Loyalty, &name).await,
+        3,
+        "only this tenant's events are in the inbox"
+    );
 }
 
 /// Acknowledgements are cumulative (one `multiple` ack per batch), but a
@@ -2598,7 +2594,7 @@ async fn an_idle_consumer_has_acknowledged_everything_it_applied() {
         assert_eq!(ready, 0, "nothing requeued on partition {p} after kill -9");
     }
     assert_eq!(
-        consumer_inbox(&name).await,
+        inbox_count(Database::Loyalty, &name).await,
         37,
         "every event applied exactly once"
     );
@@ -2620,18 +2616,6 @@ async fn inside_its_transaction(admin: &tokio_postgres::Client, application_name
         (busy > 0).then_some(())
     })
     .await;
-}
-
-async fn consumer_inbox(name: &str) -> i64 {
-    pg(Database::Loyalty)
-        .await
-        .query_one(
-            "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
-            &[&name],
-        )
-        .await
-        .expect("inbox")
-        .get(0)
 }
 
 /// (ready messages, consumers) of `queue`, straight from the broker.

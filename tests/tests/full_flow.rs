@@ -16,7 +16,7 @@ use futures_util::{stream, StreamExt};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use system_tests::{
-    consumers::{eventually, Kind},
+    consumers::{eventually, inbox_count, Kind},
     pg,
     system::{bind_consumer, skus, unbind_consumer, Member, OrderPlan, System, SystemOptions},
     Database,
@@ -97,15 +97,7 @@ async fn wait_applied_by(consumers: impl Iterator<Item = &Member>, events: i64) 
             || {
                 let name = name.clone();
                 async move {
-                    let applied: i64 = pg(db)
-                        .await
-                        .query_one(
-                            "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
-                            &[&name],
-                        )
-                        .await
-                        .expect("count")
-                        .get(0);
+                    let applied = inbox_count(db, &name).await;
                     assert!(applied <= events, "{name} applied {applied} > {events}");
                     (applied == events).then_some(())
                 }
@@ -523,19 +515,11 @@ async fn a_listener_added_later_catches_up_through_a_replay_without_dead_letters
     deliver(early.clone()).await;
     let pending = place("late-2", "78").await;
     wait_applied_by(others(), 5).await;
-    let loyalty_applied = || async {
-        let applied: i64 = pg(Database::Loyalty)
-            .await
-            .query_one(
-                "SELECT count(*) FROM processed_events WHERE consumer_name = $1",
-                &[&loyalty.name],
-            )
-            .await
-            .expect("count")
-            .get(0);
-        applied
-    };
-    assert_eq!(loyalty_applied().await, 0, "loyalty has not joined yet");
+    assert_eq!(
+        inbox_count(Database::Loyalty, &loyalty.name).await,
+        0,
+        "loyalty has not joined yet"
+    );
 
     // The listener joins (it receives every event from now on), then the
     // runbook's replay hands it the history.

@@ -423,13 +423,21 @@ async fn admin_run(args: &[&str], env: &[(&str, String)]) -> (std::process::Exit
 /// connection and channel, and a collector consuming one queue bound to the
 /// exchange for the event type.
 async fn subscribed(kind: &str) -> (String, String, Client, Connection, Channel, Collector) {
+    let (tenant, event_type, db, connection, channel) = fresh_tenant(kind).await;
+    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    (tenant, event_type, db, connection, channel, collector)
+}
+
+/// [`subscribed`] without the queue and its collector: a fresh tenant (its
+/// private exchange), an event type `<kind><id>`, the orders database, an
+/// AMQP connection and channel.
+async fn fresh_tenant(kind: &str) -> (String, String, Client, Connection, Channel) {
     let tenant = format!("relaytest-{}", short_id());
     let event_type = format!("{kind}{}", short_id());
     let db = db(&tenant).await;
     let (connection, channel) = amqp(&tenant).await;
-    let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
-    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
-    (tenant, event_type, db, connection, channel, collector)
+    (tenant, event_type, db, connection, channel)
 }
 
 /// A message received by a test queue.
@@ -1745,10 +1753,7 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
 /// bound it is published and the gauge falls back to 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_oldest_pending_age_shows_a_stuck_event_and_falls_once_it_is_published() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestAge{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
+    let (tenant, event_type, db, connection, channel) = fresh_tenant("RelayTestAge").await;
     let events = orders_with_events(1, 1, &event_type);
     insert_occurred(&db, &tenant, &events, |_| ago(Duration::from_secs(600))).await;
     let mut relay = Relay::start(&tenant, &[]);
@@ -1808,10 +1813,7 @@ async fn relay_backends(db: &Client, instance: &str) -> (i64, f64) {
 /// must see exactly that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_transaction_stays_open_while_the_relay_publishes() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestNoTx{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
+    let (tenant, event_type, db, connection, channel) = fresh_tenant("RelayTestNoTx").await;
     let queue = bound_queue(&channel, &tenant, &[&event_type]).await;
     let sample_every = Duration::from_millis(20);
 
@@ -2404,10 +2406,7 @@ async fn drop_fake_consumer(channel: &Channel, name: &str, queues: &[String]) {
 /// byte-identical to the original publish; another consumer sees nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_redelivers_a_range_to_one_consumer_only_in_order() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestReplay{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
+    let (tenant, event_type, db, connection, channel) = fresh_tenant("RelayTestReplay").await;
     let target = format!("relaytest{}", short_id());
     let bystander = format!("relaytest{}", short_id());
     let target_queues = fake_consumer(&channel, &tenant, &target, 2).await;
@@ -2582,10 +2581,7 @@ async fn waiting(queues: &[String]) -> u32 {
 /// nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_running_it_again() {
-    let tenant = format!("relaytest-{}", short_id());
-    let event_type = format!("RelayTestPurge{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
+    let (tenant, event_type, db, connection, channel) = fresh_tenant("RelayTestPurge").await;
     let target = format!("relaytest{}", short_id());
     let queues = fake_consumer(&channel, &tenant, &target, 2).await;
     let events = orders_with_events(3, 2, &event_type);
