@@ -149,13 +149,42 @@ async fn the_outbox_keeps_no_statistics_of_its_payload() {
     assert_eq!(targets.len(), 19, "{targets:?}");
 }
 
-/// Seed 000: the outbox row is immutable (migration V8). Every content
+/// Seed 000: the outbox row is immutable (migrations V8, V12). Every content
 /// column refuses an UPDATE naming it, even one writing the same value; the
 /// relay's columns (lease, mark, failures, quarantine) stay writable, and a
-/// row may be deleted (cleanup).
+/// row may be deleted (cleanup). The check runs AFTER the update: a BEFORE
+/// ROW trigger makes PostgreSQL lock every updated row first, a WAL record
+/// per mark (V12).
 #[tokio::test]
 async fn outbox_rows_are_immutable_but_the_relays_columns_are_not() {
     let mut client = pg(Database::Orders).await;
+    kit::migrations::run(&pool(Database::Orders), Database::Orders)
+        .await
+        .expect("migrate");
+    let triggers: Vec<String> = client
+        .query(
+            "SELECT pg_get_triggerdef(oid) FROM pg_trigger \
+             WHERE tgrelid = 'public.outbox_events'::regclass AND NOT tgisinternal \
+             ORDER BY tgname",
+            &[],
+        )
+        .await
+        .expect("pg_trigger")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        triggers,
+        [
+            "CREATE TRIGGER outbox_events_immutable AFTER UPDATE OF event_id, tenant_id, \
+             aggregate_type, aggregate_id, aggregate_sequence, event_type, schema_version, \
+             payload, occurred_at, traceparent, tracestate ON public.outbox_events FOR EACH ROW \
+             EXECUTE FUNCTION outbox_events_immutable()",
+            "CREATE TRIGGER outbox_events_notify AFTER INSERT ON public.outbox_events \
+             FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_notify()",
+        ],
+        "no BEFORE ROW trigger on the outbox (each would lock every row the relay marks)"
+    );
     // Rolled back at the end: no relay ever sees the row.
     let mut tx = client.transaction().await.expect("begin");
     let event_id = uuid::Uuid::now_v7();

@@ -109,6 +109,8 @@ pub struct Results {
     pub e2e: Latency,
     /// CPU seconds per process group, per measured interval.
     pub cpu: BTreeMap<String, (u64, cpu::Usage)>,
+    /// PostgreSQL's WAL during each side of the relay phase.
+    pub relay_wal: BTreeMap<String, (u64, relay::Wal)>,
     /// Peak RSS (KiB) per service binary, over every process of the run.
     pub peak_rss_kib: BTreeMap<String, u64>,
     /// (second, orders, p50 ms, max ms) of the end-to-end run.
@@ -445,6 +447,11 @@ fn record_cpu(results: &mut Results, label: &str, events: u64, usage: cpu::Usage
     results.cpu.insert(label.to_owned(), (events, usage));
 }
 
+fn record_wal(results: &mut Results, label: &str, events: u64, wal: relay::Wal) {
+    println!("  PostgreSQL WAL: {}", wal.per_event(events));
+    results.relay_wal.insert(label.to_owned(), (events, wal));
+}
+
 /// Receipts of every SKU for the raw tenant (the same stock as the system's).
 async fn receive_raw_stock(system: &System, tenant: &str) {
     for sku in system_tests::system::skus() {
@@ -769,6 +776,7 @@ async fn relay_drains(
     sink: &relay::Sink,
     results: &mut Results,
 ) -> anyhow::Result<i64> {
+    relay::checkpoint(orders).await?;
     let backlog = relay::top_up(orders, &system.tenant, settings.events).await?;
     println!("  backlog: {backlog} unpublished events");
     // The relay's own defaults (what `start_system` runs it with): the raw
@@ -793,6 +801,7 @@ async fn relay_drains(
     let connection = system_tests::consumers::connect().await;
     settle(orders).await;
     let before = sink.delivered();
+    let wal = relay::Wal::read(orders).await?;
     let meter = cpu::Meter::start();
     let recorder = sink.record();
     results.relay_raw = relay::raw_publish(&connection, messages.clone(), workers, window).await;
@@ -805,10 +814,13 @@ async fn relay_drains(
     report::print_drain("raw confirm-publish", &results.relay_raw);
     let events = results.relay_raw.events;
     record_cpu(results, "2. relay raw", events, meter.stop());
+    let wal = relay::Wal::read(orders).await?.since(wal);
+    record_wal(results, "2. relay raw", events, wal);
     drop(messages);
     phase("2. one relay draining the backlog");
     results.relay_one = drain(system, orders, sink, backlog, 1, results).await?;
     phase("2. two relays draining the same backlog again");
+    relay::checkpoint(orders).await?;
     relay::reset(orders, &system.tenant).await;
     results.relay_two = drain(system, orders, sink, backlog, 2, results).await?;
     Ok(backlog)
@@ -834,6 +846,7 @@ async fn drain(
     // The same state as before the raw loop: the database vacuumed, RabbitMQ
     // done with the previous side's publishes.
     settle(orders).await;
+    let wal = relay::Wal::read(orders).await?;
     let meter = cpu::Meter::start();
     let before = sink.delivered();
     let recorder = sink.record();
@@ -851,11 +864,18 @@ async fn drain(
     )
     .await;
     let cpu = meter.stop();
+    let wal_after = relay::Wal::read(orders).await;
     let timeline = recorder.finish();
     stop_relays(system);
     let mut drain = drain?;
     drain.timeline = timeline;
     record_cpu(results, &format!("2. {label}"), drain.events, cpu);
+    record_wal(
+        results,
+        &format!("2. {label}"),
+        drain.events,
+        wal_after?.since(wal),
+    );
     report::print_drain(&label, &drain);
     Ok(drain)
 }

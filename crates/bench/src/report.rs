@@ -218,6 +218,28 @@ pub fn table(r: &Results) -> String {
             );
         }
     }
+    if !r.relay_wal.is_empty() {
+        let _ = writeln!(
+            md,
+            "\nPostgreSQL's WAL per event in the relay phase (a checkpoint before each backlog is loaded: load and drain share a checkpoint cycle):\n"
+        );
+        let _ = writeln!(
+            md,
+            "| Interval | events | WAL records | WAL bytes | full-page images | checkpoints started |"
+        );
+        let _ = writeln!(md, "|---|---|---|---|---|---|");
+        for (label, (events, wal)) in &r.relay_wal {
+            let n = (*events).max(1) as f64;
+            let _ = writeln!(
+                md,
+                "| {label} | {events} | {:.1} | {:.0} | {:.2} | {} |",
+                wal.records as f64 / n,
+                wal.bytes as f64 / n,
+                wal.full_pages as f64 / n,
+                wal.checkpoints
+            );
+        }
+    }
     md
 }
 
