@@ -44,6 +44,28 @@ pub struct Drain {
     pub timeline: Vec<u64>,
 }
 
+impl Drain {
+    /// Two runs of the same loop as one: events over the sum of their
+    /// spans (and wall times), timelines one after the other.
+    pub fn then(mut self, next: Drain) -> Drain {
+        let events = self.events + next.events;
+        let wall_seconds = self.wall_seconds + next.wall_seconds;
+        let span_seconds = self.span_seconds + next.span_seconds;
+        self.timeline.extend(next.timeline);
+        Drain {
+            events,
+            wall_seconds,
+            span_seconds,
+            per_second: if span_seconds > 0.0 {
+                events as f64 / span_seconds
+            } else {
+                0.0
+            },
+            timeline: self.timeline,
+        }
+    }
+}
+
 /// PostgreSQL's write-ahead log over an interval (`pg_stat_wal` and the
 /// checkpoint counters of `pg_stat_bgwriter`, read before and after).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -72,6 +94,15 @@ impl Wal {
             bytes: row.get(2),
             checkpoints: row.get(3),
         })
+    }
+
+    pub fn plus(self, other: Wal) -> Wal {
+        Wal {
+            records: self.records + other.records,
+            bytes: self.bytes + other.bytes,
+            full_pages: self.full_pages + other.full_pages,
+            checkpoints: self.checkpoints + other.checkpoints,
+        }
     }
 
     pub fn since(self, before: Wal) -> Wal {
