@@ -66,23 +66,34 @@ impl Drain {
     }
 }
 
-/// PostgreSQL's write-ahead log over an interval (`pg_stat_wal` and the
-/// checkpoint counters of `pg_stat_bgwriter`, read before and after).
+/// PostgreSQL's write-ahead log over an interval: bytes from the WAL insert
+/// position, records and full-page images from `pg_stat_wal`, checkpoints
+/// from `pg_stat_bgwriter`, read before and after.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Wal {
     pub records: i64,
     pub bytes: i64,
     /// Full-page images: each page's first change after a checkpoint.
     pub full_pages: i64,
-    /// Checkpoints started in the interval (timed or requested).
+    /// Checkpoints started (a drain's: since the `CHECKPOINT` before its
+    /// backlog was written).
     pub checkpoints: i64,
 }
 
 impl Wal {
+    /// The counters now. A backend reports its WAL to `pg_stat_wal` at most
+    /// once a second, and at its exit: this connection's own (the backlog's
+    /// writes, `settle`'s VACUUM) is flushed first (PostgreSQL 15's
+    /// `pg_stat_force_next_flush`, which takes effect when the statement
+    /// ends), so that it lands before the interval, not inside it; read the
+    /// end of an interval after its other connections have closed.
     pub async fn read(db: &Client) -> anyhow::Result<Wal> {
+        db.batch_execute("SELECT pg_stat_force_next_flush()")
+            .await?;
         let row = db
             .query_one(
-                "SELECT w.wal_records, w.wal_fpi, w.wal_bytes::bigint,
+                "SELECT w.wal_records, w.wal_fpi,
+                        (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint,
                         b.checkpoints_timed + b.checkpoints_req
                    FROM pg_stat_wal w, pg_stat_bgwriter b",
                 &[],
@@ -114,11 +125,12 @@ impl Wal {
         }
     }
 
-    /// "9.3 records, 672 bytes, 0.00 full pages per event; 0 checkpoints"
+    /// "7.3 records, 565 bytes, 0.00 full-page images per event; 0
+    /// checkpoints started"
     pub fn per_event(&self, events: u64) -> String {
         let n = events.max(1) as f64;
         format!(
-            "{:.1} records, {:.0} bytes, {:.2} full-page images per event; {} checkpoints",
+            "{:.1} records, {:.0} bytes, {:.2} full-page images per event; {} checkpoint(s) started",
             self.records as f64 / n,
             self.bytes as f64 / n,
             self.full_pages as f64 / n,
@@ -127,19 +139,48 @@ impl Wal {
     }
 }
 
-/// Start a checkpoint now and wait for it (`CHECKPOINT`). Run before a
-/// backlog is written, it puts that backlog and its drain in one
-/// checkpoint cycle: the drain then writes no full-page images for the
-/// pages the load dirtied, as a relay publishing rows milliseconds after
-/// their insert does not, instead of writing them or not by chance (a
-/// checkpoint starting inside a drain cost PostgreSQL 77 µs per event
-/// against 60 without, session 16). The next checkpoint is then
-/// `checkpoint_timeout` (5 min) or ~0.5 GiB of WAL away, far more than a
-/// load and its drain take.
-pub async fn checkpoint(db: &Client) -> anyhow::Result<()> {
-    println!("  CHECKPOINT (the backlog and its drain in one checkpoint cycle)");
+/// Start a checkpoint now and wait for it (`CHECKPOINT`); the checkpoint
+/// counter after it. Run before a backlog is written (the rows made
+/// unpublished again by [`reset`]), it puts that backlog and its drain in
+/// one checkpoint cycle: the drain then writes no full-page images for the
+/// pages the backlog's writes changed, as a relay publishing rows
+/// milliseconds after their insert does not. Before, whether a checkpoint
+/// started inside a drain was chance; one that did cost PostgreSQL 77 µs
+/// per event against 60 (session 16). The next checkpoint is then
+/// `checkpoint_timeout` (5 min) or ~0.5 GiB of WAL away: with the default
+/// 100,000 events the reset, the settle and the drain take well under a
+/// minute and ~150 MB; a drain that sees one anyway says so.
+pub async fn checkpoint(db: &Client) -> anyhow::Result<i64> {
+    println!("  CHECKPOINT, then the backlog written again (the backlog and its drain in one checkpoint cycle)");
     db.batch_execute("CHECKPOINT").await?;
-    Ok(())
+    Ok(Wal::read(db).await?.checkpoints)
+}
+
+/// Wait (at most 10 s) until no connection of a relay is left in
+/// `pg_stat_activity`: a backend reports the last of its WAL counters at
+/// its exit.
+pub async fn wait_relay_backends_gone(db: &Client) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: i64 = match db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+                &[&format!("{} %", outbox_relay::SERVICE)],
+            )
+            .await
+        {
+            Ok(row) => row.get(0),
+            Err(_) => return,
+        };
+        if left == 0 {
+            return;
+        }
+        if Instant::now() > deadline {
+            println!("  ({left} relay connections still open after 10 s: their last WAL counters may be missing)");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The sink of the relay phase: a quorum queue bound `#` to the system's

@@ -221,11 +221,11 @@ pub fn table(r: &Results) -> String {
     if !r.relay_wal.is_empty() {
         let _ = writeln!(
             md,
-            "\nPostgreSQL's WAL per event in the relay phase (a checkpoint before each backlog is loaded: load and drain share a checkpoint cycle):\n"
+            "\nPostgreSQL's WAL per event in the relay phase (a CHECKPOINT before each drain's backlog is written: backlog and drain share a checkpoint cycle; the raw loop writes nothing to PostgreSQL, its rows are the background's):\n"
         );
         let _ = writeln!(
             md,
-            "| Interval | events | WAL records | WAL bytes | full-page images | checkpoints started |"
+            "| Interval | events | WAL records | WAL bytes | full-page images | checkpoints started (drains: since the backlog's CHECKPOINT) |"
         );
         let _ = writeln!(md, "|---|---|---|---|---|---|");
         for (label, (events, wal)) in &r.relay_wal {
