@@ -2738,3 +2738,57 @@ async fn stored_resource_id(tenant: &str, endpoint: &str, key: &str) -> Option<u
         .expect("read key")
         .get(0)
 }
+
+/// Crash window of `order-api api-key create` (fail point
+/// `order_api.api_key.after_commit`): the tenant and the key's hash are
+/// committed, the key not printed. The process dies without a key on its
+/// output; the tenant exists once, the lost key is a row no one can present
+/// (only its hash is stored), and the next run prints a key that is stored
+/// beside it.
+#[tokio::test]
+async fn an_api_key_lost_to_a_crash_after_its_commit_is_replaced_by_the_next_run() {
+    use std::os::unix::process::ExitStatusExt;
+    let tenant = unique_tenant("keycrash");
+    let crashed = std::process::Command::new(system_tests::bin("order-api"))
+        .args(["api-key", "create", "--tenant", &tenant])
+        .env("FAILPOINTS", "order_api.api_key.after_commit=return")
+        .output()
+        .expect("run order-api api-key create");
+    assert_eq!(
+        crashed.status.signal(),
+        Some(6),
+        "aborted at the fail point: {}",
+        String::from_utf8_lossy(&crashed.stderr)
+    );
+    assert!(crashed.stdout.is_empty(), "no key printed: {crashed:?}");
+    let db = pg(Database::Orders).await;
+    let count = |table: &'static str| {
+        let db = &db;
+        let tenant = tenant.clone();
+        async move {
+            db.query_one(
+                &format!("SELECT count(*) FROM {table} WHERE tenant_id = $1"),
+                &[&tenant],
+            )
+            .await
+            .expect("count")
+            .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(count("tenants").await, 1);
+    assert_eq!(count("api_keys").await, 1);
+
+    let key = api_key(&tenant);
+    assert_eq!(count("tenants").await, 1);
+    assert_eq!(count("api_keys").await, 2);
+    let stored: i64 = db
+        .query_one(
+            "SELECT count(*) FROM api_keys WHERE tenant_id = $1 AND key_prefix = $2 \
+             AND revoked_at IS NULL",
+            &[&tenant, &&key[..10]],
+        )
+        .await
+        .expect("the new key's row")
+        .get(0);
+    assert_eq!(stored, 1, "the printed key {key} is the one stored");
+}
