@@ -2970,6 +2970,72 @@ async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
     );
 }
 
+/// `redrive --order X` when the DLQ holds none of X's letters (here: drained
+/// by hand) un-parks X, and a crash right after the un-park
+/// (`consumer.redrive.after_unpark_without_letters`) loses only the run's
+/// report: X is un-parked, the next run finds nothing to do, and X applies
+/// its next event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_crashing_after_unparking_an_order_without_letters_leaves_it_unparked() {
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-redrive-bare").await;
+    let order = Uuid::now_v7();
+    publisher
+        .to_consumer(
+            &name,
+            &order_placed(&tenant, order, 1, "77", 1).as_version_99(),
+        )
+        .await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((0, true))
+    );
+    assert_eq!(
+        drain_dead_letters(&name).await.len(),
+        1,
+        "the letter removed"
+    );
+
+    let id = order.to_string();
+    redrive_crashing_at(
+        Kind::Inventory,
+        &name,
+        &["--order", &id],
+        "consumer.redrive.after_unpark_without_letters",
+        Options::one_partition(),
+    )
+    .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((0, false)),
+        "un-parked before the crash"
+    );
+    let again = redrive_with(
+        Kind::Inventory,
+        &name,
+        &["--order", &id],
+        Options::one_partition(),
+    )
+    .await;
+    assert!(
+        !again.contains("unparked order"),
+        "nothing left to do: {again}"
+    );
+    assert!(drain_dead_letters(&name).await.is_empty(), "{again}");
+
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 5).await.0, 201);
+    publisher
+        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 1))
+        .await;
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((1, false))
+    );
+}
+
 /// A redrive moves an order's letters only when they continue it without a
 /// hole: with the letter of sequence 3 in the DLQ while the order has
 /// applied only 1 (2 never came, or lies past `--max`), moving 3 would only

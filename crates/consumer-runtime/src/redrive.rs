@@ -403,6 +403,10 @@ async fn move_letters(
                 others.extend(letters);
             }
         } else if !selected.contains_key(order) && unpark(pool, &topology.name, order).await? {
+            // Crash window: the order is un-parked (the DLQ holds none of its
+            // letters: nothing to move); the letters read stay in the DLQ,
+            // and only this run's report is lost.
+            kit::failpoint::crash_point("consumer.redrive.after_unpark_without_letters");
             report.unparked.push(order.to_owned());
         }
     }
