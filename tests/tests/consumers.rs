@@ -2997,6 +2997,13 @@ async fn a_redrive_crashing_after_unparking_an_order_without_letters_leaves_it_u
         1,
         "the letter removed"
     );
+    // Another order's letter, read by the redrive and not moved.
+    let other = Uuid::now_v7();
+    let other_letter = order_placed(&tenant, other, 1, "77", 1).as_version_99();
+    publisher.to_consumer(&name, &other_letter).await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 2.0)
+        .await;
 
     let id = order.to_string();
     redrive_crashing_at(
@@ -3023,7 +3030,13 @@ async fn a_redrive_crashing_after_unparking_an_order_without_letters_leaves_it_u
         !again.contains("unparked order"),
         "nothing left to do: {again}"
     );
-    assert!(drain_dead_letters(&name).await.is_empty(), "{again}");
+    let left = drain_dead_letters(&name).await;
+    assert_eq!(left.len(), 1, "{again}");
+    assert_eq!(left[0].aggregate_id, Some(other.to_string()));
+    assert_eq!(
+        left[0].body, other_letter.body,
+        "the other order's letter, byte for byte"
+    );
 
     assert_eq!(receipt(&inventory, &tenant, "R-1", 5).await.0, 201);
     publisher

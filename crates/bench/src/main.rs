@@ -872,13 +872,16 @@ async fn drain(
     };
     // Each drain's backlog written in the checkpoint cycle of its drain
     // (the API's rows among it too, which the first drain would otherwise
-    // find last changed before a checkpoint).
-    let checkpoints = relay::checkpoint(orders).await?;
-    relay::reset(orders, &system.tenant).await;
+    // find last changed before a checkpoint), the same way for both.
+    let checkpoints = relay::rewrite_in_a_fresh_checkpoint_cycle(orders, &system.tenant).await?;
     // The same state as before the raw loop: the database vacuumed, RabbitMQ
     // done with the previous side's publishes.
     settle(orders).await;
     let wal = relay::Wal::read(orders).await?;
+    let relays_since: time::OffsetDateTime = orders
+        .query_one("SELECT clock_timestamp()", &[])
+        .await?
+        .get(0);
     let meter = cpu::Meter::start();
     let before = sink.delivered();
     let recorder = sink.record();
@@ -898,13 +901,14 @@ async fn drain(
     let cpu = meter.stop();
     let timeline = recorder.finish();
     stop_relays(system);
-    relay::wait_relay_backends_gone(orders).await;
+    relay::wait_relay_backends_gone(orders, relays_since).await;
     let mut drain = drain?;
     drain.timeline = timeline;
     record_cpu(results, &format!("2. {label}"), drain.events, cpu);
     let after = relay::Wal::read(orders).await?;
     let mut wal = after.since(wal);
-    wal.checkpoints = after.checkpoints - checkpoints;
+    // The CHECKPOINT's own is not the drain's.
+    wal.checkpoints = (after.checkpoints - checkpoints - 1).max(0);
     if wal.checkpoints > 0 {
         println!(
             "  warning: {} checkpoint(s) started between the CHECKPOINT before the backlog \

@@ -87,6 +87,9 @@ impl Wal {
     /// `pg_stat_force_next_flush`, which takes effect when the statement
     /// ends), so that it lands before the interval, not inside it; read the
     /// end of an interval after its other connections have closed.
+    /// PostgreSQL 15 or 16 (the project's is 15): `pg_stat_force_next_flush`
+    /// came in 15, and 17 moved the checkpoint counters out of
+    /// `pg_stat_bgwriter`.
     pub async fn read(db: &Client) -> anyhow::Result<Wal> {
         db.batch_execute("SELECT pg_stat_force_next_flush()")
             .await?;
@@ -139,33 +142,51 @@ impl Wal {
     }
 }
 
-/// Start a checkpoint now and wait for it (`CHECKPOINT`); the checkpoint
-/// counter after it. Run before a backlog is written (the rows made
-/// unpublished again by [`reset`]), it puts that backlog and its drain in
-/// one checkpoint cycle: the drain then writes no full-page images for the
-/// pages the backlog's writes changed, as a relay publishing rows
-/// milliseconds after their insert does not. Before, whether a checkpoint
-/// started inside a drain was chance; one that did cost PostgreSQL 77 µs
-/// per event against 60 (session 16). The next checkpoint is then
-/// `checkpoint_timeout` (5 min) or ~0.5 GiB of WAL away: with the default
-/// 100,000 events the reset, the settle and the drain take well under a
-/// minute and ~150 MB; a drain that sees one anyway says so.
-pub async fn checkpoint(db: &Client) -> anyhow::Result<i64> {
-    println!("  CHECKPOINT, then the backlog written again (the backlog and its drain in one checkpoint cycle)");
+/// Write the tenant's backlog again inside a fresh checkpoint cycle: every
+/// row marked published (as a drain leaves them), `CHECKPOINT`, then every
+/// row made unpublished again ([`reset`]). The reset then changes
+/// `published_at`, so each row gets a new version and index entries written
+/// after the checkpoint, whichever drain comes next (from rows still
+/// unpublished, it would be a HOT update touching no index, and the
+/// drain's marks would then write full-page images of the index pages).
+/// Backlog and drain share one checkpoint cycle, as in steady traffic a
+/// relay publishes rows milliseconds after their insert changed their
+/// pages. Before, whether a checkpoint started inside a drain was chance;
+/// one that did cost PostgreSQL 77 µs per event against 65 in the next
+/// drain (session 16). The next checkpoint is then `checkpoint_timeout` (5
+/// min) or ~0.5 GiB of WAL away: with the default 100,000 events the
+/// rewrite, the settle and the drain take well under a minute and ~200 MB.
+/// Returns the checkpoint counter read *before* the `CHECKPOINT` (the
+/// checkpointer releases the waiting backend before it reports its count):
+/// a drain that ends with a count above it plus one saw another.
+pub async fn rewrite_in_a_fresh_checkpoint_cycle(db: &Client, tenant: &str) -> anyhow::Result<i64> {
+    println!(
+        "  backlog marked published, CHECKPOINT, backlog made unpublished again (backlog and \
+         drain in one checkpoint cycle)"
+    );
+    db.execute(
+        "UPDATE outbox_events SET published_at = now() WHERE tenant_id = $1 AND published_at IS NULL",
+        &[&tenant],
+    )
+    .await?;
+    let before = Wal::read(db).await?.checkpoints;
     db.batch_execute("CHECKPOINT").await?;
-    Ok(Wal::read(db).await?.checkpoints)
+    reset(db, tenant).await;
+    Ok(before)
 }
 
-/// Wait (at most 10 s) until no connection of a relay is left in
-/// `pg_stat_activity`: a backend reports the last of its WAL counters at
-/// its exit.
-pub async fn wait_relay_backends_gone(db: &Client) {
+/// Wait (at most 10 s) until no relay connection opened since `since` (the
+/// database's clock: the bench's relays, not those of another run on the
+/// same server) is left in `pg_stat_activity`: a backend reports the last
+/// of its WAL counters at its exit.
+pub async fn wait_relay_backends_gone(db: &Client, since: time::OffsetDateTime) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let left: i64 = match db
             .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
-                &[&format!("{} %", outbox_relay::SERVICE)],
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name LIKE $1 AND backend_start >= $2",
+                &[&format!("{} %", outbox_relay::SERVICE), &since],
             )
             .await
         {
