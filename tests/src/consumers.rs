@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use futures_util::Future;
-use kit::amqp::{check_confirmation, lapin, PublishRejected};
+use kit::amqp::{check_confirmation, int_header, lapin, str_header, PublishRejected};
 use lapin::{
     options::{
         BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
@@ -634,27 +634,6 @@ pub struct DeadLetter {
     pub delivery_count: Option<i64>,
 }
 
-fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
-    match headers?.inner().get(name)? {
-        AMQPValue::LongLongInt(n) => Some(*n),
-        AMQPValue::LongInt(n) => Some(i64::from(*n)),
-        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
-        _ => None,
-    }
-}
-
-fn header_string(headers: Option<&FieldTable>, name: &str) -> Option<String> {
-    match headers?.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
-}
-
 /// Messages currently in `<consumer>.dlq` (reads and acknowledges them: they
 /// are removed).
 pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
@@ -672,10 +651,10 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
         let headers = message.delivery.properties.headers().as_ref();
         letters.push(DeadLetter {
             body: message.delivery.data.clone(),
-            reason: header_string(headers, "x-dead-letter-reason").unwrap_or_default(),
-            aggregate_id: header_string(headers, "aggregate_id"),
-            attempts: header_int(headers, "x-consumer-attempts"),
-            delivery_count: header_int(headers, "x-delivery-count"),
+            reason: str_header(headers, "x-dead-letter-reason").unwrap_or_default(),
+            aggregate_id: str_header(headers, "aggregate_id"),
+            attempts: int_header(headers, "x-consumer-attempts"),
+            delivery_count: int_header(headers, "x-delivery-count"),
         });
         message
             .delivery
@@ -702,7 +681,7 @@ pub async fn return_a_dead_letter(consumer: &str) -> Option<i64> {
         .await
         .expect("basic.get on the dlq")
         .expect("a dead letter");
-    let count = header_int(
+    let count = int_header(
         message.delivery.properties.headers().as_ref(),
         "x-delivery-count",
     );

@@ -13,6 +13,7 @@
 use std::time::Duration;
 
 use kit::amqp::reply_code;
+pub(crate) use kit::amqp::{int_header, str_header};
 use lapin::{
     options::{
         ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -340,33 +341,6 @@ pub(crate) fn clean_headers(existing: Option<&FieldTable>) -> FieldTable {
         }
     }
     table
-}
-
-/// An integer header (any AMQP integer type).
-pub(crate) fn int_header(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
-    let value = headers?.inner().get(name)?;
-    match value {
-        AMQPValue::LongLongInt(v) => Some(*v),
-        AMQPValue::LongInt(v) => Some(i64::from(*v)),
-        AMQPValue::LongUInt(v) => Some(i64::from(*v)),
-        AMQPValue::ShortInt(v) => Some(i64::from(*v)),
-        AMQPValue::ShortUInt(v) => Some(i64::from(*v)),
-        AMQPValue::ShortShortInt(v) => Some(i64::from(*v)),
-        AMQPValue::ShortShortUInt(v) => Some(i64::from(*v)),
-        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
-        AMQPValue::ShortString(s) => s.as_str().parse().ok(),
-        _ => None,
-    }
-}
-
-/// A string header.
-pub(crate) fn str_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
-    let value = headers?.inner().get(name)?;
-    match value {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
 }
 
 pub(crate) fn set_int(table: &mut FieldTable, name: &str, value: i64) {

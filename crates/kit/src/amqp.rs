@@ -12,8 +12,9 @@ use std::sync::{
 use std::time::Duration;
 
 use lapin::{
-    options::ExchangeDeclareOptions, types::FieldTable, Channel, Confirmation, Connection,
-    ConnectionProperties, ExchangeKind,
+    options::ExchangeDeclareOptions,
+    types::{AMQPValue, FieldTable},
+    Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -217,6 +218,33 @@ pub async fn closed(connection: &Connection) -> lapin::Error {
             return lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(state));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// An integer header (any AMQP integer type, or a decimal string).
+pub fn int_header(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
+    let value = headers?.inner().get(name)?;
+    match value {
+        AMQPValue::LongLongInt(v) => Some(*v),
+        AMQPValue::LongInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
+        AMQPValue::ShortString(s) => s.as_str().parse().ok(),
+        _ => None,
+    }
+}
+
+/// A string header (long or short string).
+pub fn str_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    let value = headers?.inner().get(name)?;
+    match value {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
     }
 }
 
