@@ -54,8 +54,9 @@
 //!   confirmed (before the acknowledgement, or before the order's park
 //!   commits) and after the park commits;
 //! - `consumer.redrive.after_unpark_before_publish`,
-//!   `..._after_publish_before_ack`, `..._after_keep_before_ack`,
-//!   `..._before_discard`: crash points of `redrive` (README's crash table);
+//!   `..._after_unpark_without_letters`, `..._after_publish_before_ack`,
+//!   `..._after_keep_before_ack`, `..._before_discard`: crash points of
+//!   `redrive` (README's crash table);
 //! - `consumer.handler_error`: the handler fails (not a crash): `return` for
 //!   every event, `return(<order id or event id>)` for one order or event,
 //!   `N*return(...)` for the first N evaluations;

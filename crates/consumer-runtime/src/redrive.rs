@@ -37,8 +37,8 @@ pub struct Report {
     pub unparked: Vec<String>,
     /// Messages left in the dead-letter queue, with why.
     pub kept: Vec<String>,
-    /// Malformed letters dropped: their sequence is applied, or moved as a
-    /// readable copy.
+    /// Letters dropped: malformed ones whose sequence is applied or whose
+    /// event moved as a readable copy, and exact copies of a letter kept.
     pub discarded: Vec<String>,
 }
 
@@ -155,32 +155,39 @@ async fn acknowledge(delivery: &Delivery, lost: impl FnOnce() -> String) -> anyh
     Ok(())
 }
 
-/// Acknowledge (drop) a malformed `letter` of `order` that is no longer
-/// needed, saying `why` in the report.
-async fn discard(
+/// Acknowledge (drop) `letter`, no longer needed; `line` is its entry in
+/// the report's `discarded`.
+async fn discard(report: &mut Report, letter: Letter, line: String) -> anyhow::Result<()> {
+    // Crash window: a crash before this acknowledgement leaves the letter
+    // in the DLQ (unacknowledged, the broker returns it); the next redrive
+    // finds it needless again (its sequence applied, its readable copy
+    // moved, or an exact copy of it kept) and drops it then. After it, the
+    // letter is gone: it could never have applied, or a copy stays.
+    kit::failpoint::crash_point("consumer.redrive.before_discard");
+    acknowledge(&letter.delivery, || {
+        format!(
+            "letter {} could not be acknowledged (the channel closed): it stays in the DLQ; \
+             run redrive again",
+            letter.event_id
+        )
+    })
+    .await?;
+    report.discarded.push(line);
+    Ok(())
+}
+
+/// [`discard`] a malformed `letter` of `order`, saying `why`.
+async fn discard_malformed(
     report: &mut Report,
     letter: Letter,
     order: &str,
     why: &str,
 ) -> anyhow::Result<()> {
-    // Crash window: a crash before this acknowledgement leaves the letter
-    // in the DLQ (unacknowledged, the broker returns it); the next redrive
-    // finds its sequence applied, or its copy again, and drops it then.
-    // After it, the letter is gone; it could never have applied.
-    kit::failpoint::crash_point("consumer.redrive.before_discard");
-    acknowledge(&letter.delivery, || {
-        format!(
-            "malformed letter {} of order {order} could not be acknowledged (the channel \
-             closed): it stays in the DLQ; run redrive again",
-            letter.event_id
-        )
-    })
-    .await?;
-    report.discarded.push(format!(
+    let line = format!(
         "{} ({} #{} of order {order}): malformed; {why}",
         letter.event_id, letter.event_type, letter.sequence
-    ));
-    Ok(())
+    );
+    discard(report, letter, line).await
 }
 
 /// Put `letters` back in the dead-letter queue. Each is published there
@@ -228,18 +235,14 @@ async fn keep(
             letter.delivery.data.clone(),
         );
         if !letter.event_id.is_empty() && !kept.insert(copy_of) {
-            acknowledge(&letter.delivery, || {
-                format!(
-                    "a copy of dead letter {} could not be acknowledged (the channel closed): \
-                     it stays in the DLQ",
-                    letter.event_id
-                )
-            })
-            .await?;
-            report.discarded.push(format!(
+            // Safe at any point: the letter kept stays unacknowledged until
+            // its own copy is confirmed (the loop below), so a crash from
+            // here on leaves at least one of the two in the DLQ.
+            let line = format!(
                 "{} ({}): an exact copy of a letter kept",
                 letter.event_id, letter.event_type
-            ));
+            );
+            discard(report, letter, line).await?;
             continue;
         }
         let mut table = letter
@@ -453,7 +456,7 @@ async fn move_letters(
                 ));
                 others.push(letter);
             } else if letter.sequence <= last {
-                discard(report, letter, &order, "its sequence is applied").await?;
+                discard_malformed(report, letter, &order, "its sequence is applied").await?;
             } else if letters.iter().any(|l| l.event_id == letter.event_id) {
                 twins.push(letter);
             } else {
@@ -558,7 +561,8 @@ async fn move_letters(
                 .iter()
                 .any(|m| m.order == order && m.event_id == twin.event_id);
             if moved && failure.is_none() {
-                discard(report, twin, &order, "its event moved as a readable copy").await?;
+                discard_malformed(report, twin, &order, "its event moved as a readable copy")
+                    .await?;
             } else {
                 others.push(twin);
             }

@@ -40,9 +40,10 @@ pub struct IdempotencySettings {
     /// The time budget of one POST (milliseconds, 1 to 29 749: with its
     /// 250 ms backstop it stays within the sessions' `statement_timeout` of
     /// 30 000), counted from the request's start: the pool wait, the
-    /// transaction's statements and its lock waits all end within it (the statement running when it runs out is cancelled; the
-    /// transaction runs with `statement_timeout` = the budget left plus
-    /// 250 ms, a backstop should the cancel not reach the server). Past
+    /// transaction's statements and its lock waits all end within it (the
+    /// statement running when it runs out is cancelled; the transaction
+    /// runs with `statement_timeout` = the budget left plus 250 ms, a
+    /// backstop should the cancel not reach the server). Past
     /// it, before COMMIT is sent, the transaction rolls back: 503
     /// `deadline_exceeded` + `Retry-After`, nothing stored, the key free
     /// (also for a loser still waiting for its key's owner: only
