@@ -673,14 +673,18 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
 pub async fn return_a_dead_letter(consumer: &str) -> Option<i64> {
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
-    let message = channel
-        .basic_get(
-            format!("{consumer}.dlq").as_str().into(),
-            BasicGetOptions { no_ack: false },
-        )
-        .await
-        .expect("basic.get on the dlq")
-        .expect("a dead letter");
+    // A letter returned a moment ago is requeued by the quorum queue
+    // asynchronously: wait for it.
+    let message = eventually("a dead letter", Duration::from_secs(30), || async {
+        channel
+            .basic_get(
+                format!("{consumer}.dlq").as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await
+            .expect("basic.get on the dlq")
+    })
+    .await;
     let count = int_header(
         message.delivery.properties.headers().as_ref(),
         "x-delivery-count",

@@ -317,10 +317,16 @@ pub fn unique_tenant(prefix: &str) -> String {
     )
 }
 
+/// The real CLI's `order-api api-key create --tenant <tenant>`, not run.
+pub fn api_key_command(tenant: &str) -> Command {
+    let mut command = Command::new(bin("order-api"));
+    command.args(["api-key", "create", "--tenant", tenant]);
+    command
+}
+
 /// Create a tenant and an API key with the real CLI (`order-api api-key create`).
 pub fn api_key(tenant: &str) -> String {
-    let output = Command::new(bin("order-api"))
-        .args(["api-key", "create", "--tenant", tenant])
+    let output = api_key_command(tenant)
         .output()
         .expect("run order-api api-key create");
     assert!(

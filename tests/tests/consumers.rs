@@ -227,8 +227,18 @@ async fn a_receipt_retried_after_a_crash_past_its_commit_counts_once() {
     assert!(lost.is_err(), "no answer from a dying process: {lost:?}");
     let crashed = aborted_at_its_fail_point(crashing).await;
     let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
-    let (status, body) = receipt(&restarted, &tenant, "R-1", 48).await;
+    let retried = send_receipt(&restarted, &tenant, "R-1", 48)
+        .await
+        .expect("POST /stock/receipts");
+    let status = retried.status().as_u16();
+    let replayed_header = retried
+        .headers()
+        .get("Idempotent-Replayed")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let body: Value = retried.json().await.expect("json body");
     assert_eq!(status, 200, "{body}");
+    assert_eq!(replayed_header.as_deref(), Some("true"), "{body}");
     assert_eq!(body["replayed"], json!(true), "{body}");
     assert_eq!(body["level"]["on_hand"], json!(48), "{body}");
     let movements = movements(&tenant).await;
@@ -3027,7 +3037,9 @@ async fn a_redrive_crashing_after_unparking_an_order_without_letters_leaves_it_u
     )
     .await;
     assert!(
-        !again.contains("unparked order"),
+        !again.contains("unparked order")
+            && again.contains(": 0 dead letter(s) moved to ")
+            && again.contains(", 0 order(s) unparked"),
         "nothing left to do: {again}"
     );
     let left = drain_dead_letters(&name).await;
@@ -3125,6 +3137,15 @@ async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() 
     for _ in 0..3 {
         let report = redrive_with(Kind::Inventory, &name, &args, Options::one_partition()).await;
         assert!(!report.contains(&letter.event_id.to_string()), "{report}");
+        assert!(
+            report.contains(": 0 dead letter(s) moved to ")
+                && report.contains(", 0 order(s) unparked"),
+            "{report}"
+        );
+        eventually("the letter alone in the DLQ", WAIT, || async {
+            (live_counts(&format!("{name}.dlq")).await.0 == 1).then_some(())
+        })
+        .await;
     }
     redrive_crashing_at(
         Kind::Inventory,

@@ -2748,8 +2748,7 @@ async fn stored_resource_id(tenant: &str, endpoint: &str, key: &str) -> Option<u
 #[tokio::test]
 async fn an_api_key_lost_to_a_crash_after_its_commit_is_replaced_by_the_next_run() {
     let tenant = unique_tenant("keycrash");
-    let crashed = std::process::Command::new(system_tests::bin("order-api"))
-        .args(["api-key", "create", "--tenant", &tenant])
+    let crashed = system_tests::api_key_command(&tenant)
         .env("FAILPOINTS", "order_api.api_key.after_commit=return")
         .output()
         .expect("run order-api api-key create");

@@ -1271,11 +1271,8 @@ async fn a_crash_before_a_failure_is_recorded_loses_nothing() {
 /// bound for it) releases it and the order's events flow, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() {
-    let tenant = format!("relaytest-{}", short_id());
-    let routed = format!("RelayTestRouted{}", short_id());
+    let (tenant, routed, db, connection, channel) = fresh_tenant("RelayTestRouted").await;
     let unroutable = format!("RelayTestUnroutable{}", short_id());
-    let db = db(&tenant).await;
-    let (connection, channel) = amqp(&tenant).await;
     let queue = bound_queue(&channel, &tenant, &[&routed]).await;
     let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
 
