@@ -3163,7 +3163,7 @@ async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() 
     let report = redrive_with(Kind::Inventory, &name, &args, Options::one_partition()).await;
     assert!(
         report.contains(&format!(
-            "discarded {} (OrderPlaced): an exact copy of a letter kept",
+            "discarded {} (OrderPlaced): an exact copy of another letter read",
             letter.event_id
         )),
         "{report}"
@@ -3185,6 +3185,112 @@ async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() 
         Some((0, true)),
         "still parked"
     );
+}
+
+/// Exact copies among the letters a redrive reads are dropped before
+/// anything else, one of each kept: a letter with no order id (it cannot be
+/// routed) is listed once as kept and once as discarded, never twice as
+/// kept; a letter that can move moves once. (Both pairs are put straight
+/// into the DLQ, as a crash between a kept letter's copy and its
+/// acknowledgement leaves them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_copies_in_the_dlq_are_dropped_before_they_are_kept_or_moved() {
+    let (tenant, name, _inventory, publisher) = one_partition_inventory("t5-copies").await;
+    let dlq = format!("{name}.dlq");
+    let stray_id = Uuid::now_v7();
+    let stray = b"not an event, and no order id in its metadata".to_vec();
+    let order = Uuid::now_v7();
+    let placed = order_placed(&tenant, order, 1, "78", 1);
+    for _ in 0..2 {
+        into_the_dlq(&publisher, &dlq, &stray_id.to_string(), None, &stray).await;
+        into_the_dlq(
+            &publisher,
+            &dlq,
+            &placed.event_id.to_string(),
+            Some(&placed.aggregate_id),
+            &placed.body,
+        )
+        .await;
+    }
+    eventually("four letters in the DLQ", WAIT, || async {
+        (live_counts(&dlq).await.0 == 4).then_some(())
+    })
+    .await;
+
+    let report = redrive_with(Kind::Inventory, &name, &[], Options::one_partition()).await;
+    let lines = |prefix: &str, id: &str| {
+        report
+            .lines()
+            .filter(|line| line.starts_with(prefix) && line.contains(id))
+            .count()
+    };
+    let stray_id = stray_id.to_string();
+    let placed_id = placed.event_id.to_string();
+    assert_eq!(lines("kept ", &stray_id), 1, "{report}");
+    assert!(report.contains("no order id, cannot be routed"), "{report}");
+    for id in [&stray_id, &placed_id] {
+        assert_eq!(lines("discarded ", id), 1, "{report}");
+        assert!(
+            report.contains(&format!(
+                "discarded {id} (OrderPlaced): an exact copy of another letter read"
+            )),
+            "{report}"
+        );
+    }
+    assert_eq!(lines("moved ", &placed_id), 1, "{report}");
+    assert_eq!(lines("kept ", &placed_id), 0, "{report}");
+    assert!(report.contains(": 1 dead letter(s) moved to "), "{report}");
+
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+    assert_eq!(inbox_count(Database::Inventory, &name).await, 1);
+    eventually("the stray letter alone in the DLQ", WAIT, || async {
+        (live_counts(&dlq).await.0 == 1).then_some(())
+    })
+    .await;
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].body, stray, "byte for byte");
+    assert_eq!(letters[0].reason, "put here by the test", "{letters:?}");
+}
+
+/// Publish `body` straight into the queue `dlq` (confirmed) as a dead
+/// letter: message id `event_id`, type `OrderPlaced`, the order id header
+/// only if `order` is given.
+async fn into_the_dlq(
+    publisher: &Publisher,
+    dlq: &str,
+    event_id: &str,
+    order: Option<&str>,
+    body: &[u8],
+) {
+    use lapin::types::{AMQPValue, FieldTable};
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "x-dead-letter-reason".into(),
+        AMQPValue::LongString("put here by the test".into()),
+    );
+    if let Some(order) = order {
+        headers.insert("aggregate_id".into(), AMQPValue::LongString(order.into()));
+    }
+    let properties = lapin::BasicProperties::default()
+        .with_message_id(event_id.into())
+        .with_type("OrderPlaced".into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    let confirm = publisher
+        .channel
+        .basic_publish(
+            "".into(),
+            dlq.into(),
+            lapin::options::BasicPublishOptions::default(),
+            body,
+            properties,
+        )
+        .await
+        .expect("publish to the DLQ")
+        .await
+        .expect("confirm");
+    assert!(confirm.is_ack(), "{confirm:?}");
 }
 
 /// `inventory-consumer redrive --order <order>` of a one-partition consumer.

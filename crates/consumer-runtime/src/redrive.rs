@@ -38,7 +38,8 @@ pub struct Report {
     /// Messages left in the dead-letter queue, with why.
     pub kept: Vec<String>,
     /// Letters dropped: malformed ones whose sequence is applied or whose
-    /// event moved as a readable copy, and exact copies of a letter kept.
+    /// event moved as a readable copy, and exact copies of another letter
+    /// read.
     pub discarded: Vec<String>,
 }
 
@@ -190,25 +191,63 @@ async fn discard_malformed(
     discard(report, letter, line).await
 }
 
+/// Drop the exact copies among the `letters` read (same event id, order,
+/// tenant, sequence and body: a crash between a kept letter's copy and its
+/// acknowledgement, or an event dead-lettered twice), keeping the first
+/// read of each (only its other headers, such as the reason, are kept).
+/// Done before anything else, so a copy is neither moved twice nor listed
+/// as kept beside its own discard. Safe at any point: the first stays
+/// unacknowledged until it is moved or kept, both confirmed first, so a
+/// crash from here on leaves one copy in the DLQ (the broker returns it).
+/// `past_max` is the letter read past `--max`, if any (also dropped if a
+/// copy).
+async fn drop_exact_copies(
+    report: &mut Report,
+    letters: Vec<Letter>,
+    past_max: Option<Letter>,
+) -> anyhow::Result<(Vec<Letter>, Option<Letter>)> {
+    let mut first = HashSet::new();
+    let mut unique = Vec::with_capacity(letters.len());
+    let mut last = None;
+    let count = letters.len();
+    for (i, letter) in letters.into_iter().chain(past_max).enumerate() {
+        let copy_of = (
+            letter.event_id.clone(),
+            letter.order.clone(),
+            letter.tenant.clone(),
+            letter.sequence,
+            letter.delivery.data.clone(),
+        );
+        if !letter.event_id.is_empty() && !first.insert(copy_of) {
+            let line = format!(
+                "{} ({}): an exact copy of another letter read",
+                letter.event_id, letter.event_type
+            );
+            discard(report, letter, line).await?;
+        } else if i < count {
+            unique.push(letter);
+        } else {
+            last = Some(letter);
+        }
+    }
+    Ok((unique, last))
+}
+
 /// Put `letters` back in the dead-letter queue. Each is published there
 /// again as a new message and the one read is acknowledged after the
 /// broker's confirm (all published first, then the confirms awaited): a
 /// nack with requeue would count a delivery against it every run, and a
 /// quorum queue with a delivery limit (RabbitMQ 4's default is 20) drops a
-/// message past it. An exact copy of a letter kept in this run (same event
-/// id, order, tenant, sequence and body: a crash in the window below, or an
-/// event dead-lettered twice; only the first's other headers are kept) is
-/// dropped. After a failed move the channel may be gone: the letters are
-/// only returned (`broken`).
+/// message past it. (Exact copies were dropped before, by
+/// [`drop_exact_copies`].) After a failed move the channel may be gone: the
+/// letters are only returned (`broken`).
 async fn keep(
     channel: &Channel,
     topology: &Topology,
-    report: &mut Report,
     letters: Vec<Letter>,
     broken: bool,
 ) -> anyhow::Result<()> {
     let dlq = topology.dead_letter_queue();
-    let mut kept = HashSet::new();
     let mut sent = Vec::new();
     for letter in letters {
         if broken {
@@ -225,24 +264,6 @@ async fn keep(
             {
                 tracing::debug!(%error, event_id = letter.event_id, "returning a letter failed");
             }
-            continue;
-        }
-        let copy_of = (
-            letter.event_id.clone(),
-            letter.order.clone(),
-            letter.tenant.clone(),
-            letter.sequence,
-            letter.delivery.data.clone(),
-        );
-        if !letter.event_id.is_empty() && !kept.insert(copy_of) {
-            // Safe at any point: the letter kept stays unacknowledged until
-            // its own copy is confirmed (the loop below), so a crash from
-            // here on leaves at least one of the two in the DLQ.
-            let line = format!(
-                "{} ({}): an exact copy of a letter kept",
-                letter.event_id, letter.event_type
-            );
-            discard(report, letter, line).await?;
             continue;
         }
         let mut table = letter
@@ -376,6 +397,8 @@ async fn move_letters(
             None => drained = true,
         }
     }
+
+    let (letters, past_max) = drop_exact_copies(report, letters, past_max).await?;
 
     let mut selected: BTreeMap<String, Vec<Letter>> = BTreeMap::new();
     let mut others: Vec<Letter> = past_max.into_iter().collect();
@@ -568,7 +591,7 @@ async fn move_letters(
             }
         }
     }
-    keep(channel, topology, report, others, failure.is_some()).await?;
+    keep(channel, topology, others, failure.is_some()).await?;
     failure.map_or(Ok(()), Err)
 }
 
