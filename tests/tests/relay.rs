@@ -845,6 +845,43 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A mark that committed but whose reply was lost (fail point
+/// `relay.mark.reply_lost`, once) is retried, and the retry counts the rows
+/// the lost attempt marked: no confirmed row is reported lost
+/// (`outbox_mark_lost_total` is for rows another instance took over), and
+/// every event is published once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestMarkReply").await;
+    let events = orders_with_events(3, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+    let mut extra = patient();
+    extra.push(("FAILPOINTS", "relay.mark.reply_lost=1*return".to_owned()));
+    extra.push(("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()));
+    let relay = Relay::start(&tenant, &extra);
+
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(6, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let received = collector.snapshot();
+    assert_eq!(received.len(), 6, "each event once: {received:?}");
+    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
+    assert_in_sequence_order(&received, &expect);
+    assert_eq!(
+        (
+            relay.metric("outbox_published_total").await,
+            relay.metric("outbox_mark_lost_total").await,
+            relay.metric("outbox_expired_claims_total").await,
+        ),
+        (6, 0, 0),
+        "published, lost, taken over"
+    );
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// A crash inside the claim transaction (fail point `relay.claim`) leaves no
 /// lease behind (the transaction never committed) and publishes nothing; a
 /// restarted relay publishes every event exactly once, in order.

@@ -37,6 +37,20 @@ pub fn hold_point(name: &'static str) {
     let _ = name;
 }
 
+/// A named fault that is not a crash: whether the caller should fail here,
+/// as the fault the point names would make it fail (armed with `return`,
+/// or `N*return`). Always `false` without the `failpoints` feature.
+#[inline]
+pub fn error_point(name: &'static str) -> bool {
+    #[cfg(feature = "failpoints")]
+    return fail::eval(name, |_| ()).is_some();
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = name;
+        false
+    }
+}
+
 /// A named crash boundary. See the module documentation.
 #[inline]
 pub fn crash_point(name: &'static str) {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use kit::db::PgPool;
 use serde_json::value::RawValue;
 use time::OffsetDateTime;
-use tokio_postgres::types::{FromSql, Type};
+use tokio_postgres::types::{FromSql, ToSql, Type};
 use uuid::Uuid;
 
 pub use crate::floor::Floor;
@@ -241,19 +241,62 @@ pub async fn claim(
 /// to `instance` are marked: a row whose lease another instance took over
 /// is left to that instance (it publishes it again: a duplicate, never a
 /// loss). Returns the number marked.
-pub async fn mark_published(pool: &PgPool, instance: &str, ids: &[Uuid]) -> anyhow::Result<u64> {
+///
+/// `retry`: an earlier attempt failed, and it may have committed with only
+/// its reply lost (the connection broke). The rows it marked are counted
+/// as marked again (published, `claimed_by` still this instance: the mark
+/// keeps it), so that `outbox_mark_lost_total` counts only rows another
+/// instance took over. The first attempt needs no such count.
+pub async fn mark_published(
+    pool: &PgPool,
+    instance: &str,
+    ids: &[Uuid],
+    retry: bool,
+) -> anyhow::Result<u64> {
     if ids.is_empty() {
         return Ok(0);
     }
     let client = pool.get().await?;
-    let marked = client
-        .execute_typed(
-            "UPDATE outbox_events
-             SET published_at = now(), claim_until = NULL
-             WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
-            &[(&ids, Type::UUID_ARRAY), (&instance, Type::TEXT)],
-        )
-        .await?;
+    let params: &[(&(dyn ToSql + Sync), Type)] =
+        &[(&ids, Type::UUID_ARRAY), (&instance, Type::TEXT)];
+    let marked = if retry {
+        // The outer count reads the snapshot from before the update (a
+        // data-modifying CTE's changes are not visible to its statement):
+        // the rows marked here are counted once, by the CTE.
+        let row = client
+            .query_typed(
+                "WITH marked AS (
+                     UPDATE outbox_events
+                     SET published_at = now(), claim_until = NULL
+                     WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM marked)
+                      + (SELECT count(*) FROM outbox_events
+                         WHERE event_id = ANY($1) AND claimed_by = $2
+                           AND published_at IS NOT NULL)",
+                params,
+            )
+            .await?;
+        row.first()
+            .map(|row| row.get::<_, i64>(0))
+            .and_then(|n| u64::try_from(n).ok())
+            .unwrap_or(0)
+    } else {
+        client
+            .execute_typed(
+                "UPDATE outbox_events
+                 SET published_at = now(), claim_until = NULL
+                 WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
+                params,
+            )
+            .await?
+    };
+    // A committed mark whose reply is lost (the statement ran in its own
+    // transaction): the caller retries it.
+    anyhow::ensure!(
+        !kit::failpoint::error_point("relay.mark.reply_lost"),
+        "injected by fail point relay.mark.reply_lost: the mark committed, its reply was lost"
+    );
     Ok(marked)
 }
 

@@ -277,8 +277,10 @@ impl Relay {
             let pool = &self.pool;
             let instance = self.instance.as_str();
             let acked_ref = &acked;
+            let mut attempts = 0;
             match retry_until("mark published", lease_deadline, || {
-                claim::mark_published(pool, instance, acked_ref)
+                attempts += 1;
+                claim::mark_published(pool, instance, acked_ref, attempts > 1)
             })
             .await
             {
