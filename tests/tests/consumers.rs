@@ -1062,7 +1062,8 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
 }
 
 /// (6) The ledger's invariants are the database's: an unbalanced entry is
-/// rejected at commit, posted lines cannot be changed or deleted.
+/// rejected at commit, posted lines cannot be changed, deleted or added to,
+/// and a line names its entry's tenant.
 #[tokio::test]
 async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
     kit::migrations::run(&pool(Database::Ledger), Database::Ledger)
@@ -1113,6 +1114,56 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
         .execute("DELETE FROM journal_entries WHERE entry_id = $1", &[&entry])
         .await
         .expect_err("posted entries cannot be deleted");
+    // Nor can lines be added to a posted entry, even lines that balance
+    // each other (ledger V4).
+    let added = client
+        .execute(
+            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, 3, $2, 'cash', 500, 0), ($1, 4, $2, 'sales', 0, 500)",
+            &[&entry, &tenant],
+        )
+        .await
+        .expect_err("no line is added to a posted entry");
+    assert!(
+        added
+            .as_db_error()
+            .is_some_and(|e| e.message().contains("is posted")),
+        "{added:?}"
+    );
+    // A line of a new entry names its entry's tenant.
+    let other = unique("t5-sql-other");
+    client
+        .execute(
+            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES \
+             ($1, 'cash', 'Cash', 'asset'), ($1, 'sales', 'Sales', 'revenue')",
+            &[&other],
+        )
+        .await
+        .expect("the other tenant's accounts");
+    let foreign = {
+        let mixed = Uuid::now_v7();
+        let tx = client.transaction().await.expect("tx");
+        tx.execute(
+            "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+               description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
+            &[&mixed, &tenant],
+        )
+        .await
+        .expect("entry");
+        tx.execute(
+            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, 1, $2, 'cash', 700, 0), ($1, 2, $3, 'sales', 0, 700)",
+            &[&mixed, &tenant, &other],
+        )
+        .await
+        .expect_err("a line under another tenant than its entry's")
+    };
+    assert!(
+        foreign
+            .as_db_error()
+            .is_some_and(|e| e.message().contains("its entry tenant")),
+        "{foreign:?}"
+    );
     // A header without lines is unbalanced too.
     let lonely = Uuid::now_v7();
     client
