@@ -990,6 +990,7 @@ async fn consumer_phase(
                 let mut row = row.clone();
                 row.tenant_id = tenant.to_owned();
                 let body = outbox_relay::publish::envelope(&row)
+                    .expect("a bench row has a version")
                     .to_json_bytes()
                     .expect("encode");
                 (row.aggregate_id, body)

@@ -26,19 +26,27 @@ pub struct Message {
 }
 
 /// The envelope of `row` (the JSON body every consumer reads). It borrows
-/// the payload's text rather than copying it for every message.
-pub fn envelope(row: &OutboxRow) -> Envelope<&serde_json::value::RawValue> {
-    Envelope {
+/// the payload's text rather than copying it for every message. A negative
+/// `schema_version` (the column has no CHECK) is no version the envelope
+/// can carry: refused, never sent as another one.
+pub fn envelope(row: &OutboxRow) -> Result<Envelope<&serde_json::value::RawValue>, String> {
+    let schema_version = u32::try_from(row.schema_version).map_err(|_| {
+        format!(
+            "schema_version {} is not a version (the envelope's is unsigned)",
+            row.schema_version
+        )
+    })?;
+    Ok(Envelope {
         event_id: row.event_id,
         event_type: row.event_type.clone(),
-        schema_version: u32::try_from(row.schema_version).unwrap_or_default(),
+        schema_version,
         tenant_id: row.tenant_id.clone(),
         aggregate_type: row.aggregate_type.clone(),
         aggregate_id: row.aggregate_id.clone(),
         aggregate_sequence: row.aggregate_sequence,
         occurred_at: row.occurred_at,
         payload: row.payload.get(),
-    }
+    })
 }
 
 /// The message of `row`: body, routing key (= event type) and the
@@ -58,7 +66,7 @@ pub fn message(
             row.event_type.len()
         ));
     }
-    let body = envelope(row)
+    let body = envelope(row)?
         .to_json_bytes()
         .map_err(|error| format!("cannot encode the envelope: {error}"))?;
     let mut table = FieldTable::default();
@@ -631,6 +639,21 @@ mod tests {
         long.event_type.pop();
         let (message, _) = prepare(&long, false).expect("255 bytes encode");
         assert_eq!(message.routing_key.len(), 255);
+    }
+
+    #[test]
+    fn a_negative_schema_version_is_refused_not_sent_as_another() {
+        let mut negative = row();
+        negative.schema_version = -1;
+        let error = prepare(&negative, false).expect_err("no such version");
+        assert!(
+            error.contains("schema_version -1 is not a version"),
+            "{error}"
+        );
+        negative.schema_version = 0;
+        let (message, _) = prepare(&negative, false).expect("0 is sent as 0");
+        let sent: serde_json::Value = serde_json::from_slice(&message.body).expect("json");
+        assert_eq!(sent["schema_version"], 0, "the consumers judge the version");
     }
 
     #[test]
