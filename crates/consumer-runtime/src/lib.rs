@@ -193,7 +193,7 @@ pub trait Domain: Send + Sync + Sized + 'static {
     /// email, a payment provider, a courier's API) is not: the transaction
     /// can roll back after the call, or its commit's reply be lost, and the
     /// event is then applied again. Such a call must carry
-    /// [`events::Envelope::downstream_key`] (event id + operation) as the
+    /// [`events::Envelope::downstream_key`] (order + operation) as the
     /// provider's idempotency key, or be written here as a row of the
     /// domain's own outbox and sent by another process (DESIGN.md section 8).
     /// No current domain makes one.

@@ -88,15 +88,25 @@ impl<P: EventPayload> Envelope<P> {
 
 impl<P> Envelope<P> {
     /// The idempotency key of an external side effect this event causes
-    /// (an email, a call to a payment provider): the event id and the
-    /// operation, `"<event_id>:<operation>"`. A consumer's inbox only covers
-    /// its own database; a remote call made from a handler can run again
-    /// when the transaction that records the event rolls back or its
-    /// commit's reply is lost, so the provider must de-duplicate on this
-    /// key (DESIGN.md section 8). The same for every copy of the event (a
-    /// redelivery, a retry, a replay), distinct per operation and per event.
+    /// (an email, a call to a payment provider): the order and the
+    /// operation, `"<tenant_id>:<aggregate_type>:<aggregate_id>:<operation>"`
+    /// (seed 004: a stable key from the order id and the operation type).
+    /// A consumer's inbox only covers its own database; a remote call made
+    /// from a handler can run again when the transaction that records the
+    /// event rolls back or its commit's reply is lost, so the provider must
+    /// de-duplicate on this key (DESIGN.md section 8).
+    ///
+    /// The same for every copy of the event (a redelivery, a retry, a
+    /// replay) and for every event of the order doing the same operation:
+    /// a corrective event (a new event id) cannot charge an order twice.
+    /// That is stricter than DESIGN.md's event id + operation, and the
+    /// seed's. An operation an order can need more than once names its
+    /// instance in `operation` (`"refund:<refund_id>"`).
     pub fn downstream_key(&self, operation: &str) -> String {
-        format!("{}:{operation}", self.event_id)
+        format!(
+            "{}:{}:{}:{operation}",
+            self.tenant_id, self.aggregate_type, self.aggregate_id
+        )
     }
 }
 
@@ -471,22 +481,48 @@ mod tests {
     }
 
     #[test]
-    fn a_downstream_key_is_the_same_for_every_copy_and_distinct_per_operation_and_event() {
+    fn a_downstream_key_is_the_order_s_and_the_operation_s() {
         let body = envelope_with_occurred_at("2024-05-12T10:00:00Z");
         let first = RawEnvelope::parse_raw(body.as_bytes()).expect("valid");
         let copy = RawEnvelope::parse_raw(body.as_bytes()).expect("valid");
         assert_eq!(
-            first.downstream_key("email"),
-            "6f1c2a4e-8b3d-4c5e-9f7a-0123456789ab:email"
+            first.downstream_key("charge"),
+            "acme:order:6f1c2a4e-8b3d-4c5e-9f7a-0123456789ab:charge"
         );
-        assert_eq!(first.downstream_key("email"), copy.downstream_key("email"));
-        assert_ne!(
-            first.downstream_key("email"),
+        assert_eq!(
+            first.downstream_key("charge"),
+            copy.downstream_key("charge")
+        );
+        // Another event of the same order (the first id in the body is the
+        // event id): the same key, so it cannot charge the order again.
+        let corrective =
+            RawEnvelope::parse_raw(body.replacen("6f1c2a4e", "7f1c2a4e", 1).as_bytes())
+                .expect("valid");
+        assert_ne!(corrective.event_id, first.event_id);
+        assert_eq!(
+            corrective.downstream_key("charge"),
             first.downstream_key("charge")
         );
-        let other = RawEnvelope::parse_raw(body.replacen("6f1c2a4e", "7f1c2a4e", 1).as_bytes())
-            .expect("valid");
-        assert_ne!(other.downstream_key("email"), first.downstream_key("email"));
+        assert_ne!(
+            first.downstream_key("charge"),
+            first.downstream_key("email")
+        );
+        let other_order = RawEnvelope::parse_raw(
+            body.replace("\"aggregate_id\":\"6f1c2a4e", "\"aggregate_id\":\"8f1c2a4e")
+                .as_bytes(),
+        )
+        .expect("valid");
+        assert_ne!(
+            other_order.downstream_key("charge"),
+            first.downstream_key("charge")
+        );
+        let other_tenant =
+            RawEnvelope::parse_raw(body.replace("\"acme\"", "\"globex\"").as_bytes())
+                .expect("valid");
+        assert_ne!(
+            other_tenant.downstream_key("charge"),
+            first.downstream_key("charge")
+        );
     }
 
     #[test]
