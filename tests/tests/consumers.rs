@@ -1955,6 +1955,93 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
     );
 }
 
+/// A crash inside the inbox cleanup (fail point `consumer.cleanup`, armed
+/// for the second batch) rolls that batch back and keeps the first; the
+/// restarted consumer deletes the rest. Nothing within the horizon goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_finishes() {
+    let name = unique("t5-cleancrash-loy");
+    kit::migrations::run(&pool(Database::Loyalty), Database::Loyalty)
+        .await
+        .expect("migrate");
+    let client = pg(Database::Loyalty).await;
+    // Five rows past the 8-day horizon, a day apart (the cleanup deletes the
+    // oldest first), and one recent.
+    let mut old = Vec::new();
+    for days in 9..14 {
+        let id = Uuid::now_v7();
+        client
+            .execute(
+                "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
+                 VALUES ($1, $2, now() - make_interval(days => $3))",
+                &[&name, &id, &days],
+            )
+            .await
+            .expect("old inbox row");
+        old.push(id);
+    }
+    let recent = Uuid::now_v7();
+    client
+        .execute(
+            "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
+             VALUES ($1, $2, now() - interval '1 day')",
+            &[&name, &recent],
+        )
+        .await
+        .expect("recent inbox row");
+    let inbox = || async {
+        let mut ids: Vec<Uuid> = client
+            .query(
+                "SELECT event_id FROM processed_events WHERE consumer_name = $1",
+                &[&name],
+            )
+            .await
+            .expect("inbox")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        ids.sort();
+        ids
+    };
+    let options = |failpoints: Option<&str>| Options {
+        failpoints: failpoints.map(str::to_owned),
+        extra: vec![
+            (
+                "LOYALTY_CONSUMER__CLEANUP__INTERVAL_SECS".into(),
+                "1".into(),
+            ),
+            ("LOYALTY_CONSUMER__CLEANUP__BATCH_SIZE".into(), "2".into()),
+        ],
+        ..Options::default()
+    };
+
+    // The cleanup starts with the process, maybe before it is ready: run it
+    // to its end rather than waiting for /readyz.
+    let crashing = options(Some("consumer.cleanup=1*off->return"));
+    let _topology = TopologyGuard::new(&name, &crashing);
+    let mut command = consumer_command(Kind::Loyalty, &name, &crashing);
+    let output = tokio::task::spawn_blocking(move || command.output().expect("run the consumer"))
+        .await
+        .expect("consumer");
+    assert!(
+        system_tests::system::aborted(&output.status),
+        "aborted at the fail point: {:?}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // The two oldest (days 12 and 13) went with the first batch.
+    let mut expect: Vec<Uuid> = old[..3].to_vec();
+    expect.push(recent);
+    expect.sort();
+    assert_eq!(inbox().await, expect, "the second batch rolled back");
+
+    let restarted = Consumer::start(Kind::Loyalty, &name, options(None)).await;
+    restarted
+        .wait_metric("consumer_inbox_cleaned_total", "", 3.0)
+        .await;
+    assert_eq!(inbox().await, vec![recent]);
+}
+
 /// The topology of DESIGN.md section 7, as declared by a consumer (through
 /// `redrive`, which declares it and consumes nothing): the hash exchange bound
 /// to order-events with `#`, quorum partition queues with single active

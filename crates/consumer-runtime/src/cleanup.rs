@@ -18,10 +18,11 @@ pub async fn clean_inbox(
     batch: i64,
 ) -> Result<u64, anyhow::Error> {
     let hours = i32::try_from(retention_hours).unwrap_or(i32::MAX);
-    let client = pool.get().await?;
+    let mut client = pool.get().await?;
     let mut total = 0;
     loop {
-        let deleted = client
+        let tx = client.transaction().await?;
+        let deleted = tx
             .execute(
                 "DELETE FROM processed_events p USING ( \
                      SELECT consumer_name, event_id FROM processed_events \
@@ -31,6 +32,12 @@ pub async fn clean_inbox(
                 &[&consumer, &hours, &batch],
             )
             .await?;
+        // Crash window: the batch is deleted, not committed. A crash rolls
+        // it back (the earlier batches stay deleted); the next run deletes
+        // it. Only rows past the horizon are ever deleted, and the progress
+        // rows stay, so a stale copy is still refused by its sequence.
+        kit::failpoint::crash_point("consumer.cleanup");
+        tx.commit().await?;
         total += deleted;
         if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
             return Ok(total);

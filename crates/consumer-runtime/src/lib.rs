@@ -57,6 +57,8 @@
 //!   `..._after_unpark_without_letters`, `..._after_publish_before_ack`,
 //!   `..._after_keep_before_ack`, `..._before_discard`: crash points of
 //!   `redrive` (README's crash table);
+//! - `consumer.cleanup`: a crash point in the inbox cleanup, after a batch's
+//!   delete, before its commit;
 //! - `consumer.handler_error`: the handler fails (not a crash): `return` for
 //!   every event, `return(<order id or event id>)` for one order or event,
 //!   `N*return(...)` for the first N evaluations;
