@@ -21,6 +21,14 @@ pub trait EventPayload: Serialize + DeserializeOwned {
     const EVENT_TYPE: &'static str;
     /// The `schema_version` (major version) of this payload.
     const SCHEMA_VERSION: u32;
+
+    /// The rules of the version beyond its shape (amounts never negative,
+    /// quantities at least 1, ...), as the producer enforces them: a
+    /// payload breaking one is poison ([`DecodeError::InvalidPayload`]),
+    /// dead-lettered at once rather than retried as a failing handler.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The JSON body of every AMQP message. Field order on the wire is the
@@ -269,6 +277,7 @@ impl RawEnvelope {
             )));
         }
         let payload = P::deserialize(&self.payload).map_err(|e| invalid(e.to_string()))?;
+        payload.check().map_err(invalid)?;
         let order_id = order_id(&payload);
         if Uuid::parse_str(&self.aggregate_id).ok() != Some(order_id) {
             return Err(invalid(format!(

@@ -132,17 +132,64 @@ pub struct DeliveredLineV1 {
     pub qty: u32,
 }
 
+/// `Err` naming `field` when `value` is negative.
+fn not_negative(field: &str, value: Money) -> Result<(), String> {
+    if value.is_negative() {
+        return Err(format!("{field} must not be negative, got {value}"));
+    }
+    Ok(())
+}
+
+/// `Err` naming `field` when `qty` is 0.
+fn at_least_one(field: &str, qty: u32) -> Result<(), String> {
+    if qty == 0 {
+        return Err(format!("{field} must be at least 1"));
+    }
+    Ok(())
+}
+
 impl EventPayload for OrderPlacedV1 {
     const EVENT_TYPE: &'static str = event_types::ORDER_PLACED;
     const SCHEMA_VERSION: u32 = 1;
+
+    fn check(&self) -> Result<(), String> {
+        if self.lines.is_empty() {
+            return Err("an order has at least one line".to_owned());
+        }
+        for (i, line) in self.lines.iter().enumerate() {
+            at_least_one(&format!("lines[{i}].qty"), line.qty)?;
+            not_negative(&format!("lines[{i}].unit_price"), line.unit_price)?;
+            not_negative(&format!("lines[{i}].unit_cost"), line.unit_cost)?;
+        }
+        not_negative("shipping", self.shipping)?;
+        not_negative("tax", self.tax)?;
+        not_negative("total", self.total)
+    }
 }
 
 impl EventPayload for PaymentReceivedV1 {
     const EVENT_TYPE: &'static str = event_types::PAYMENT_RECEIVED;
     const SCHEMA_VERSION: u32 = 1;
+
+    fn check(&self) -> Result<(), String> {
+        if self.amount.is_negative() || self.amount.is_zero() {
+            return Err(format!("amount must be positive, got {}", self.amount));
+        }
+        Ok(())
+    }
 }
 
 impl EventPayload for ParcelDeliveredV1 {
     const EVENT_TYPE: &'static str = event_types::PARCEL_DELIVERED;
     const SCHEMA_VERSION: u32 = 1;
+
+    fn check(&self) -> Result<(), String> {
+        if self.lines.is_empty() {
+            return Err("a delivery has at least one line".to_owned());
+        }
+        for (i, line) in self.lines.iter().enumerate() {
+            at_least_one(&format!("lines[{i}].qty"), line.qty)?;
+        }
+        Ok(())
+    }
 }

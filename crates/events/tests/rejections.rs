@@ -349,6 +349,73 @@ fn other_payload_errors_are_invalid_payload() {
 }
 
 #[test]
+fn payloads_breaking_the_version_s_rules_are_invalid_payload() {
+    for (pointer, value, expected) in [
+        (
+            "/payload/shipping",
+            json!("-5.00"),
+            "shipping must not be negative, got -5.00",
+        ),
+        ("/payload/tax", json!("-0.01"), "tax must not be negative"),
+        (
+            "/payload/total",
+            json!("-93.00"),
+            "total must not be negative",
+        ),
+        (
+            "/payload/lines/0/qty",
+            json!(0),
+            "lines[0].qty must be at least 1",
+        ),
+        (
+            "/payload/lines/0/unit_price",
+            json!("-40.00"),
+            "lines[0].unit_price must not be negative",
+        ),
+        (
+            "/payload/lines/0/unit_cost",
+            json!("-22.00"),
+            "lines[0].unit_cost must not be negative",
+        ),
+        (
+            "/payload/lines",
+            json!([]),
+            "an order has at least one line",
+        ),
+    ] {
+        let text = invalid_payload(&set(ORDER_PLACED_JSON, pointer, value));
+        assert_contains(&text, "invalid OrderPlaced v1 payload: ");
+        assert_contains(&text, expected);
+    }
+    for amount in ["0.00", "-93.00"] {
+        let text = invalid_payload(&set(
+            PAYMENT_RECEIVED_JSON,
+            "/payload/amount",
+            json!(amount),
+        ));
+        assert_contains(&text, &format!("amount must be positive, got {amount}"));
+    }
+    let text = invalid_payload(&set(
+        PARCEL_DELIVERED_JSON,
+        "/payload/lines/0/qty",
+        json!(0),
+    ));
+    assert_contains(&text, "lines[0].qty must be at least 1");
+    let text = invalid_payload(&set(PARCEL_DELIVERED_JSON, "/payload/lines", json!([])));
+    assert_contains(&text, "a delivery has at least one line");
+    // Zero amounts are allowed where the producer allows them.
+    let free = edited(ORDER_PLACED_JSON, |v| {
+        v["payload"]["shipping"] = json!("0.00");
+        v["payload"]["tax"] = json!("0.00");
+        v["payload"]["lines"][0]["unit_cost"] = json!("0.00");
+    });
+    assert!(RawEnvelope::parse_raw(&free)
+        .expect("parse")
+        .decode()
+        .is_ok());
+}
+
+#[test]
 fn payload_must_agree_with_the_envelope() {
     let text = invalid_payload(&set(
         PAYMENT_RECEIVED_JSON,
