@@ -212,3 +212,172 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
         "{out}"
     );
 }
+
+/// Post a journal entry of `event_type` for `order` with `lines` (account,
+/// debit, credit), as the ledger would (one transaction).
+async fn post(
+    ledger: &mut tokio_postgres::Client,
+    tenant: &str,
+    order: Uuid,
+    event_type: &str,
+    lines: &[(&str, i64, i64)],
+) {
+    let entry = Uuid::now_v7();
+    let tx = ledger.transaction().await.expect("tx");
+    tx.execute(
+        "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+           description, currency) VALUES ($1, $2, $3, $1, $4, 'test', 'USD')",
+        &[&entry, &tenant, &order, &event_type],
+    )
+    .await
+    .expect("entry");
+    for (i, (account, debit, credit)) in lines.iter().enumerate() {
+        let line_no = i32::try_from(i + 1).expect("line number");
+        tx.execute(
+            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[&entry, &line_no, &tenant, account, debit, credit],
+        )
+        .await
+        .expect("line");
+    }
+    tx.commit().await.expect("balanced entry");
+}
+
+/// Journals are checked account by account, as the ledger posts them (seed
+/// 003): a balanced journal with the right number of entries and the right
+/// total debits, on other accounts, is drift too. The payment's clearing
+/// account is its method's (`Card` -> `clearing:card`).
+#[tokio::test]
+async fn journals_on_other_accounts_are_drift_even_when_balanced() {
+    let tenant = unique_tenant("drift-accounts");
+    let (right, wrong) = (Uuid::now_v7(), Uuid::now_v7());
+    let orders = pg(Database::Orders).await;
+    system_tests::insert_seed_order(&orders, &tenant, right).await;
+    orders
+        .execute(
+            "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
+             merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence) \
+             VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
+            &[&wrong, &tenant],
+        )
+        .await
+        .expect("order");
+    orders
+        .execute(
+            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
+             VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
+            &[&wrong],
+        )
+        .await
+        .expect("line");
+    for order in [right, wrong] {
+        orders
+            .execute(
+                "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
+                 VALUES ($1, '9001', $2, 9300, 'Card')",
+                &[&order, &tenant],
+            )
+            .await
+            .expect("payment");
+        orders
+            .execute(
+                "UPDATE orders SET status = 'delivered' WHERE order_id = $1",
+                &[&order],
+            )
+            .await
+            .expect("delivered");
+    }
+    let mut ledger = pg(Database::Ledger).await;
+    for (code, kind) in [
+        ("clearing:card", "asset"),
+        ("customer_deposits", "liability"),
+        ("sales", "revenue"),
+        ("shipping_income", "revenue"),
+        ("tax_payable", "liability"),
+        ("cogs", "expense"),
+        ("inventory", "asset"),
+    ] {
+        ledger
+            .execute(
+                "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $2, $3)",
+                &[&tenant, &code, &kind],
+            )
+            .await
+            .expect("account");
+    }
+    // The seed's books for `right`.
+    post(
+        &mut ledger,
+        &tenant,
+        right,
+        "PaymentReceived",
+        &[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)],
+    )
+    .await;
+    let delivery = [
+        ("customer_deposits", 9300, 0),
+        ("sales", 0, 8000),
+        ("shipping_income", 0, 500),
+        ("tax_payable", 0, 800),
+        ("cogs", 4400, 0),
+        ("inventory", 0, 4400),
+    ];
+    post(&mut ledger, &tenant, right, "ParcelDelivered", &delivery).await;
+    // `wrong`: the payment credited to sales, the delivery's shipping and
+    // tax booked as sales. Both balanced, both of the right total.
+    post(
+        &mut ledger,
+        &tenant,
+        wrong,
+        "PaymentReceived",
+        &[("clearing:card", 9300, 0), ("sales", 0, 9300)],
+    )
+    .await;
+    post(
+        &mut ledger,
+        &tenant,
+        wrong,
+        "ParcelDelivered",
+        &[
+            ("customer_deposits", 9300, 0),
+            ("sales", 0, 9300),
+            ("cogs", 4400, 0),
+            ("inventory", 0, 4400),
+        ],
+    )
+    .await;
+
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "order {wrong}: payment journal posts other accounts or amounts: expected \
+             clearing:card Dr 93.00, customer_deposits Cr 93.00, found clearing:card Dr 93.00, \
+             sales Cr 93.00"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "order {wrong}: delivery journal posts other accounts or amounts: expected \
+             cogs Dr 44.00, customer_deposits Dr 93.00, inventory Cr 44.00, sales Cr 80.00, \
+             shipping_income Cr 5.00, tax_payable Cr 8.00, found cogs Dr 44.00, \
+             customer_deposits Dr 93.00, inventory Cr 44.00, sales Cr 93.00"
+        )),
+        "{out}"
+    );
+    assert!(
+        !out.contains(&format!("order {right}: payment journal")),
+        "{out}"
+    );
+    assert!(
+        !out.contains(&format!("order {right}: delivery journal")),
+        "{out}"
+    );
+    // The trial balance is even: only the account check sees it.
+    assert!(
+        out.contains("trial balance USD: debits 460.00 = credits 460.00"),
+        "{out}"
+    );
+}

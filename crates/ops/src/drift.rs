@@ -4,10 +4,15 @@
 //! - every order: inventory reserve movements summing to the order's quantity
 //!   per SKU; the ledger and loyalty consumers know nothing before payment or
 //!   delivery;
-//! - paid (or delivered): exactly one PaymentReceived journal entry of the total;
+//! - paid (or delivered): exactly one PaymentReceived journal entry of the
+//!   total, debiting the payment method's clearing account and crediting
+//!   customer deposits;
 //! - delivered: sale movements summing to minus the quantity per SKU, exactly
-//!   one ParcelDelivered journal entry of total + cost of goods, exactly one
-//!   loyalty entry of the merchandise's whole units for the customer;
+//!   one ParcelDelivered journal entry of total + cost of goods, account by
+//!   account as seed 003 books it (deposits debited the total; sales,
+//!   shipping income and tax payable credited; cost of goods debited and
+//!   inventory credited the cost), exactly one loyalty entry of the
+//!   merchandise's whole units for the customer;
 //! - not delivered: none of those.
 //!
 //! Orders changed within `grace` are skipped (their events may be in flight).
@@ -101,10 +106,17 @@ struct Order {
     status: String,
     customer: String,
     merchandise: i64,
+    shipping: i64,
+    tax: i64,
     total: i64,
     cost: i64,
+    /// The payment's method, once paid (its clearing account).
+    method: Option<String>,
     qty_by_sku: BTreeMap<(String, String), i64>,
 }
+
+/// A journal's amounts per account: (debits, credits).
+type Postings = BTreeMap<String, (i128, i128)>;
 
 type Key = (String, Uuid);
 
@@ -137,7 +149,9 @@ pub async fn check(
         .query(
             "SELECT o.tenant_id, o.order_id, o.status, o.customer_id, o.location, o.merchandise_minor, \
                     o.total_minor, l.sku, l.qty::bigint, l.unit_cost_minor, \
-                    o.updated_at > now() - ($2::bigint || ' seconds')::interval \
+                    o.updated_at > now() - ($2::bigint || ' seconds')::interval, \
+                    o.shipping_minor, o.tax_minor, \
+                    (SELECT min(p.method) FROM payments p WHERE p.order_id = o.order_id) \
                FROM orders o JOIN order_lines l USING (order_id) \
               WHERE $1::text IS NULL OR o.tenant_id = $1",
             &[&tenant, &grace_s],
@@ -157,8 +171,11 @@ pub async fn check(
             status: row.get(2),
             customer: row.get(3),
             merchandise: row.get(5),
+            shipping: row.get(11),
+            tax: row.get(12),
             total: row.get(6),
             cost: 0,
+            method: row.get(13),
             qty_by_sku: BTreeMap::new(),
         });
         order.cost += qty * unit_cost;
@@ -202,6 +219,24 @@ pub async fn check(
             ((row.get(0), row.get(1)), row.get(2)),
             (row.get(3), sum(&row, 4)?),
         );
+    }
+    // Ledger: per order and event type, debits and credits per account.
+    let mut postings: BTreeMap<(Key, String), Postings> = BTreeMap::new();
+    for row in ledger
+        .query(
+            "SELECT e.tenant_id, e.order_id, e.event_type, l.account_code, \
+                    sum(l.debit)::text, sum(l.credit)::text \
+               FROM journal_entries e JOIN journal_lines l USING (entry_id) \
+              WHERE $1::text IS NULL OR e.tenant_id = $1 \
+              GROUP BY 1, 2, 3, 4",
+            &[&tenant],
+        )
+        .await?
+    {
+        postings
+            .entry(((row.get(0), row.get(1)), row.get(2)))
+            .or_default()
+            .insert(row.get(3), (sum(&row, 4)?, sum(&row, 5)?));
     }
     // Loyalty: per order, entries and points (and the customers credited).
     let mut points: BTreeMap<Key, (i64, i128, BTreeSet<String>)> = BTreeMap::new();
@@ -270,6 +305,21 @@ pub async fn check(
                 id,
                 describe_journal("payment", expected_payment, payment.copied()),
             );
+        } else if let (true, Some(method)) = (paid, &order.method) {
+            // As the ledger posts a payment: its method's clearing account
+            // debited, the customer's deposit credited.
+            let expected = postings_of(&[
+                (
+                    format!("clearing:{}", method.trim().to_lowercase()),
+                    order.total,
+                    0,
+                ),
+                ("customer_deposits".to_owned(), 0, order.total),
+            ]);
+            let found = postings.get(&(key.clone(), "PaymentReceived".into()));
+            if found != Some(&expected) {
+                drift(t, id, describe_postings("payment", &expected, found));
+            }
         }
         let delivery = journals.get(&(key.clone(), "ParcelDelivered".into()));
         let expected_delivery =
@@ -280,6 +330,22 @@ pub async fn check(
                 id,
                 describe_journal("delivery", expected_delivery, delivery.copied()),
             );
+        } else if delivered {
+            // As the ledger posts a delivery (seed 003): the deposit
+            // released into sales, shipping income and tax payable, and the
+            // goods' cost moved from inventory to the cost of goods sold.
+            let expected = postings_of(&[
+                ("customer_deposits".to_owned(), order.total, 0),
+                ("sales".to_owned(), 0, order.merchandise),
+                ("shipping_income".to_owned(), 0, order.shipping),
+                ("tax_payable".to_owned(), 0, order.tax),
+                ("cogs".to_owned(), order.cost, 0),
+                ("inventory".to_owned(), 0, order.cost),
+            ]);
+            let found = postings.get(&(key.clone(), "ParcelDelivered".into()));
+            if found != Some(&expected) {
+                drift(t, id, describe_postings("delivery", &expected, found));
+            }
         }
         let loyalty = points.get(key);
         // One entry of the merchandise's whole units; none when that is 0
@@ -455,6 +521,41 @@ fn describe(
         "{what} {kind}: expected {}, found {}",
         show(expected),
         show(found)
+    )
+}
+
+/// The postings of `lines` (account, debit, credit), without the lines of
+/// zero (the ledger posts none).
+fn postings_of(lines: &[(String, i64, i64)]) -> Postings {
+    lines
+        .iter()
+        .filter(|(_, debit, credit)| *debit != 0 || *credit != 0)
+        .map(|(account, debit, credit)| {
+            (account.clone(), (i128::from(*debit), i128::from(*credit)))
+        })
+        .collect()
+}
+
+fn describe_postings(what: &str, expected: &Postings, found: Option<&Postings>) -> String {
+    let show = |p: &Postings| {
+        p.iter()
+            .map(|(account, (debit, credit))| {
+                let mut sides = Vec::new();
+                if *debit != 0 {
+                    sides.push(format!("Dr {}", events::format_total(*debit)));
+                }
+                if *credit != 0 {
+                    sides.push(format!("Cr {}", events::format_total(*credit)));
+                }
+                format!("{account} {}", sides.join(" "))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "{what} journal posts other accounts or amounts: expected {}, found {}",
+        show(expected),
+        found.map_or("none".to_owned(), show)
     )
 }
 
