@@ -17,7 +17,11 @@ BEGIN
     SELECT e.tenant_id, e.xmin INTO entry_tenant, entry_xmin
       FROM journal_entries e WHERE e.entry_id = NEW.entry_id;
     IF NOT FOUND THEN
-        RETURN NEW; -- the foreign key refuses it
+        -- Not visible: no such entry, or another transaction's not yet
+        -- committed (which the foreign key would accept once it commits).
+        RAISE EXCEPTION 'journal line of entry %: no such entry posted by this transaction',
+            NEW.entry_id
+            USING ERRCODE = 'integrity_constraint_violation';
     END IF;
     IF entry_xmin <> pg_current_xact_id()::xid THEN
         RAISE EXCEPTION 'journal is immutable: entry % is posted; lines are added only '

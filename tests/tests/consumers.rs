@@ -1130,6 +1130,35 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
             .is_some_and(|e| e.message().contains("is posted")),
         "{added:?}"
     );
+    // Nor to another transaction's entry, not yet committed (the foreign key
+    // alone would take the lines once it commits).
+    {
+        let mut poster = pg(Database::Ledger).await;
+        let pending = Uuid::now_v7();
+        let tx = poster.transaction().await.expect("tx");
+        tx.execute(
+            "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+               description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
+            &[&pending, &tenant],
+        )
+        .await
+        .expect("an entry in flight");
+        let intruding = client
+            .execute(
+                "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+                 VALUES ($1, 1, $2, 'cash', 500, 0), ($1, 2, $2, 'sales', 0, 500)",
+                &[&pending, &tenant],
+            )
+            .await
+            .expect_err("no line into another transaction's entry");
+        assert!(
+            intruding.as_db_error().is_some_and(|e| e
+                .message()
+                .contains("no such entry posted by this transaction")),
+            "{intruding:?}"
+        );
+        tx.rollback().await.expect("rollback");
+    }
     // A line of a new entry names its entry's tenant.
     let other = unique("t5-sql-other");
     client
@@ -2019,15 +2048,20 @@ async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_
     // to its end rather than waiting for /readyz.
     let crashing = options(Some("consumer.cleanup=1*off->return"));
     let _topology = TopologyGuard::new(&name, &crashing);
-    let mut command = consumer_command(Kind::Loyalty, &name, &crashing);
-    let output = tokio::task::spawn_blocking(move || command.output().expect("run the consumer"))
+    let env = system_tests::consumers::consumer_env(
+        Kind::Loyalty,
+        &name,
+        system_tests::free_port(),
+        &crashing,
+    );
+    let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let mut service = system_tests::Service::start(Kind::Loyalty.binary(), &[], &env);
+    let status = tokio::task::spawn_blocking(move || service.wait_exit(WAIT))
         .await
-        .expect("consumer");
+        .expect("wait");
     assert!(
-        system_tests::system::aborted(&output.status),
-        "aborted at the fail point: {:?}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
+        status.as_ref().is_some_and(system_tests::system::aborted),
+        "aborted at the fail point within {WAIT:?}: {status:?}"
     );
     // The two oldest (days 12 and 13) went with the first batch.
     let mut expect: Vec<Uuid> = old[..3].to_vec();

@@ -251,26 +251,36 @@ async fn post(
 #[tokio::test]
 async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     let tenant = unique_tenant("drift-accounts");
-    let (right, wrong) = (Uuid::now_v7(), Uuid::now_v7());
+    let (right, wrong, no_payment) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
     let orders = pg(Database::Orders).await;
     system_tests::insert_seed_order(&orders, &tenant, right).await;
+    for order in [wrong, no_payment] {
+        orders
+            .execute(
+                "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
+                 merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence) \
+                 VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
+                &[&order, &tenant],
+            )
+            .await
+            .expect("order");
+        orders
+            .execute(
+                "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
+                 VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
+                &[&order],
+            )
+            .await
+            .expect("line");
+    }
+    // Paid, with its journal, but without the payment row it came from.
     orders
         .execute(
-            "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
-             merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence) \
-             VALUES ($1, $2, '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
-            &[&wrong, &tenant],
+            "UPDATE orders SET status = 'paid' WHERE order_id = $1",
+            &[&no_payment],
         )
         .await
-        .expect("order");
-    orders
-        .execute(
-            "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, unit_cost_minor) \
-             VALUES ($1, 1, 'JKT-M', 2, 4000, 2200)",
-            &[&wrong],
-        )
-        .await
-        .expect("line");
+        .expect("paid");
     for order in [right, wrong] {
         orders
             .execute(
@@ -324,6 +334,14 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         ("inventory", 0, 4400),
     ];
     post(&mut ledger, &tenant, right, "ParcelDelivered", &delivery).await;
+    post(
+        &mut ledger,
+        &tenant,
+        no_payment,
+        "PaymentReceived",
+        &[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)],
+    )
+    .await;
     // `wrong`: the payment credited to sales, the delivery's shipping and
     // tax booked as sales. Both balanced, both of the right total.
     post(
@@ -375,9 +393,15 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         !out.contains(&format!("order {right}: delivery journal")),
         "{out}"
     );
+    assert!(
+        out.contains(&format!(
+            "order {no_payment}: paid, but the order has no payment row"
+        )),
+        "{out}"
+    );
     // The trial balance is even: only the account check sees it.
     assert!(
-        out.contains("trial balance USD: debits 460.00 = credits 460.00"),
+        out.contains("trial balance USD: debits 553.00 = credits 553.00"),
         "{out}"
     );
 }

@@ -311,11 +311,20 @@ fn patient() -> Vec<(&'static str, String)> {
 impl Relay {
     /// Start a relay for `tenant`; `extra` overrides the test defaults.
     fn start(tenant: &str, extra: &[(&'static str, String)]) -> Relay {
+        Self::start_with_output(tenant, extra, None)
+    }
+
+    /// [`Relay::start`], its output written to the file `output` if given.
+    fn start_with_output(
+        tenant: &str,
+        extra: &[(&'static str, String)],
+        output: Option<&std::path::Path>,
+    ) -> Relay {
         let port = free_port();
         let instance = format!("relaytest-{}", short_id());
         let mut env = relay_env(tenant, &instance, port);
         env.extend(extra.iter().cloned());
-        let service = Service::start("outbox-relay", &[], &env);
+        let service = Service::start_with_output("outbox-relay", &[], &env, output);
         Relay {
             service,
             port,
@@ -859,15 +868,28 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     let mut extra = patient();
     extra.push(("FAILPOINTS", "relay.mark.reply_lost=1*return".to_owned()));
     extra.push(("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()));
-    let relay = Relay::start(&tenant, &extra);
+    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
+    let relay = Relay::start_with_output(&tenant, &extra, Some(&log));
 
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     collector.wait_distinct(6, Duration::from_secs(30)).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The rows are published before the retry has counted them (it runs
+    // after a pause): wait for the count, not a fixed time.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while relay.metric("outbox_published_total").await < 6 {
+        assert!(Instant::now() < deadline, "6 rows counted published");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let received = collector.snapshot();
     assert_eq!(received.len(), 6, "each event once: {received:?}");
     let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
     assert_in_sequence_order(&received, &expect);
+    let output = std::fs::read_to_string(&log).expect("relay log");
+    let _ = std::fs::remove_file(&log);
+    assert!(
+        output.contains("injected by fail point relay.mark.reply_lost"),
+        "the mark's reply was lost once, and the mark retried:\n{output}"
+    );
     assert_eq!(
         (
             relay.metric("outbox_published_total").await,
@@ -1670,7 +1692,7 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
             (row.get(0), row.get(1), row.get(2), row.get(3));
         assert_eq!((own, attempts), (2, 2), "{event_id}: {error}");
         assert!(
-            error.contains(reason),
+            error.starts_with("not sendable: ") && error.contains(reason),
             "{event_id}: {error:?} lacks {reason:?}"
         );
         assert!(unpublished);

@@ -10,12 +10,15 @@ use kit::{db::PgPool, CancellationToken};
 use crate::metrics::Metrics;
 
 /// Delete inbox rows of `consumer` older than `retention_hours`, `batch` rows
-/// per statement, until none is left. Returns how many were deleted.
+/// per transaction, until none is left; `deleted` is told each committed
+/// batch's count (also when a later batch fails). Returns how many were
+/// deleted.
 pub async fn clean_inbox(
     pool: &PgPool,
     consumer: &str,
     retention_hours: u32,
     batch: i64,
+    mut deleted_batch: impl FnMut(u64),
 ) -> Result<u64, anyhow::Error> {
     let hours = i32::try_from(retention_hours).unwrap_or(i32::MAX);
     let mut client = pool.get().await?;
@@ -38,6 +41,7 @@ pub async fn clean_inbox(
         // rows stay, so a stale copy is still refused by its sequence.
         kit::failpoint::crash_point("consumer.cleanup");
         tx.commit().await?;
+        deleted_batch(deleted);
         total += deleted;
         if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
             return Ok(total);
@@ -75,12 +79,10 @@ pub(crate) async fn run(
     loop {
         if tokio::time::Instant::now() >= next_cleanup {
             next_cleanup = tokio::time::Instant::now() + interval;
-            match clean_inbox(&pool, &consumer, retention_hours, batch).await {
+            let counted = |deleted| metrics.inbox_cleaned.inc_by(deleted);
+            match clean_inbox(&pool, &consumer, retention_hours, batch, counted).await {
                 Ok(0) => {}
-                Ok(deleted) => {
-                    metrics.inbox_cleaned.inc_by(deleted);
-                    tracing::info!(deleted, retention_hours, "inbox cleaned");
-                }
+                Ok(deleted) => tracing::info!(deleted, retention_hours, "inbox cleaned"),
                 Err(error) => tracing::warn!(error = format!("{error:#}"), "inbox cleanup failed"),
             }
         }

@@ -107,8 +107,8 @@ impl<P> Envelope<P> {
     /// The same for every copy of the event (a redelivery, a retry, a
     /// replay) and for every event of the order doing the same operation:
     /// a corrective event (a new event id) cannot charge an order twice.
-    /// That is stricter than DESIGN.md's event id + operation, and the
-    /// seed's. An operation an order can need more than once names its
+    /// That is the seed's key, stricter than DESIGN.md's event id +
+    /// operation. An operation an order can need more than once names its
     /// instance in `operation` (`"refund:<refund_id>"`).
     pub fn downstream_key(&self, operation: &str) -> String {
         format!(

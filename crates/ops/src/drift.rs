@@ -305,6 +305,8 @@ pub async fn check(
                 id,
                 describe_journal("payment", expected_payment, payment.copied()),
             );
+        } else if paid && order.method.is_none() {
+            drift(t, id, "paid, but the order has no payment row".into());
         } else if let (true, Some(method)) = (paid, &order.method) {
             // As the ledger posts a payment: its method's clearing account
             // debited, the customer's deposit credited.

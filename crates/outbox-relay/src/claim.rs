@@ -243,10 +243,15 @@ pub async fn claim(
 /// loss). Returns the number marked.
 ///
 /// `retry`: an earlier attempt failed, and it may have committed with only
-/// its reply lost (the connection broke). The rows it marked are counted
-/// as marked again (published, `claimed_by` still this instance: the mark
-/// keeps it), so that `outbox_mark_lost_total` counts only rows another
-/// instance took over. The first attempt needs no such count.
+/// its reply lost (the connection broke). The rows marked so far are then
+/// counted again after the update, in a statement of its own (a snapshot
+/// taken after the update's row-lock waits: an earlier attempt still
+/// running when the retry began has committed by then): published and
+/// still `claimed_by` this instance, which the mark keeps. So
+/// `outbox_mark_lost_total` counts only rows another instance took over
+/// (and, rarely, a row another worker of this instance took over after the
+/// lease expired and marked: published twice, not lost). The first attempt
+/// needs no such count.
 pub async fn mark_published(
     pool: &PgPool,
     instance: &str,
@@ -259,38 +264,28 @@ pub async fn mark_published(
     let client = pool.get().await?;
     let params: &[(&(dyn ToSql + Sync), Type)] =
         &[(&ids, Type::UUID_ARRAY), (&instance, Type::TEXT)];
-    let marked = if retry {
-        // The outer count reads the snapshot from before the update (a
-        // data-modifying CTE's changes are not visible to its statement):
-        // the rows marked here are counted once, by the CTE.
+    let mut marked = client
+        .execute_typed(
+            "UPDATE outbox_events
+             SET published_at = now(), claim_until = NULL
+             WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
+            params,
+        )
+        .await?;
+    if retry {
         let row = client
             .query_typed(
-                "WITH marked AS (
-                     UPDATE outbox_events
-                     SET published_at = now(), claim_until = NULL
-                     WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL
-                     RETURNING 1)
-                 SELECT (SELECT count(*) FROM marked)
-                      + (SELECT count(*) FROM outbox_events
-                         WHERE event_id = ANY($1) AND claimed_by = $2
-                           AND published_at IS NOT NULL)",
+                "SELECT count(*) FROM outbox_events
+                 WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NOT NULL",
                 params,
             )
             .await?;
-        row.first()
+        marked = row
+            .first()
             .map(|row| row.get::<_, i64>(0))
             .and_then(|n| u64::try_from(n).ok())
-            .unwrap_or(0)
-    } else {
-        client
-            .execute_typed(
-                "UPDATE outbox_events
-                 SET published_at = now(), claim_until = NULL
-                 WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
-                params,
-            )
-            .await?
-    };
+            .unwrap_or(marked);
+    }
     // A committed mark whose reply is lost (the statement ran in its own
     // transaction): the caller retries it.
     anyhow::ensure!(

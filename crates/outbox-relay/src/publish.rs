@@ -126,6 +126,10 @@ pub fn check_limits(message: &Message, max_body: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// The start of `last_error` for a row the relay could not make a message
+/// of (not encodable, over a limit): it was not sent.
+pub const NOT_SENDABLE: &str = "not sendable: ";
+
 /// Why one message was not confirmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PublishFailure {
@@ -157,7 +161,9 @@ impl PublishFailure {
             PublishFailure::Nacked => "negatively acknowledged by the broker".to_owned(),
             PublishFailure::Timeout => "no broker confirm within the confirm timeout".to_owned(),
             PublishFailure::Channel(error) => format!("channel error: {error}"),
-            PublishFailure::Encode(why) => why.clone(),
+            // The prefix tells an operator (and the runbook's replacement
+            // guard) that the row never reached the broker this time.
+            PublishFailure::Encode(why) => format!("{NOT_SENDABLE}{why}"),
         }
     }
 
