@@ -277,6 +277,15 @@ pub async fn insert_seed_order(orders: &tokio_postgres::Client, tenant: &str, or
         .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
         .await
         .expect("tenant");
+    insert_another_seed_order(orders, tenant, order).await;
+}
+
+/// [`insert_seed_order`] for a tenant that exists already.
+pub async fn insert_another_seed_order(
+    orders: &tokio_postgres::Client,
+    tenant: &str,
+    order: uuid::Uuid,
+) {
     orders
         .execute(
             "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
@@ -295,6 +304,21 @@ pub async fn insert_seed_order(orders: &tokio_postgres::Client, tenant: &str, or
         .await
         .expect("line");
 }
+
+/// The seed 003 order's payment journal as the ledger posts it: (account,
+/// debit, credit) in minor units.
+pub const SEED_PAYMENT_JOURNAL: &[(&str, i64, i64)] =
+    &[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)];
+
+/// The seed 003 order's delivery journal as the ledger posts it.
+pub const SEED_DELIVERY_JOURNAL: &[(&str, i64, i64)] = &[
+    ("customer_deposits", 9300, 0),
+    ("sales", 0, 8000),
+    ("shipping_income", 0, 500),
+    ("tax_payable", 0, 800),
+    ("cogs", 4400, 0),
+    ("inventory", 0, 4400),
+];
 
 /// Delete an order [`insert_seed_order`] made (its lines, then the order).
 pub async fn delete_seed_order(orders: &tokio_postgres::Client, order: uuid::Uuid) {

@@ -158,18 +158,11 @@ fn lines(spec: &[(&str, i64, i64)]) -> Vec<Line> {
 }
 
 fn payment_lines() -> Vec<Line> {
-    lines(&[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)])
+    lines(system_tests::SEED_PAYMENT_JOURNAL)
 }
 
 fn delivery_lines() -> Vec<Line> {
-    lines(&[
-        ("customer_deposits", 9300, 0),
-        ("sales", 0, 8000),
-        ("shipping_income", 0, 500),
-        ("tax_payable", 0, 800),
-        ("cogs", 4400, 0),
-        ("inventory", 0, 4400),
-    ])
+    lines(system_tests::SEED_DELIVERY_JOURNAL)
 }
 
 /// (customer, points, order, event) of the tenant.
@@ -280,6 +273,39 @@ async fn send_story(
 }
 
 /// Post a two-line entry (Dr cash, Cr sales) in one transaction.
+/// Two lines balancing each other into `entry` (`cash` Dr 5.00 under
+/// `tenant`, `sales` Cr 5.00 under `second_tenant`), which the database must
+/// refuse: its message.
+async fn refused_lines(
+    client: &impl tokio_postgres::GenericClient,
+    entry: Uuid,
+    tenant: &str,
+    second_tenant: &str,
+) -> String {
+    let error = client
+        .execute(
+            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, 3, $2, 'cash', 500, 0), ($1, 4, $3, 'sales', 0, 500)",
+            &[&entry, &tenant, &second_tenant],
+        )
+        .await
+        .expect_err("the database refuses the lines");
+    error
+        .as_db_error()
+        .map_or_else(|| error.to_string(), |e| e.message().to_owned())
+}
+
+/// Insert the header of a test journal entry `entry` (no lines) in `tx`.
+async fn insert_entry(tx: &tokio_postgres::Transaction<'_>, entry: Uuid, tenant: &str) {
+    tx.execute(
+        "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+           description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
+        &[&entry, &tenant],
+    )
+    .await
+    .expect("entry");
+}
+
 async fn post_entry(
     client: &mut tokio_postgres::Client,
     tenant: &str,
@@ -288,13 +314,7 @@ async fn post_entry(
 ) -> Result<Uuid, tokio_postgres::Error> {
     let entry = Uuid::now_v7();
     let tx = client.transaction().await.expect("tx");
-    tx.execute(
-        "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
-           description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
-        &[&entry, &tenant],
-    )
-    .await
-    .expect("entry");
+    insert_entry(&tx, entry, tenant).await;
     tx.execute(
         "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
          VALUES ($1, 1, $2, 'cash', $3, 0), ($1, 2, $2, 'sales', 0, $4)",
@@ -1116,46 +1136,19 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
         .expect_err("posted entries cannot be deleted");
     // Nor can lines be added to a posted entry, even lines that balance
     // each other (ledger V4).
-    let added = client
-        .execute(
-            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
-             VALUES ($1, 3, $2, 'cash', 500, 0), ($1, 4, $2, 'sales', 0, 500)",
-            &[&entry, &tenant],
-        )
-        .await
-        .expect_err("no line is added to a posted entry");
-    assert!(
-        added
-            .as_db_error()
-            .is_some_and(|e| e.message().contains("is posted")),
-        "{added:?}"
-    );
+    let added = refused_lines(&client, entry, &tenant, &tenant).await;
+    assert!(added.contains("is posted"), "{added}");
     // Nor to another transaction's entry, not yet committed (the foreign key
     // alone would take the lines once it commits).
     {
         let mut poster = pg(Database::Ledger).await;
         let pending = Uuid::now_v7();
         let tx = poster.transaction().await.expect("tx");
-        tx.execute(
-            "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
-               description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
-            &[&pending, &tenant],
-        )
-        .await
-        .expect("an entry in flight");
-        let intruding = client
-            .execute(
-                "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
-                 VALUES ($1, 1, $2, 'cash', 500, 0), ($1, 2, $2, 'sales', 0, 500)",
-                &[&pending, &tenant],
-            )
-            .await
-            .expect_err("no line into another transaction's entry");
+        insert_entry(&tx, pending, &tenant).await;
+        let intruding = refused_lines(&client, pending, &tenant, &tenant).await;
         assert!(
-            intruding.as_db_error().is_some_and(|e| e
-                .message()
-                .contains("no such entry posted by this transaction")),
-            "{intruding:?}"
+            intruding.contains("no such entry posted by this transaction"),
+            "{intruding}"
         );
         tx.rollback().await.expect("rollback");
     }
@@ -1172,27 +1165,10 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
     let foreign = {
         let mixed = Uuid::now_v7();
         let tx = client.transaction().await.expect("tx");
-        tx.execute(
-            "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
-               description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
-            &[&mixed, &tenant],
-        )
-        .await
-        .expect("entry");
-        tx.execute(
-            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
-             VALUES ($1, 1, $2, 'cash', 700, 0), ($1, 2, $3, 'sales', 0, 700)",
-            &[&mixed, &tenant, &other],
-        )
-        .await
-        .expect_err("a line under another tenant than its entry's")
+        insert_entry(&tx, mixed, &tenant).await;
+        refused_lines(&tx, mixed, &tenant, &other).await
     };
-    assert!(
-        foreign
-            .as_db_error()
-            .is_some_and(|e| e.message().contains("its entry tenant")),
-        "{foreign:?}"
-    );
+    assert!(foreign.contains("its entry tenant"), "{foreign}");
     // A header without lines is unbalanced too.
     let lonely = Uuid::now_v7();
     client
@@ -1916,24 +1892,10 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
     // The story was applied 9 days ago (older than the 8-day horizon); one
     // recent row stays.
     for m in [&s.placed, &s.paid, &s.delivered] {
-        client
-            .execute(
-                "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
-                 VALUES ($1, $2, now() - interval '9 days')",
-                &[&name, &m.event_id],
-            )
-            .await
-            .expect("old inbox row");
+        inbox_row(&client, &name, m.event_id, 9).await;
     }
     let recent = Uuid::now_v7();
-    client
-        .execute(
-            "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
-             VALUES ($1, $2, now() - interval '1 day')",
-            &[&name, &recent],
-        )
-        .await
-        .expect("recent inbox row");
+    inbox_row(&client, &name, recent, 1).await;
     client
         .execute(
             "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id, last_sequence) \
@@ -1961,17 +1923,7 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
     loyalty_c
         .wait_metric("consumer_inbox_cleaned_total", "", 3.0)
         .await;
-    let left: Vec<Uuid> = client
-        .query(
-            "SELECT event_id FROM processed_events WHERE consumer_name = $1",
-            &[&name],
-        )
-        .await
-        .expect("inbox")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(left, vec![recent]);
+    assert_eq!(inbox_ids(&client, &name).await, vec![recent]);
 
     // A replay of the old delivery: no inbox row any more, still not applied twice.
     let publisher = Publisher::connect().await;
@@ -1999,39 +1951,11 @@ async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_
     let mut old = Vec::new();
     for days in 9..14 {
         let id = Uuid::now_v7();
-        client
-            .execute(
-                "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
-                 VALUES ($1, $2, now() - make_interval(days => $3))",
-                &[&name, &id, &days],
-            )
-            .await
-            .expect("old inbox row");
+        inbox_row(&client, &name, id, days).await;
         old.push(id);
     }
     let recent = Uuid::now_v7();
-    client
-        .execute(
-            "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
-             VALUES ($1, $2, now() - interval '1 day')",
-            &[&name, &recent],
-        )
-        .await
-        .expect("recent inbox row");
-    let inbox = || async {
-        let mut ids: Vec<Uuid> = client
-            .query(
-                "SELECT event_id FROM processed_events WHERE consumer_name = $1",
-                &[&name],
-            )
-            .await
-            .expect("inbox")
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        ids.sort();
-        ids
-    };
+    inbox_row(&client, &name, recent, 1).await;
     let options = |failpoints: Option<&str>| Options {
         failpoints: failpoints.map(str::to_owned),
         extra: vec![
@@ -2067,13 +1991,45 @@ async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_
     let mut expect: Vec<Uuid> = old[..3].to_vec();
     expect.push(recent);
     expect.sort();
-    assert_eq!(inbox().await, expect, "the second batch rolled back");
+    assert_eq!(
+        inbox_ids(&client, &name).await,
+        expect,
+        "the second batch rolled back"
+    );
 
     let restarted = Consumer::start(Kind::Loyalty, &name, options(None)).await;
     restarted
         .wait_metric("consumer_inbox_cleaned_total", "", 3.0)
         .await;
-    assert_eq!(inbox().await, vec![recent]);
+    assert_eq!(inbox_ids(&client, &name).await, vec![recent]);
+}
+
+/// An inbox row of `consumer` for `event_id`, processed `days_ago` days ago.
+async fn inbox_row(client: &tokio_postgres::Client, consumer: &str, event_id: Uuid, days_ago: i32) {
+    client
+        .execute(
+            "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
+             VALUES ($1, $2, now() - make_interval(days => $3))",
+            &[&consumer, &event_id, &days_ago],
+        )
+        .await
+        .expect("inbox row");
+}
+
+/// The event ids in `consumer`'s inbox, sorted.
+async fn inbox_ids(client: &tokio_postgres::Client, consumer: &str) -> Vec<Uuid> {
+    let mut ids: Vec<Uuid> = client
+        .query(
+            "SELECT event_id FROM processed_events WHERE consumer_name = $1",
+            &[&consumer],
+        )
+        .await
+        .expect("inbox")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    ids.sort();
+    ids
 }
 
 /// The topology of DESIGN.md section 7, as declared by a consumer (through
