@@ -38,7 +38,7 @@ build:
 	$(CARGO) build --workspace --bins $(FAILPOINTS_FEATURES)
 
 migrate: up build
-	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
+	$(ENV) . scripts/service-env.sh && for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
 		target/debug/$$svc migrate || exit 1; \
 	done
 
@@ -46,7 +46,7 @@ run: up build
 	scripts/run.sh
 
 demo: build
-	$(ENV) set -a && { [ -f .run/credentials.env ] && . .run/credentials.env || true; } && set +a && target/debug/demo
+	$(ENV) . scripts/service-env.sh && set -a && { [ -f .run/credentials.env ] && . .run/credentials.env || true; } && set +a && target/debug/demo
 
 drift: build
 	$(ENV) target/debug/drift-check
@@ -73,7 +73,7 @@ BENCH_BUILD := CARGO_TARGET_DIR=$(BENCH_TARGET) $(CARGO) build --profile bench-r
 BENCH_TARGETS := bench bench-backlog bench-api bench-relay bench-consumers bench-e2e
 $(BENCH_TARGETS): up
 	$(BENCH_BUILD)
-	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
+	$(ENV) . scripts/service-env.sh && for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
 		$(BENCH_BIN)/$$svc migrate || exit 1; \
 	done
 	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench $(if $(filter bench,$@),suite,$(patsubst bench-%,%,$@))

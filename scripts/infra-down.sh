@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stop the local PostgreSQL + RabbitMQ started by infra-up.sh (idempotent).
 #   scripts/infra-down.sh           stop both, keep data
-#   scripts/infra-down.sh --purge   stop both and delete their data (.run/pg, .run/rabbitmq)
+#   scripts/infra-down.sh --purge   stop both and delete their data (.run/pg, .run/rabbitmq, the demo credentials)
 set -euo pipefail
 # shellcheck source=scripts/infra-env.sh
 . "$(dirname "${BASH_SOURCE[0]}")/infra-env.sh"
@@ -46,5 +46,6 @@ if [ "$purge" = 1 ]; then
         log "purging $d"
         rm -rf -- "$d"
     done
-    rm -f -- "$PG_LOG" "$RUN_DIR/infra.env" "$RUN_DIR/initdb.log"
+    # The demo credentials name an API key of the purged database.
+    rm -f -- "$PG_LOG" "$RUN_DIR/infra.env" "$RUN_DIR/initdb.log" "$RUN_DIR/credentials.env"
 fi

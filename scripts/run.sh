@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/infra-env.sh
+. scripts/service-env.sh
 export LOG_FORMAT="${LOG_FORMAT:-text}" RUST_LOG="${RUST_LOG:-info,lapin=error,actix_server=warn,tokio_postgres=warn}"
 BIN="${BIN:-target/debug}"
 # The consumers first: each declares its exchange, partition queues and
