@@ -2067,15 +2067,55 @@ async fn the_declared_topology_has_the_agreed_shape() {
     let exchange = management(&format!("/api/exchanges/%2f/{name}.events")).await;
     assert_eq!(exchange["type"], json!("x-consistent-hash"));
     assert_eq!(exchange["arguments"]["hash-header"], json!("aggregate_id"));
+    // Dead-lettering at least once needs reject-publish (DESIGN.md
+    // section 13); a crash loop's message goes to the DLQ, not away.
+    let at_least_once = |queue: &Value| {
+        assert_eq!(queue["durable"], json!(true), "{queue}");
+        assert_eq!(
+            queue["arguments"]["x-queue-type"],
+            json!("quorum"),
+            "{queue}"
+        );
+        assert_eq!(
+            queue["arguments"]["x-dead-letter-strategy"],
+            json!("at-least-once"),
+            "{queue}"
+        );
+        assert_eq!(
+            queue["arguments"]["x-overflow"],
+            json!("reject-publish"),
+            "{queue}"
+        );
+    };
+    let partition_bindings =
+        management(&format!("/api/exchanges/%2f/{name}.events/bindings/source")).await;
     for p in 0..options.partitions {
         let queue = management(&format!("/api/queues/%2f/{name}.p{p}")).await;
-        assert_eq!(queue["arguments"]["x-queue-type"], json!("quorum"));
+        at_least_once(&queue);
         assert_eq!(queue["arguments"]["x-single-active-consumer"], json!(true));
-        assert!(queue["arguments"]["x-delivery-limit"].is_number());
+        assert_eq!(queue["arguments"]["x-delivery-limit"], json!(20));
+        assert_eq!(queue["arguments"]["x-dead-letter-exchange"], json!(""));
+        assert_eq!(
+            queue["arguments"]["x-dead-letter-routing-key"],
+            json!(format!("{name}.dlq"))
+        );
+        // Bound to the hash exchange with weight 1: partitions share the
+        // orders evenly.
+        let weights: Vec<&Value> = partition_bindings
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .filter(|b| b["destination"] == json!(format!("{name}.p{p}")))
+                    .map(|b| &b["routing_key"])
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert_eq!(weights, vec![&json!("1")], "{partition_bindings}");
     }
     let tiers: Vec<u64> = vec![100, 200, 300, 400, 500];
     for (i, ttl) in tiers.iter().enumerate() {
         let queue = management(&format!("/api/queues/%2f/{name}.retry.{i}")).await;
+        at_least_once(&queue);
         assert_eq!(queue["arguments"]["x-message-ttl"], json!(ttl));
         assert_eq!(
             queue["arguments"]["x-dead-letter-exchange"],
@@ -2084,6 +2124,7 @@ async fn the_declared_topology_has_the_agreed_shape() {
     }
     let dlq = management(&format!("/api/queues/%2f/{name}.dlq")).await;
     assert_eq!(dlq["durable"], json!(true));
+    assert_eq!(dlq["arguments"]["x-queue-type"], json!("quorum"));
 }
 
 /// SIGTERM while a message is in the handler: the message is finished,
