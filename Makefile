@@ -73,7 +73,7 @@ BENCH_BUILD := CARGO_TARGET_DIR=$(BENCH_TARGET) $(CARGO) build --profile bench-r
 BENCH_TARGETS := bench bench-backlog bench-api bench-relay bench-consumers bench-e2e
 $(BENCH_TARGETS): up
 	$(BENCH_BUILD)
-	$(ENV) . scripts/service-env.sh && for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
+	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
 		$(BENCH_BIN)/$$svc migrate || exit 1; \
 	done
 	$(ENV) SERVICE_BIN_DIR=$(BENCH_BIN) $(BENCH_BIN)/bench $(if $(filter bench,$@),suite,$(patsubst bench-%,%,$@))

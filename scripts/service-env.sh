@@ -2,8 +2,9 @@
 # demo`: point the services (which read their own settings,
 # <PREFIX>__DATABASE__URL and <PREFIX>__AMQP__URL) at the PostgreSQL and
 # RabbitMQ that `make up` started, also when PGPORT or AMQP_PORT moved them
-# off the defaults. A value already set wins. (The tests pass each service
-# its URLs themselves.)
+# off the defaults. A value already set wins. (The tests and `make bench`
+# start services on the default ports, or pass them their own URLs: they
+# expect PostgreSQL and RabbitMQ on 5432 and 5672.)
 export ORDER_API__DATABASE__URL="${ORDER_API__DATABASE__URL:-$PG_URL_ORDERS}"
 export OUTBOX_RELAY__DATABASE__URL="${OUTBOX_RELAY__DATABASE__URL:-$PG_URL_ORDERS}"
 export OUTBOX_RELAY__AMQP__URL="${OUTBOX_RELAY__AMQP__URL:-$AMQP_URL}"

@@ -272,7 +272,6 @@ async fn send_story(
     }
 }
 
-/// Post a two-line entry (Dr cash, Cr sales) in one transaction.
 /// Two lines balancing each other into `entry` (`cash` Dr 5.00 under
 /// `tenant`, `sales` Cr 5.00 under `second_tenant`), which the database must
 /// refuse: its message.
@@ -306,6 +305,7 @@ async fn insert_entry(tx: &tokio_postgres::Transaction<'_>, entry: Uuid, tenant:
     .expect("entry");
 }
 
+/// Post a two-line entry (Dr cash, Cr sales) in one transaction.
 async fn post_entry(
     client: &mut tokio_postgres::Client,
     tenant: &str,
