@@ -2283,14 +2283,15 @@ async fn a_delivery_carries_the_given_delivered_at_and_its_fingerprint() {
 }
 
 /// A record the cleanup deletes while a request is about to take it over
-/// (expired, not yet deleted): the request is told to retry, 409
-/// idempotency_in_progress with Retry-After, and counted in
-/// `idempotency_in_progress_total` like any other such answer (it was not).
-/// This test's transaction is the cleanup: it locks the record before it
-/// expires (so before the request reads it), and deletes it while the
-/// takeover waits for that lock.
+/// (expired, not yet deleted): the key is free, and the request claims it
+/// again and executes as a new operation (seed 004: reusing a key after
+/// cleanup is a new operation). It used to be told to retry (409
+/// idempotency_in_progress), counted as a wait that ran out. This test's
+/// transaction is the cleanup: it locks the record before it expires (so
+/// before the request reads it), and deletes it while the takeover waits
+/// for that lock.
 #[tokio::test]
-async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
+async fn a_record_deleted_under_a_takeover_frees_the_key_for_a_new_operation() {
     let api = OrderApi::start(&patient_with(&[(
         "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
         "3600".to_owned(),
@@ -2364,27 +2365,38 @@ async fn a_record_deleted_under_a_takeover_is_in_progress_and_counted() {
     tx.commit().await.expect("commit");
 
     let response = request.await.expect("request task");
-    assert_eq!(header(&response, "Retry-After"), Some("1"));
-    let (status, problem) = json_of(response).await;
+    assert!(!is_replay(&response));
+    let (status, order) = json_of(response).await;
+    assert_eq!(status, StatusCode::CREATED, "{order}");
     assert_eq!(
-        (status, problem["code"].as_str()),
-        (StatusCode::CONFLICT, Some("idempotency_in_progress")),
-        "{problem}"
+        order["customer_id"], "78",
+        "the new request's order: {order}"
     );
     assert_eq!(
         key_metrics(&api, "POST /orders").await - before,
         KeyMetrics {
-            in_progress: 1,
+            claims: 1,
             ..KeyMetrics::default()
         },
-        "counted"
+        "claimed, not in progress"
     );
     let c = counts(&caller.tenant).await;
     assert_eq!(
         (c.orders, c.keys),
-        (1, 0),
-        "nothing executed, nothing stored"
+        (2, 1),
+        "a second order, and its key stored"
     );
+    // Replayed from now on, as any key.
+    let again = caller
+        .post(
+            &api.url("/orders"),
+            "k",
+            &SEED_ORDER.replace("\"77\"", "\"78\""),
+        )
+        .await;
+    assert!(is_replay(&again));
+    let (status, replayed) = json_of(again).await;
+    assert_eq!((status, &replayed), (StatusCode::CREATED, &order));
 }
 
 /// Two different keys racing on one checkout: exactly one order and one

@@ -341,8 +341,8 @@ pub async fn execute(
             Err(error) => return Err(error.into()),
         };
         let mut existing = None;
+        let read = tx.prepare_cached(READ).await?;
         if !claimed {
-            let read = tx.prepare_cached(READ).await?;
             existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
             if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
                 let take_over = tx.prepare_cached(TAKE_OVER).await?;
@@ -360,9 +360,28 @@ pub async fn execute(
             }
         }
 
+        if !claimed && existing.is_none() {
+            // The cleanup deleted the record between the claim and the read
+            // (or under the takeover's lock wait). It deletes only expired
+            // records, so the key is free, and its reuse is a new operation
+            // (seed 004): claim it again, once.
+            claimed = match tx.query_opt(&claim, &params).await {
+                Ok(row) => row.is_some(),
+                Err(error) if waited_out(&error) => {
+                    return Err(in_progress("the wait for the key's owner ran out"))
+                }
+                Err(error) => return Err(error.into()),
+            };
+            if !claimed {
+                existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+            }
+        }
+
         if !claimed {
             let Some(row) = existing else {
-                // Deleted by cleanup between the two statements: ask for a retry.
+                // Deleted again under the second claim (another request
+                // claimed it and the cleanup took it: hardly ever): ask for a
+                // retry.
                 return Err(in_progress(
                     "the record was deleted by the cleanup meanwhile",
                 ));

@@ -11,8 +11,8 @@ pub struct Metrics {
     pub replays: IntCounterVec,
     /// Key reused with a different fingerprint (409 idempotency_key_reused).
     pub key_conflicts: IntCounterVec,
-    /// 409 idempotency_in_progress: the bounded wait on the winner ran out,
-    /// or the record was deleted by the cleanup under the request.
+    /// 409 idempotency_in_progress: the bounded wait on the winner ran out
+    /// (or, hardly ever, the record vanished twice under the request).
     pub in_progress: IntCounterVec,
     /// Owner transactions rolled back by an infrastructure failure (nothing stored).
     pub rollbacks: IntCounterVec,
