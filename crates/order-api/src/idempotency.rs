@@ -324,35 +324,34 @@ pub async fn execute(
             "SET LOCAL statement_timeout = {}",
             left_ms + 1 + SERVER_BACKSTOP_MS
         );
-        let (limited, claimed) =
-            futures_util::future::join(tx.batch_execute(&limit), tx.query_opt(&claim, &params))
-                .await;
-        limited?;
-        // A wait for the key's owner that the lock_timeout ended: the owner
-        // is still in flight. (A claim the budget ended, whether it waited
-        // for an owner or not, is the budget's 503: only the lock timeout
-        // tells a wait for an owner apart.)
-        let waited_out = ApiError::is_lock_timeout;
-        let mut claimed = match claimed {
-            Ok(row) => row.is_some(),
-            Err(error) if waited_out(&error) => {
-                return Err(in_progress("the wait for the key's owner ran out"))
+        // Whether a claim or a takeover won the key. A wait for the key's
+        // owner that the lock_timeout ended: the owner is still in flight.
+        // (A claim the budget ended, whether it waited for an owner or not,
+        // is the budget's 503: only the lock timeout tells a wait for an
+        // owner apart.)
+        let won = |statement: tokio_postgres::Statement| {
+            let (tx, params) = (&tx, &params);
+            async move {
+                match tx.query_opt(&statement, params).await {
+                    Ok(row) => Ok(row.is_some()),
+                    Err(error) if ApiError::is_lock_timeout(&error) => {
+                        Err(in_progress("the wait for the key's owner ran out"))
+                    }
+                    Err(error) => Err(ApiError::from(error)),
+                }
             }
-            Err(error) => return Err(error.into()),
         };
+        let (limited, claimed) =
+            futures_util::future::join(tx.batch_execute(&limit), won(claim.clone())).await;
+        limited?;
+        let mut claimed = claimed?;
         let mut existing = None;
         let read = tx.prepare_cached(READ).await?;
         if !claimed {
             existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
             if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
                 let take_over = tx.prepare_cached(TAKE_OVER).await?;
-                claimed = match tx.query_opt(&take_over, &params).await {
-                    Ok(row) => row.is_some(),
-                    Err(error) if waited_out(&error) => {
-                        return Err(in_progress("the wait for the key's owner ran out"))
-                    }
-                    Err(error) => return Err(error.into()),
-                };
+                claimed = won(take_over).await?;
                 if !claimed {
                     // Another request took it over (and committed): its record.
                     existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
@@ -365,13 +364,7 @@ pub async fn execute(
             // (or under the takeover's lock wait). It deletes only expired
             // records, so the key is free, and its reuse is a new operation
             // (seed 004): claim it again, once.
-            claimed = match tx.query_opt(&claim, &params).await {
-                Ok(row) => row.is_some(),
-                Err(error) if waited_out(&error) => {
-                    return Err(in_progress("the wait for the key's owner ran out"))
-                }
-                Err(error) => return Err(error.into()),
-            };
+            claimed = won(claim).await?;
             if !claimed {
                 existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
             }
