@@ -243,6 +243,61 @@ async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
     );
 }
 
+/// [`fifty_concurrent_requests_with_one_key_make_one_order_and_one_event`]
+/// with the shipped defaults (a 2 s wait for the key's owner, the default
+/// pool): a loaded machine may tell some of the fifty to retry (an answer
+/// with Retry-After), and they do, as clients are told to. Still one order
+/// and one event, and every client ends with the same 201, byte for byte.
+#[tokio::test]
+async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_order() {
+    let api = OrderApi::start(&[]).await;
+    let caller = std::sync::Arc::new(Caller::new("conc-defaults"));
+    let url = api.url("/orders");
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let caller = caller.clone();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tries = 0;
+            loop {
+                let response = caller.post(&url, "same-key", SEED_ORDER).await;
+                tries += 1;
+                let retry = header(&response, "Retry-After").is_some();
+                if !retry || tries == 30 {
+                    let status = response.status();
+                    let replayed = is_replay(&response);
+                    let body = response.bytes().await.expect("body").to_vec();
+                    break (status, replayed, body);
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }));
+    }
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.expect("task"));
+    }
+    for (status, _, body) in &answers {
+        assert_eq!(
+            *status,
+            StatusCode::CREATED,
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+    }
+    assert_eq!(
+        answers.iter().filter(|a| !a.1).count(),
+        1,
+        "one request executed, the others replayed"
+    );
+    let body = &answers[0].2;
+    assert!(
+        answers.iter().all(|a| &a.2 == body),
+        "one body, byte for byte"
+    );
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+}
+
 #[tokio::test]
 async fn same_key_different_request_is_rejected_and_changes_nothing() {
     let api = OrderApi::start(&[]).await;
