@@ -361,9 +361,87 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         )),
         "{out}"
     );
+    // `right` has its books, but nothing in inventory or loyalty.
+    for what in [
+        "sale missing: expected JKT-M@WH-1 -2, found none",
+        "loyalty: expected 1 entry of 80 points for customer 77, found none",
+    ] {
+        assert!(out.contains(&format!("order {right}: {what}")), "{out}");
+    }
     // The trial balance is even: only the account check sees it.
     assert!(
         out.contains("trial balance USD: debits 553.00 = credits 553.00"),
         "{out}"
+    );
+}
+
+/// Effects of an order the orders database does not have (a consumer fed
+/// another system's events, or an order deleted by hand) are drift in each
+/// consumer's database that holds one.
+#[tokio::test]
+async fn effects_of_an_unknown_order_are_drift() {
+    let tenant = unique_tenant("drift-unknown");
+    let stray = Uuid::now_v7();
+    let inventory = pg(Database::Inventory).await;
+    inventory
+        .execute(
+            "INSERT INTO stock_levels (tenant_id, sku, location, on_hand, reserved) \
+             VALUES ($1, 'JKT-M', 'WH-1', 0, 2)",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    inventory
+        .execute(
+            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta, \
+             reserved_delta, order_id, event_id) VALUES ($1, 'JKT-M', 'WH-1', 'reserve', 2, 0, 2, $2, $3)",
+            &[&tenant, &stray, &Uuid::now_v7()],
+        )
+        .await
+        .expect("reserve");
+    let mut ledger = pg(Database::Ledger).await;
+    for (code, kind) in [
+        ("clearing:card", "asset"),
+        ("customer_deposits", "liability"),
+    ] {
+        ledger
+            .execute(
+                "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $2, $3)",
+                &[&tenant, &code, &kind],
+            )
+            .await
+            .expect("account");
+    }
+    post(
+        &mut ledger,
+        &tenant,
+        stray,
+        "PaymentReceived",
+        system_tests::SEED_PAYMENT_JOURNAL,
+    )
+    .await;
+    pg(Database::Loyalty)
+        .await
+        .execute(
+            "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
+             event_type, reason, occurred_at) \
+             VALUES ($1, '77', $2, 80, $3, 'ParcelDelivered', 'test', now())",
+            &[&tenant, &stray, &Uuid::now_v7()],
+        )
+        .await
+        .expect("loyalty entry");
+
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    for what in [
+        "stock movements for an unknown order",
+        "journal entries for an unknown order",
+        "loyalty entries for an unknown order",
+    ] {
+        assert!(out.contains(&format!("order {stray}: {what}")), "{out}");
+    }
+    assert!(
+        out.contains("3 drift finding(s):"),
+        "only these three: {out}"
     );
 }
