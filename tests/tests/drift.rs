@@ -441,7 +441,7 @@ async fn effects_of_an_unknown_order_are_drift() {
         assert!(out.contains(&format!("order {stray}: {what}")), "{out}");
     }
     assert!(
-        out.contains("3 drift finding(s):"),
+        out.lines().any(|line| line == "3 drift finding(s):"),
         "only these three: {out}"
     );
 }

@@ -253,6 +253,7 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
     let api = OrderApi::start(&[]).await;
     let caller = std::sync::Arc::new(Caller::new("conc-defaults"));
     let url = api.url("/orders");
+    let before = key_metrics(&api, "POST /orders").await;
     let mut tasks = Vec::new();
     for _ in 0..50 {
         let caller = caller.clone();
@@ -266,8 +267,9 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
                 if !retry || tries == 30 {
                     let status = response.status();
                     let replayed = is_replay(&response);
+                    let location = header(&response, "Location").map(str::to_owned);
                     let body = response.bytes().await.expect("body").to_vec();
-                    break (status, replayed, body);
+                    break (status, replayed, location, body);
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
@@ -277,7 +279,7 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
     for task in tasks {
         answers.push(task.await.expect("task"));
     }
-    for (status, _, body) in &answers {
+    for (status, _, _, body) in &answers {
         assert_eq!(
             *status,
             StatusCode::CREATED,
@@ -290,12 +292,23 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
         1,
         "one request executed, the others replayed"
     );
-    let body = &answers[0].2;
+    let (_, _, location, body) = &answers[0];
+    assert!(location.is_some());
     assert!(
-        answers.iter().all(|a| &a.2 == body),
-        "one body, byte for byte"
+        answers.iter().all(|a| (&a.2, &a.3) == (location, body)),
+        "one body and Location, byte for byte"
     );
     assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+    let (_, _, stored) = stored_body(&caller.tenant, "POST /orders", "same-key")
+        .await
+        .expect("stored");
+    assert_eq!(&stored, body, "the stored response is what was sent");
+    let delta = key_metrics(&api, "POST /orders").await - before;
+    assert_eq!(delta.claims, 1, "one owner: {delta:?}");
+    assert!(
+        delta.replays >= 49,
+        "every other client replayed: {delta:?}"
+    );
 }
 
 #[tokio::test]

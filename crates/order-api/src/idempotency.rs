@@ -346,8 +346,10 @@ pub async fn execute(
         limited?;
         let mut claimed = claimed?;
         let mut existing = None;
-        let read = tx.prepare_cached(READ).await?;
         if !claimed {
+            // Prepared only here: an owner never reads (on a fresh pooled
+            // connection the preparation is a round trip).
+            let read = tx.prepare_cached(READ).await?;
             existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
             if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
                 let take_over = tx.prepare_cached(TAKE_OVER).await?;
@@ -366,6 +368,7 @@ pub async fn execute(
             // (seed 004): claim it again, once.
             claimed = won(claim).await?;
             if !claimed {
+                let read = tx.prepare_cached(READ).await?;
                 existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
             }
         }
