@@ -181,22 +181,7 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
 
     // An order placed and reserved now, between the snapshots.
     system_tests::insert_seed_order(&orders, &tenant, order).await;
-    let inventory = pg(Database::Inventory).await;
-    inventory
-        .execute(
-            "INSERT INTO stock_levels (tenant_id, sku, location, on_hand, reserved) VALUES ($1, 'JKT-M', 'WH-1', 0, 2)",
-            &[&tenant],
-        )
-        .await
-        .expect("level");
-    inventory
-        .execute(
-            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta, \
-             reserved_delta, order_id, event_id) VALUES ($1, 'JKT-M', 'WH-1', 'reserve', 2, 0, 2, $2, $3)",
-            &[&tenant, &order, &Uuid::now_v7()],
-        )
-        .await
-        .expect("reserve");
+    reserved_from_nothing(&tenant, order).await;
 
     let output = tokio::time::timeout(std::time::Duration::from_secs(60), check.wait_with_output())
         .await
@@ -211,6 +196,52 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
         out.contains("1 orders (0 paid, 0 delivered, 1 skipped in flight)"),
         "{out}"
     );
+}
+
+/// The ledger's accounts of the seed order's books (code, kind).
+const CHART: &[(&str, &str)] = &[
+    ("clearing:card", "asset"),
+    ("customer_deposits", "liability"),
+    ("sales", "revenue"),
+    ("shipping_income", "revenue"),
+    ("tax_payable", "liability"),
+    ("cogs", "expense"),
+    ("inventory", "asset"),
+];
+
+/// Ledger accounts (code, kind) of `tenant`, each named by its code.
+async fn accounts(ledger: &tokio_postgres::Client, tenant: &str, accounts: &[(&str, &str)]) {
+    for (code, kind) in accounts {
+        ledger
+            .execute(
+                "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $2, $3)",
+                &[&tenant, code, kind],
+            )
+            .await
+            .expect("account");
+    }
+}
+
+/// Stock of `tenant`: 2 x JKT-M at WH-1 reserved for `order` (nothing on
+/// hand), the level equal to its one movement.
+async fn reserved_from_nothing(tenant: &str, order: Uuid) {
+    let inventory = pg(Database::Inventory).await;
+    inventory
+        .execute(
+            "INSERT INTO stock_levels (tenant_id, sku, location, on_hand, reserved) \
+             VALUES ($1, 'JKT-M', 'WH-1', 0, 2)",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    inventory
+        .execute(
+            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta, \
+             reserved_delta, order_id, event_id) VALUES ($1, 'JKT-M', 'WH-1', 'reserve', 2, 0, 2, $2, $3)",
+            &[&tenant, &order, &Uuid::now_v7()],
+        )
+        .await
+        .expect("reserve");
 }
 
 /// Post a journal entry of `event_type` for `order` with `lines` (account,
@@ -283,23 +314,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
             .expect("delivered");
     }
     let mut ledger = pg(Database::Ledger).await;
-    for (code, kind) in [
-        ("clearing:card", "asset"),
-        ("customer_deposits", "liability"),
-        ("sales", "revenue"),
-        ("shipping_income", "revenue"),
-        ("tax_payable", "liability"),
-        ("cogs", "expense"),
-        ("inventory", "asset"),
-    ] {
-        ledger
-            .execute(
-                "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $2, $3)",
-                &[&tenant, &code, &kind],
-            )
-            .await
-            .expect("account");
-    }
+    accounts(&ledger, &tenant, CHART).await;
     // The seed's books for `right` (and `no_payment`'s payment); `wrong`:
     // the payment credited to sales, the delivery's shipping and tax booked
     // as sales. All balanced, all of the right total.
@@ -382,36 +397,10 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
 async fn effects_of_an_unknown_order_are_drift() {
     let tenant = unique_tenant("drift-unknown");
     let stray = Uuid::now_v7();
-    let inventory = pg(Database::Inventory).await;
-    inventory
-        .execute(
-            "INSERT INTO stock_levels (tenant_id, sku, location, on_hand, reserved) \
-             VALUES ($1, 'JKT-M', 'WH-1', 0, 2)",
-            &[&tenant],
-        )
-        .await
-        .expect("level");
-    inventory
-        .execute(
-            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta, \
-             reserved_delta, order_id, event_id) VALUES ($1, 'JKT-M', 'WH-1', 'reserve', 2, 0, 2, $2, $3)",
-            &[&tenant, &stray, &Uuid::now_v7()],
-        )
-        .await
-        .expect("reserve");
+    reserved_from_nothing(&tenant, stray).await;
     let mut ledger = pg(Database::Ledger).await;
-    for (code, kind) in [
-        ("clearing:card", "asset"),
-        ("customer_deposits", "liability"),
-    ] {
-        ledger
-            .execute(
-                "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $2, $3)",
-                &[&tenant, &code, &kind],
-            )
-            .await
-            .expect("account");
-    }
+    // The payment's two accounts.
+    accounts(&ledger, &tenant, &CHART[..2]).await;
     post(
         &mut ledger,
         &tenant,

@@ -194,45 +194,9 @@ async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
     )]))
     .await;
     let caller = std::sync::Arc::new(Caller::new("conc"));
-    let url = api.url("/orders");
     let before = key_metrics(&api, "POST /orders").await;
-    let mut tasks = Vec::new();
-    for _ in 0..50 {
-        let caller = caller.clone();
-        let url = url.clone();
-        tasks.push(tokio::spawn(async move {
-            let response = caller.post(&url, "same-key", SEED_ORDER).await;
-            let status = response.status();
-            let replayed = is_replay(&response);
-            let location = header(&response, "Location").map(str::to_owned);
-            let body = response.bytes().await.expect("body").to_vec();
-            (status, replayed, location, body)
-        }));
-    }
-    let mut answers = Vec::new();
-    for task in tasks {
-        answers.push(task.await.expect("task"));
-    }
-    for (status, _, _, body) in &answers {
-        assert_eq!(
-            *status,
-            StatusCode::CREATED,
-            "{}",
-            String::from_utf8_lossy(body)
-        );
-    }
-    let executed = answers.iter().filter(|a| !a.1).count();
-    assert_eq!(executed, 1, "one owner, 49 replays");
-    let (_, _, location, body) = &answers[0];
-    assert!(
-        answers.iter().all(|a| (&a.2, &a.3) == (location, body)),
-        "every 201 must carry the same body and Location byte for byte"
-    );
-    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
-    let (_, _, stored) = stored_body(&caller.tenant, "POST /orders", "same-key")
-        .await
-        .expect("stored");
-    assert_eq!(&stored, body, "the stored response is what was sent");
+    let answers = fifty_with_one_key(&caller, &api.url("/orders"), false).await;
+    one_order_from_one_key(&answers, &caller.tenant).await;
     assert_eq!(
         key_metrics(&api, "POST /orders").await - before,
         KeyMetrics {
@@ -252,19 +216,36 @@ async fn fifty_concurrent_requests_with_one_key_make_one_order_and_one_event() {
 async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_order() {
     let api = OrderApi::start(&[]).await;
     let caller = std::sync::Arc::new(Caller::new("conc-defaults"));
-    let url = api.url("/orders");
     let before = key_metrics(&api, "POST /orders").await;
+    let answers = fifty_with_one_key(&caller, &api.url("/orders"), true).await;
+    one_order_from_one_key(&answers, &caller.tenant).await;
+    let delta = key_metrics(&api, "POST /orders").await - before;
+    assert_eq!(delta.claims, 1, "one owner: {delta:?}");
+    assert!(
+        delta.replays >= 49,
+        "every other client replayed: {delta:?}"
+    );
+}
+
+/// Fifty concurrent `POST {url}` of the seed order with the key `same-key`:
+/// their answers (status, replayed, Location, body). With `retry`, a client
+/// told to retry (an answer with Retry-After) does, up to 30 times.
+async fn fifty_with_one_key(
+    caller: &std::sync::Arc<Caller>,
+    url: &str,
+    retry: bool,
+) -> Vec<(StatusCode, bool, Option<String>, Vec<u8>)> {
     let mut tasks = Vec::new();
     for _ in 0..50 {
         let caller = caller.clone();
-        let url = url.clone();
+        let url = url.to_owned();
         tasks.push(tokio::spawn(async move {
             let mut tries = 0;
             loop {
                 let response = caller.post(&url, "same-key", SEED_ORDER).await;
                 tries += 1;
-                let retry = header(&response, "Retry-After").is_some();
-                if !retry || tries == 30 {
+                let told_to_retry = header(&response, "Retry-After").is_some();
+                if !retry || !told_to_retry || tries == 30 {
                     let status = response.status();
                     let replayed = is_replay(&response);
                     let location = header(&response, "Location").map(str::to_owned);
@@ -279,7 +260,18 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
     for task in tasks {
         answers.push(task.await.expect("task"));
     }
-    for (status, _, _, body) in &answers {
+    answers
+}
+
+/// The answers of concurrent requests with the key `same-key` (status,
+/// replayed, Location, body): all 201, one executed and the others
+/// replayed, one body and Location byte for byte, which is the response
+/// stored; one order and one event in `tenant`.
+async fn one_order_from_one_key(
+    answers: &[(StatusCode, bool, Option<String>, Vec<u8>)],
+    tenant: &str,
+) {
+    for (status, _, _, body) in answers {
         assert_eq!(
             *status,
             StatusCode::CREATED,
@@ -287,28 +279,19 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
             String::from_utf8_lossy(body)
         );
     }
-    assert_eq!(
-        answers.iter().filter(|a| !a.1).count(),
-        1,
-        "one request executed, the others replayed"
-    );
+    let executed = answers.iter().filter(|a| !a.1).count();
+    assert_eq!(executed, 1, "one owner, the others replayed");
     let (_, _, location, body) = &answers[0];
     assert!(location.is_some());
     assert!(
         answers.iter().all(|a| (&a.2, &a.3) == (location, body)),
-        "one body and Location, byte for byte"
+        "every 201 must carry the same body and Location byte for byte"
     );
-    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
-    let (_, _, stored) = stored_body(&caller.tenant, "POST /orders", "same-key")
+    assert_eq!(counts(tenant).await, Counts::ONE_ORDER);
+    let (_, _, stored) = stored_body(tenant, "POST /orders", "same-key")
         .await
         .expect("stored");
     assert_eq!(&stored, body, "the stored response is what was sent");
-    let delta = key_metrics(&api, "POST /orders").await - before;
-    assert_eq!(delta.claims, 1, "one owner: {delta:?}");
-    assert!(
-        delta.replays >= 49,
-        "every other client replayed: {delta:?}"
-    );
 }
 
 #[tokio::test]
