@@ -37,11 +37,9 @@ impl Apply {
             wall_seconds,
             span_seconds,
             per_second: if span_seconds > 0.0 {
-                events as f64 / span_seconds
-            } else if wall_seconds > 0.0 {
-                events as f64 / wall_seconds
+                crate::stats::rate(events, Duration::from_secs_f64(span_seconds))
             } else {
-                0.0
+                crate::stats::rate(events, Duration::from_secs_f64(wall_seconds))
             },
         }
     }

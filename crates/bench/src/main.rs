@@ -878,10 +878,7 @@ async fn drain(
     // done with the previous side's publishes.
     settle(orders).await;
     let wal = relay::Wal::read(orders).await?;
-    let relays_since: time::OffsetDateTime = orders
-        .query_one("SELECT clock_timestamp()", &[])
-        .await?
-        .get(0);
+    let relays_since = consumers::now(orders).await;
     let meter = cpu::Meter::start();
     let before = sink.delivered();
     let recorder = sink.record();

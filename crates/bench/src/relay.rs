@@ -56,11 +56,7 @@ impl Drain {
             events,
             wall_seconds,
             span_seconds,
-            per_second: if span_seconds > 0.0 {
-                events as f64 / span_seconds
-            } else {
-                0.0
-            },
+            per_second: crate::stats::rate(events, Duration::from_secs_f64(span_seconds)),
             timeline: self.timeline,
         }
     }
@@ -131,13 +127,20 @@ impl Wal {
     /// "7.3 records, 565 bytes, 0.00 full-page images per event; 0
     /// checkpoints started"
     pub fn per_event(&self, events: u64) -> String {
-        let n = events.max(1) as f64;
+        let (records, bytes, full_pages) = self.per_event_values(events);
         format!(
-            "{:.1} records, {:.0} bytes, {:.2} full-page images per event; {} checkpoint(s) started",
+            "{records:.1} records, {bytes:.0} bytes, {full_pages:.2} full-page images per event; {} checkpoint(s) started",
+            self.checkpoints
+        )
+    }
+
+    /// (records, bytes, full-page images) per event.
+    pub fn per_event_values(&self, events: u64) -> (f64, f64, f64) {
+        let n = events.max(1) as f64;
+        (
             self.records as f64 / n,
             self.bytes as f64 / n,
             self.full_pages as f64 / n,
-            self.checkpoints
         )
     }
 }
@@ -186,7 +189,7 @@ pub async fn wait_relay_backends_gone(db: &Client, since: time::OffsetDateTime) 
             .query_one(
                 "SELECT count(*) FROM pg_stat_activity
                   WHERE application_name LIKE $1 AND backend_start >= $2",
-                &[&format!("{} %", outbox_relay::SERVICE), &since],
+                &[&outbox_relay::application_name("%"), &since],
             )
             .await
         {

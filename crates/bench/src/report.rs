@@ -229,13 +229,10 @@ pub fn table(r: &Results) -> String {
         );
         let _ = writeln!(md, "|---|---|---|---|---|---|");
         for (label, (events, wal)) in &r.relay_wal {
-            let n = (*events).max(1) as f64;
+            let (records, bytes, full_pages) = wal.per_event_values(*events);
             let _ = writeln!(
                 md,
-                "| {label} | {events} | {:.1} | {:.0} | {:.2} | {} |",
-                wal.records as f64 / n,
-                wal.bytes as f64 / n,
-                wal.full_pages as f64 / n,
+                "| {label} | {events} | {records:.1} | {bytes:.0} | {full_pages:.2} | {} |",
                 wal.checkpoints
             );
         }

@@ -294,8 +294,8 @@ async fn keep(
             .map_err(|error| anyhow::anyhow!("keeping {}: {error}", letter.event_id))?;
         // Crash window: the copy is confirmed in the DLQ, the letter read
         // not yet acknowledged. A crash here returns it to the DLQ too: two
-        // copies; a later redrive that reads both drops one (one that
-        // moves them moves both, and the inbox skips the second).
+        // copies; a later redrive that reads both drops the copy before
+        // anything else (`drop_exact_copies`).
         kit::failpoint::crash_point("consumer.redrive.after_keep_before_ack");
         acknowledge(&letter.delivery, || {
             format!(

@@ -345,18 +345,22 @@ pub async fn execute(
             futures_util::future::join(tx.batch_execute(&limit), won(claim.clone())).await;
         limited?;
         let mut claimed = claimed?;
+        // The key's record as committed now. Prepared only when read: an
+        // owner never reads (on a fresh pooled connection the preparation
+        // is a round trip).
+        let read = || async {
+            let read = tx.prepare_cached(READ).await?;
+            tx.query_opt(&read, &[&tenant, &endpoint, &key]).await
+        };
         let mut existing = None;
         if !claimed {
-            // Prepared only here: an owner never reads (on a fresh pooled
-            // connection the preparation is a round trip).
-            let read = tx.prepare_cached(READ).await?;
-            existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+            existing = read().await?;
             if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
                 let take_over = tx.prepare_cached(TAKE_OVER).await?;
                 claimed = won(take_over).await?;
                 if !claimed {
                     // Another request took it over (and committed): its record.
-                    existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+                    existing = read().await?;
                 }
             }
         }
@@ -368,8 +372,7 @@ pub async fn execute(
             // (seed 004): claim it again, once.
             claimed = won(claim).await?;
             if !claimed {
-                let read = tx.prepare_cached(READ).await?;
-                existing = tx.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+                existing = read().await?;
             }
         }
 
