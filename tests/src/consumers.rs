@@ -190,12 +190,18 @@ impl Drop for TopologyGuard {
 
 impl Consumer {
     /// Start it and wait until it serves HTTP and its topology exists.
-    pub async fn start(kind: Kind, name: &str, options: Options) -> Consumer {
-        let port = free_port();
-        let env = consumer_env(kind, name, port, &options);
+    /// The consumer's process under `name` on `port`, started and not
+    /// waited for (one that may die before it is ready, at a fail point).
+    pub fn spawn(kind: Kind, name: &str, port: u16, options: &Options) -> Service {
+        let env = consumer_env(kind, name, port, options);
         let env_refs: Vec<(&str, String)> =
             env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        let service = Service::start(kind.binary(), &[], &env_refs);
+        Service::start(kind.binary(), &[], &env_refs)
+    }
+
+    pub async fn start(kind: Kind, name: &str, options: Options) -> Consumer {
+        let port = free_port();
+        let service = Self::spawn(kind, name, port, &options);
         let mut consumer = Consumer {
             kind,
             name: name.to_owned(),

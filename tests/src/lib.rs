@@ -320,6 +320,50 @@ pub const SEED_DELIVERY_JOURNAL: &[(&str, i64, i64)] = &[
     ("inventory", 0, 4400),
 ];
 
+/// Insert the header of a journal entry `entry` of `event_type` for `order`
+/// (no lines; description `test`, currency USD) in `tx`.
+pub async fn insert_journal_entry(
+    tx: &impl tokio_postgres::GenericClient,
+    entry: uuid::Uuid,
+    tenant: &str,
+    order: uuid::Uuid,
+    event_type: &str,
+) {
+    tx.execute(
+        "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+           description, currency) VALUES ($1, $2, $3, $1, $4, 'test', 'USD')",
+        &[&entry, &tenant, &order, &event_type],
+    )
+    .await
+    .expect("journal entry");
+}
+
+/// Post a journal entry of `event_type` for `order` with `lines` (account,
+/// debit, credit), as the ledger would: one transaction. Its id, or the
+/// database's refusal at commit (an unbalanced entry).
+pub async fn post_journal(
+    ledger: &mut tokio_postgres::Client,
+    tenant: &str,
+    order: uuid::Uuid,
+    event_type: &str,
+    lines: &[(&str, i64, i64)],
+) -> Result<uuid::Uuid, tokio_postgres::Error> {
+    let entry = uuid::Uuid::now_v7();
+    let tx = ledger.transaction().await.expect("tx");
+    insert_journal_entry(&tx, entry, tenant, order, event_type).await;
+    for (i, (account, debit, credit)) in lines.iter().enumerate() {
+        let line_no = i32::try_from(i + 1).expect("line number");
+        tx.execute(
+            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[&entry, &line_no, &tenant, account, debit, credit],
+        )
+        .await
+        .expect("journal line");
+    }
+    tx.commit().await.map(|()| entry)
+}
+
 /// Delete an order [`insert_seed_order`] made (its lines, then the order).
 pub async fn delete_seed_order(orders: &tokio_postgres::Client, order: uuid::Uuid) {
     for table in ["order_lines", "orders"] {

@@ -294,15 +294,9 @@ async fn refused_lines(
         .map_or_else(|| error.to_string(), |e| e.message().to_owned())
 }
 
-/// Insert the header of a test journal entry `entry` (no lines) in `tx`.
+/// The header of a test journal entry `entry` (no lines) in `tx`.
 async fn insert_entry(tx: &tokio_postgres::Transaction<'_>, entry: Uuid, tenant: &str) {
-    tx.execute(
-        "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
-           description, currency) VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD')",
-        &[&entry, &tenant],
-    )
-    .await
-    .expect("entry");
+    system_tests::insert_journal_entry(tx, entry, tenant, entry, "Test").await;
 }
 
 /// Post a two-line entry (Dr cash, Cr sales) in one transaction.
@@ -312,17 +306,14 @@ async fn post_entry(
     debit: i64,
     credit: i64,
 ) -> Result<Uuid, tokio_postgres::Error> {
-    let entry = Uuid::now_v7();
-    let tx = client.transaction().await.expect("tx");
-    insert_entry(&tx, entry, tenant).await;
-    tx.execute(
-        "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
-         VALUES ($1, 1, $2, 'cash', $3, 0), ($1, 2, $2, 'sales', 0, $4)",
-        &[&entry, &tenant, &debit, &credit],
+    system_tests::post_journal(
+        client,
+        tenant,
+        Uuid::now_v7(),
+        "Test",
+        &[("cash", debit, 0), ("sales", 0, credit)],
     )
     .await
-    .expect("lines");
-    tx.commit().await.map(|()| entry)
 }
 
 /// (1) The seed 003 example, row by row, through all three consumers (each
@@ -1942,9 +1933,6 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_finishes() {
     let name = unique("t5-cleancrash-loy");
-    kit::migrations::run(&pool(Database::Loyalty), Database::Loyalty)
-        .await
-        .expect("migrate");
     let client = pg(Database::Loyalty).await;
     // Five rows past the 8-day horizon, a day apart (the cleanup deletes the
     // oldest first), and one recent.
@@ -1972,14 +1960,7 @@ async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_
     // to its end rather than waiting for /readyz.
     let crashing = options(Some("consumer.cleanup=1*off->return"));
     let _topology = TopologyGuard::new(&name, &crashing);
-    let env = system_tests::consumers::consumer_env(
-        Kind::Loyalty,
-        &name,
-        system_tests::free_port(),
-        &crashing,
-    );
-    let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let mut service = system_tests::Service::start(Kind::Loyalty.binary(), &[], &env);
+    let mut service = Consumer::spawn(Kind::Loyalty, &name, system_tests::free_port(), &crashing);
     let status = tokio::task::spawn_blocking(move || service.wait_exit(WAIT))
         .await
         .expect("wait");
@@ -3364,7 +3345,7 @@ async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() 
 /// acknowledgement leaves them.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_copies_in_the_dlq_are_dropped_before_they_are_kept_or_moved() {
-    let (tenant, name, _inventory, publisher) = one_partition_inventory("t5-copies").await;
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-copies").await;
     let dlq = format!("{name}.dlq");
     let stray_id = Uuid::now_v7();
     let stray = b"not an event, and no order id in its metadata".to_vec();
@@ -3411,7 +3392,17 @@ async fn exact_copies_in_the_dlq_are_dropped_before_they_are_kept_or_moved() {
     assert!(report.contains(": 1 dead letter(s) moved to "), "{report}");
 
     wait_sequence(Database::Inventory, &name, order, 1).await;
-    assert_eq!(inbox_count(Database::Inventory, &name).await, 1);
+    // Moved once: the consumer suppressed no second copy (the inbox alone
+    // would hide a second move). One partition applies in order: once an
+    // event published after the redrive is applied, any copy it moved has
+    // been processed.
+    let marker = Uuid::now_v7();
+    publisher
+        .to_consumer(&name, &order_placed(&tenant, marker, 1, "79", 1))
+        .await;
+    wait_sequence(Database::Inventory, &name, marker, 1).await;
+    assert_eq!(inbox_count(Database::Inventory, &name).await, 2);
+    assert_eq!(inventory.metric("consumer_duplicates_total", "").await, 0.0);
     eventually("the stray letter alone in the DLQ", WAIT, || async {
         (live_counts(&dlq).await.0 == 1).then_some(())
     })

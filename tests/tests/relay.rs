@@ -875,11 +875,15 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     collector.wait_distinct(6, Duration::from_secs(30)).await;
     // The rows are published before the retry has counted them (it runs
     // after a pause): wait for the count, not a fixed time.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while relay.metric("outbox_published_total").await < 6 {
-        assert!(Instant::now() < deadline, "6 rows counted published");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    system_tests::consumers::wait_for_metric(
+        &format!("http://127.0.0.1:{}", relay.port),
+        "relay",
+        "outbox_published_total",
+        "",
+        6.0,
+        Duration::from_secs(30),
+    )
+    .await;
     let received = collector.snapshot();
     assert_eq!(received.len(), 6, "each event once: {received:?}");
     let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();

@@ -301,9 +301,6 @@ async fn backlog_drains_in_order_and_the_oldest_pending_age_falls_back() {
             .expect("pg_stat_user_tables")
             .get::<_, i64>(0)
     };
-    // The order-api sessions that wrote the backlog may hold back their
-    // statistics for a while (only inserts): let them settle.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
     let updates_before = outbox_updates().await;
     let started = Instant::now();
     for relay in &system.relays {
@@ -382,19 +379,35 @@ async fn backlog_drains_in_order_and_the_oldest_pending_age_falls_back() {
     }
     let (taken_over, failures) = (taken_over as i64, failures as i64);
     // An idle session may hold its statistics back for up to 10 s
-    // (PostgreSQL 15); one that ends reports them. Stop the relays, then
-    // wait for every claim and mark to show.
+    // (PostgreSQL 15); one that ends reports them. Stop the relays, wait
+    // until none of their sessions is left, then until the count holds
+    // still (the last sessions' reports land).
     for relay in &system.relays {
         relay.stop();
     }
+    let orders_db = pg(Database::Orders).await;
+    eventually("the relays' sessions gone", Duration::from_secs(30), || async {
+        let left: i64 = orders_db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'outbox-relay %'",
+                &[],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+    let mut updates = outbox_updates().await - updates_before;
     let deadline = Instant::now() + Duration::from_secs(30);
-    let updates = loop {
-        let updates = outbox_updates().await - updates_before;
-        if updates >= 2 * events || Instant::now() >= deadline {
-            break updates;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = outbox_updates().await - updates_before;
+        if now == updates || Instant::now() >= deadline {
+            break;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+        updates = now;
+    }
     println!(
         "outbox row updates during the drain: {updates} for {events} events \
          ({taken_over} rows taken over, {failures} failed publishes)"

@@ -387,6 +387,38 @@ fn payloads_breaking_the_version_s_rules_are_invalid_payload() {
         assert_contains(&text, "invalid OrderPlaced v1 payload: ");
         assert_contains(&text, expected);
     }
+    // Every line is checked, not only the first: a valid first line, a
+    // second that breaks a rule.
+    for (file, field, value, expected) in [
+        (
+            ORDER_PLACED_JSON,
+            "qty",
+            json!(0),
+            "lines[1].qty must be at least 1",
+        ),
+        (
+            ORDER_PLACED_JSON,
+            "unit_price",
+            json!("-1.00"),
+            "lines[1].unit_price must not be negative",
+        ),
+        (
+            PARCEL_DELIVERED_JSON,
+            "qty",
+            json!(0),
+            "lines[1].qty must be at least 1",
+        ),
+    ] {
+        let bytes = edited(file, |v| {
+            let mut second = v["payload"]["lines"][0].clone();
+            second[field] = value;
+            v["payload"]["lines"]
+                .as_array_mut()
+                .expect("lines")
+                .push(second);
+        });
+        assert_contains(&invalid_payload(&bytes), expected);
+    }
     for amount in ["0.00", "-93.00"] {
         let text = invalid_payload(&set(
             PAYMENT_RECEIVED_JSON,
