@@ -54,6 +54,12 @@ pub struct Settings {
     pub sustain_seconds: u64,
     /// `BENCH_BACKLOG_EVENTS`: the backlog of `bench backlog`.
     pub backlog_events: i64,
+    /// `BENCH_EVENTS_PER_ORDER`: events per synthetic order (1-3) in the
+    /// backlog of `bench relay`; the suite's is always 1 (its consumer phase
+    /// applies the backlog's rows as `OrderPlaced` events).
+    pub events_per_order: i64,
+    /// `BENCH_BACKLOG_EVENTS_PER_ORDER`: the same for `bench backlog`.
+    pub backlog_events_per_order: i64,
     /// `BENCH_OUT`: output directory.
     pub out: String,
 }
@@ -75,6 +81,8 @@ impl Settings {
             e2e_seconds: env("BENCH_E2E_SECONDS", 20),
             sustain_seconds: env("BENCH_SUSTAIN_SECONDS", 10),
             backlog_events: env("BENCH_BACKLOG_EVENTS", 1_000_000),
+            events_per_order: env("BENCH_EVENTS_PER_ORDER", 1),
+            backlog_events_per_order: env("BENCH_BACKLOG_EVENTS_PER_ORDER", 3),
             out: env("BENCH_OUT", "bench".to_owned()),
         }
     }
@@ -380,7 +388,7 @@ async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<()> 
     api_phase(system, orders, &settings, raw_tenant, &mut results).await;
 
     // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
-    let backlog = relay_phase(system, orders, &settings, &mut results).await?;
+    let backlog = relay_phase(system, orders, &settings, 1, &mut results).await?;
 
     // 3. Consumers: fill each one's queues, start it, compare with raw.
     consumer_phase(system, orders, &settings, raw_tenant, backlog, &mut results).await;
@@ -737,22 +745,30 @@ async fn end_to_end(
 }
 
 /// Phase 2: the relay draining a backlog (one relay, then two) against lapin
-/// confirm-publishing the same messages. Returns the backlog size.
+/// confirm-publishing the same messages, `per_order` events per synthetic
+/// order. Returns the backlog size.
 async fn relay_phase(
     system: &System,
     orders: &tokio_postgres::Client,
     settings: &Settings,
+    per_order: i64,
     results: &mut Results,
 ) -> anyhow::Result<i64> {
     // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
-    phase(&format!("2. relay: backlog of {} events", settings.events));
+    phase(&format!(
+        "2. relay: backlog of {} events, {per_order} per order",
+        settings.events
+    ));
     for consumer in &system.consumers {
         if consumer.label.ends_with("-0") {
             unbind_consumer(&consumer.name, &system.exchange).await;
         }
     }
     let sink = relay::Sink::bind(&system.exchange).await;
-    let drained = guarded(relay_drains(system, orders, settings, &sink, results)).await;
+    let drained = guarded(relay_drains(
+        system, orders, settings, per_order, &sink, results,
+    ))
+    .await;
     // Deleted on every path, a panic too: nothing else removes the sink's
     // queue (durable, bound to everything: it would keep filling).
     sink.delete().await;
@@ -774,10 +790,11 @@ async fn relay_drains(
     system: &System,
     orders: &tokio_postgres::Client,
     settings: &Settings,
+    per_order: i64,
     sink: &relay::Sink,
     results: &mut Results,
 ) -> anyhow::Result<i64> {
-    let backlog = relay::top_up(orders, &system.tenant, settings.events).await?;
+    let backlog = relay::top_up(orders, &system.tenant, settings.events, per_order).await?;
     println!("  backlog: {backlog} unpublished events");
     // The relay's own defaults (what `start_system` runs it with): the raw
     // loop cannot drift from them.
@@ -934,7 +951,15 @@ async fn relay_only(settings: Settings) -> anyhow::Result<()> {
     .await?;
     let outcome = guarded(async {
         bench.template_orders().await;
-        relay_phase(&bench.system, &bench.orders, &settings, &mut results).await?;
+        let per_order = settings.events_per_order;
+        relay_phase(
+            &bench.system,
+            &bench.orders,
+            &settings,
+            per_order,
+            &mut results,
+        )
+        .await?;
         report::print_ratio(
             "1 relay",
             results.relay_one.per_second,
@@ -1419,8 +1444,9 @@ async fn backlog_drain(bench: &mut Bench, settings: &Settings) -> anyhow::Result
     bench.template_orders().await;
     let system = bench.system.clone();
     let orders = &mut bench.orders;
-    let backlog = relay::top_up(orders, &system.tenant, settings.backlog_events).await?;
-    println!("  backlog: {backlog} events");
+    let per_order = settings.backlog_events_per_order;
+    let backlog = relay::top_up(orders, &system.tenant, settings.backlog_events, per_order).await?;
+    println!("  backlog: {backlog} events, {per_order} per synthetic order");
     let sink = relay::Sink::bind(&system.exchange).await;
     phase("backlog: one relay draining; a sample every 2 s");
     let started = start_relays(&system, 1).await;
@@ -1451,7 +1477,13 @@ async fn backlog_drain(bench: &mut Bench, settings: &Settings) -> anyhow::Result
     report::print_drain("1 relay", &drain);
     let verdict = report::Flatness::of(&samples, backlog);
     verdict.print();
-    report::write_backlog(&settings.out, &drain, &samples, &verdict)?;
+    report::write_backlog(
+        &settings.out,
+        settings.backlog_events_per_order,
+        &drain,
+        &samples,
+        &verdict,
+    )?;
     Ok(verdict)
 }
 

@@ -337,15 +337,24 @@ impl Recorder {
     }
 }
 
-/// Add synthetic `OrderPlaced` rows to the tenant's backlog until it holds
-/// `events` unpublished rows: copies of the API's real rows (same payload
-/// shape and size) under new order ids. Their `occurred_at` and
+/// Add synthetic rows to the tenant's backlog until it holds `events`
+/// unpublished rows: copies of the API's real rows (same payload shape and
+/// size) under new order ids, `per_order` events per order (sequences 1 to
+/// `per_order`, at most 3: `OrderPlaced`, `PaymentReceived`,
+/// `ParcelDelivered`; every copy carries its template's `OrderPlaced`
+/// payload, which only the relay and the sink see). Their `occurred_at` and
 /// `available_at` are spread one microsecond apart, oldest first, ending
 /// at the top-up's start (like rows arriving one after another, so the
 /// claim walks them in order as it would a real backlog; 100,000 copies
-/// span 0.1 s, after the API's real rows). Inserted in chunks, with
-/// progress printed. Fails when the tenant has no row to copy.
-pub async fn top_up(db: &Client, tenant: &str, events: i64) -> anyhow::Result<i64> {
+/// span 0.1 s, after the API's real rows). An order's events are adjacent:
+/// the claim's hardest case, every later event right behind the earlier one
+/// that holds it back. Inserted in chunks, with progress printed. Fails
+/// when the tenant has no row to copy.
+pub async fn top_up(db: &Client, tenant: &str, events: i64, per_order: i64) -> anyhow::Result<i64> {
+    anyhow::ensure!(
+        (1..=3).contains(&per_order),
+        "events per order must be 1, 2 or 3, not {per_order}"
+    );
     const CHUNK: i64 = 50_000;
     let have: i64 = db
         .query_one(
@@ -373,24 +382,30 @@ pub async fn top_up(db: &Client, tenant: &str, events: i64) -> anyhow::Result<i6
         )
         .await?;
         let base: time::OffsetDateTime = db.query_one("SELECT now()", &[]).await?.get(0);
+        let salt = uuid::Uuid::new_v4().to_string();
         let started = Instant::now();
         let mut from = 0;
         while from < extra {
             let to = (from + CHUNK).min(extra);
             db.execute(
-                "WITH g AS (SELECT g, gen_random_uuid() AS id
+                // An order's id from the run's salt and the order's number:
+                // the same for its events in every chunk.
+                "WITH g AS (SELECT g, md5($7 || (g / $8::bigint)::text)::uuid AS id,
+                                  g % $8::bigint + 1 AS seq
                               FROM generate_series($2::bigint, $3::bigint - 1) g)
                  INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
                      aggregate_sequence, event_type, schema_version, payload, traceparent,
                      occurred_at, available_at)
-                 SELECT gen_random_uuid(), $1, 'order', g.id::text, 1, 'OrderPlaced', 1,
+                 SELECT gen_random_uuid(), $1, 'order', g.id::text, g.seq,
+                        CASE g.seq WHEN 1 THEN 'OrderPlaced' WHEN 2 THEN 'PaymentReceived'
+                                   ELSE 'ParcelDelivered' END, 1,
                         jsonb_set(jsonb_set(src.payload, '{order_id}', to_jsonb(g.id::text)),
                                   '{checkout_id}', to_jsonb('synthetic-' || g.id::text)),
                         src.traceparent,
                         $5::timestamptz - ($6::bigint - g.g) * interval '1 microsecond',
                         $5::timestamptz - ($6::bigint - g.g) * interval '1 microsecond'
                    FROM g JOIN bench_templates src ON src.n = g.g % $4::bigint",
-                &[&tenant, &from, &to, &have, &base, &extra],
+                &[&tenant, &from, &to, &have, &base, &extra, &salt, &per_order],
             )
             .await?;
             from = to;

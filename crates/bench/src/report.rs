@@ -457,8 +457,10 @@ impl Flatness {
     }
 }
 
+/// `bench/backlog.json` and `bench/backlog.svg` of one `bench backlog` run.
 pub fn write_backlog(
     out: &str,
+    events_per_order: i64,
     drain: &Drain,
     samples: &[BacklogSample],
     verdict: &Flatness,
@@ -466,6 +468,7 @@ pub fn write_backlog(
     let json = serde_json::to_string_pretty(&serde_json::json!({
         "date": now_utc(),
         "machine": Machine::read(),
+        "events_per_order": events_per_order,
         "drain": drain,
         "verdict": verdict,
         "samples": samples,
