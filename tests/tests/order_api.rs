@@ -449,6 +449,61 @@ async fn a_transaction_rolled_back_before_commit_stores_nothing_and_the_key_work
     assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
 }
 
+/// A statement that fails between the order's rows and its outbox row (the
+/// `order_api.before_outbox` fail point, once): the transaction is rolled
+/// back in the process, nothing of the request stays, the answer is a
+/// problem+json, and the same key then runs the request on the returned
+/// connections.
+#[tokio::test]
+async fn an_error_between_the_order_and_its_outbox_row_rolls_everything_back() {
+    let caller = Caller::new("err-before-outbox");
+    let api =
+        OrderApi::start(&[("FAILPOINTS", "order_api.before_outbox=1*return".to_owned())]).await;
+    let failed = caller.post(&api.url("/orders"), "once", SEED_ORDER).await;
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(failed.headers()["content-type"], "application/problem+json");
+    let problem: Value = failed.json().await.expect("problem");
+    assert_eq!(problem["code"], "internal_error", "{problem}");
+    assert_eq!(
+        counts(&caller.tenant).await,
+        Counts::NOTHING,
+        "no order, no line, no outbox intent and no key"
+    );
+    for (key, replay) in [("once", false), ("once", true), ("another", false)] {
+        let retry = caller.post(&api.url("/orders"), key, SEED_ORDER).await;
+        assert_eq!(retry.status(), StatusCode::CREATED, "{key}");
+        assert_eq!(is_replay(&retry), replay, "{key}");
+    }
+    assert_eq!(counts(&caller.tenant).await.orders, 2);
+}
+
+/// The key's retention counts from the stored outcome, not from the
+/// transaction's start: a transaction longer than `ttl_seconds` (here 3 s
+/// against 2) commits a record that is still live, and the retry of a lost
+/// response replays it instead of running the order again.
+#[tokio::test]
+async fn a_transaction_longer_than_the_ttl_still_stores_a_live_key() {
+    let api = OrderApi::start(&[
+        ("ORDER_API__IDEMPOTENCY__TTL_SECONDS", "2".to_owned()),
+        (
+            "FAILPOINTS",
+            "order_api.before_outbox=1*sleep(3000)".to_owned(),
+        ),
+    ])
+    .await;
+    let caller = Caller::new("long-tx");
+    let first = caller.post(&api.url("/orders"), "slow", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert!(!is_replay(&first));
+    let retry = caller.post(&api.url("/orders"), "slow", SEED_ORDER).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(
+        is_replay(&retry),
+        "the record committed after its claim's TTL is replayed, not taken over"
+    );
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+}
+
 #[tokio::test]
 async fn after_expiry_a_key_is_new_but_the_checkout_backstop_holds() {
     let api = OrderApi::start(&[

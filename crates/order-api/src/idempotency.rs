@@ -159,10 +159,17 @@ UPDATE idempotency_requests
    AND expires_at <= now()
 RETURNING 1";
 
-/// Store the outcome with the key (same transaction as the operation).
+/// Store the outcome with the key (same transaction as the operation). The
+/// retention counts from here, the outcome's time (`clock_timestamp()`),
+/// not from the transaction's start (`now()`, the claim's): a transaction
+/// that ran longer than `ttl_seconds` (a short TTL against a long request
+/// budget) would otherwise commit a record already expired, and the retry
+/// of a lost response would take the key over and run the operation again
+/// instead of replaying it.
 pub const STORE: &str = "\
 UPDATE idempotency_requests
-   SET response_status = $4, response_body = $5, resource_id = $6
+   SET response_status = $4, response_body = $5, resource_id = $6,
+       expires_at = clock_timestamp() + ($7::bigint || ' seconds')::interval
  WHERE tenant_id = $1 AND endpoint = $2 AND idempotency_key = $3";
 
 const READ: &str = "\
@@ -463,6 +470,7 @@ pub async fn execute(
                     &status,
                     &stored.body,
                     &stored.resource_id,
+                    &ttl,
                 ],
             )
             .await

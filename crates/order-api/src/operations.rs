@@ -69,6 +69,17 @@ async fn write_outbox<P: EventPayload + std::fmt::Debug + Sync>(
     payload: &P,
     trace: &TraceContext,
 ) -> Result<Uuid, ApiError> {
+    // The window between the operation's own writes and its outbox row, in
+    // one transaction: an error here drops the transaction (rolled back,
+    // the connection back in the pool) and nothing of the request is
+    // stored. `return` fails a statement here; `sleep(ms)` stretches the
+    // transaction (the tests of both).
+    if kit::failpoint::error_point("order_api.before_outbox") {
+        tx.batch_execute(
+            "DO $$ BEGIN RAISE EXCEPTION 'injected by fail point order_api.before_outbox'; END $$",
+        )
+        .await?;
+    }
     let event_id = Uuid::now_v7();
     let statement = tx.prepare_cached(INSERT_OUTBOX).await?;
     let schema_version = i32::try_from(P::SCHEMA_VERSION).unwrap_or(i32::MAX);
@@ -420,11 +431,12 @@ async fn deliver(
     // The delivered quantities per SKU must be exactly the order's.
     let lines = tx
         .prepare_cached(
-            "SELECT sku, sum(qty)::bigint FROM order_lines WHERE order_id = $1 GROUP BY sku",
+            "SELECT sku, sum(qty)::bigint FROM order_lines \
+              WHERE order_id = $1 AND tenant_id = $2 GROUP BY sku",
         )
         .await?;
     let ordered: BTreeMap<String, i64> = tx
-        .query(&lines, &[&order_id])
+        .query(&lines, &[&order_id, &tenant])
         .await?
         .iter()
         .map(|row| (row.get(0), row.get(1)))
@@ -505,11 +517,11 @@ pub async fn get_order(
     let lines = client
         .prepare_cached(
             "SELECT sku, qty, unit_price_minor, unit_cost_minor FROM order_lines \
-              WHERE order_id = $1 ORDER BY line_no",
+              WHERE order_id = $1 AND tenant_id = $2 ORDER BY line_no",
         )
         .await?;
     let lines = client
-        .query(&lines, &[&order_id])
+        .query(&lines, &[&order_id, &tenant])
         .await?
         .iter()
         .map(|l| events::OrderLineV1 {
