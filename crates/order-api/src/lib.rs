@@ -72,6 +72,19 @@ fn pool_of_size(settings: &Settings, size: usize) -> anyhow::Result<Pool> {
     pool(&settings)
 }
 
+/// The pool size of each HTTP worker: `pool_size` split over `workers`, in
+/// shares that add up to it exactly (16 over 3: 6, 5, 5), so the workers
+/// never hold more than `database.pool_size` connections. Each worker needs
+/// one of its own: never more workers than `pool_size` (the length of the
+/// result is the number of workers to run).
+fn worker_shares(pool_size: usize, workers: usize) -> Vec<usize> {
+    let pool_size = pool_size.max(1);
+    let workers = workers.clamp(1, pool_size);
+    (0..workers)
+        .map(|i| pool_size / workers + usize::from(i < pool_size % workers))
+        .collect()
+}
+
 /// A built order-api: database migrated, listener bound.
 pub struct Application {
     server: actix_web::dev::Server,
@@ -101,10 +114,21 @@ impl Application {
         );
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
         let port = listener.local_addr()?.port();
-        let workers = match settings.http.workers {
+        let configured = match settings.http.workers {
             0 => std::thread::available_parallelism().map_or(1, usize::from),
             n => n,
         };
+        let shares = worker_shares(settings.database.pool_size, configured);
+        let workers = shares.len();
+        if workers < configured {
+            tracing::warn!(
+                configured,
+                workers,
+                pool_size = settings.database.pool_size,
+                "fewer HTTP workers than configured (or cores): each needs a connection of \
+                 its own within database.pool_size"
+            );
+        }
         // One pool per HTTP worker, its share of `database.pool_size`. A
         // tokio-postgres connection is driven by a task on the runtime that
         // opened it, and each actix worker is a runtime (a thread) of its
@@ -113,9 +137,9 @@ impl Application {
         // connections are opened (and driven) by that worker alone. Three
         // alternating `bench api` pairs: order-api CPU per order 361-470 ->
         // 293-390 µs (0.30-0.31 -> 0.27-0.28 of PostgreSQL's).
-        let per_worker = settings.database.pool_size.div_ceil(workers).max(1);
-        let worker_pools = (0..workers)
-            .map(|_| pool_of_size(&settings, per_worker))
+        let worker_pools = shares
+            .into_iter()
+            .map(|share| pool_of_size(&settings, share))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let worker_pools = Arc::new(Mutex::new(worker_pools));
         let state = web::Data::new(AppState {
@@ -171,5 +195,28 @@ impl Application {
         kit::http::run_until_stopped(self.server, shutdown).await?;
         cleanup.await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::worker_shares;
+
+    #[test]
+    fn worker_pools_add_up_to_the_pool_size() {
+        assert_eq!(worker_shares(16, 3), vec![6, 5, 5]);
+        assert_eq!(worker_shares(16, 2), vec![8, 8]);
+        assert_eq!(worker_shares(16, 1), vec![16]);
+        // More workers (cores) than connections: one connection each.
+        assert_eq!(worker_shares(16, 32), vec![1; 16]);
+        assert_eq!(worker_shares(3, 0), vec![3]);
+        for pool in 1..40 {
+            for workers in 1..40 {
+                let shares = worker_shares(pool, workers);
+                assert_eq!(shares.iter().sum::<usize>(), pool, "{pool} over {workers}");
+                assert!(shares.iter().all(|&n| n >= 1));
+                assert_eq!(shares.len(), workers.min(pool));
+            }
+        }
     }
 }
