@@ -2160,6 +2160,74 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     assert_eq!(movements(&tenant).await.len(), 1);
 }
 
+/// RabbitMQ's name of the connection whose client calls itself
+/// `connection_name` (e.g. `ledger-consumer:<name>`), once it is open.
+async fn consumer_connection(connection_name: &str) -> Option<String> {
+    management("/api/connections")
+        .await
+        .as_array()
+        .and_then(|all| {
+            all.iter()
+                .find(|c| c["client_properties"]["connection_name"] == json!(connection_name))
+                .and_then(|c| c["name"].as_str().map(str::to_owned))
+        })
+}
+
+/// A copy whose publish fails while the connection stays up (its confirm
+/// lost: `consumer.publish.unconfirmed`, once; as when the confirm times
+/// out under a broker alarm) is published again in place: the message is
+/// held, not returned to its queue (returning it counted a delivery against
+/// the delivery limit each time), and the connection is not rebuilt. The
+/// copy here is a deferral: the payment arrives before its order. The copy
+/// whose confirm was lost reached the broker too, and is a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_confirm_is_lost_is_published_again_in_place() {
+    let tenant = unique("t5-unconfirmed");
+    let name = unique("t5-unconfirmed-led");
+    let ledger = Consumer::start(
+        Kind::Ledger,
+        &name,
+        Options {
+            partitions: 1,
+            failpoints: Some("consumer.publish.unconfirmed=1*return".to_owned()),
+            ..Options::default()
+        },
+    )
+    .await;
+    let connection_name = format!("ledger-consumer:{name}");
+    let first = eventually("the consumer's connection", WAIT, || {
+        consumer_connection(&connection_name)
+    })
+    .await;
+    let s = story(&tenant);
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.paid).await;
+    eventually("the deferral published again in place", WAIT, || async {
+        (ledger.metric("consumer_retried_in_place_total", "").await >= 1.0).then_some(())
+    })
+    .await;
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Ledger, &name, s.order, 2).await;
+    eventually("the second copy suppressed", WAIT, || async {
+        (ledger.metric("consumer_duplicates_total", "").await >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        ledger.metric("consumer_retried_in_place_total", "").await,
+        1.0
+    );
+    assert_eq!(
+        consumer_connection(&connection_name).await,
+        Some(first),
+        "the connection was not rebuilt"
+    );
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![(s.paid.event_id, payment_lines())]
+    );
+    assert_eq!(ledger.metric("consumer_dead_lettered_total", "").await, 0.0);
+}
+
 /// The broker closes the consumer's connection (as on a broker restart or a
 /// network failure): it reconnects, re-declares and keeps consuming.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2173,16 +2241,7 @@ async fn the_consumer_reconnects_after_the_broker_drops_its_connection() {
     wait_sequence(Database::Ledger, &name, s.order, 1).await;
 
     let connection_name = format!("ledger-consumer:{name}");
-    let find = || async {
-        management("/api/connections")
-            .await
-            .as_array()
-            .and_then(|all| {
-                all.iter()
-                    .find(|c| c["client_properties"]["connection_name"] == json!(connection_name))
-                    .and_then(|c| c["name"].as_str().map(str::to_owned))
-            })
-    };
+    let find = || consumer_connection(&connection_name);
     let first = eventually("the consumer's connection", WAIT, find).await;
     let status = reqwest::Client::new()
         .delete(format!(

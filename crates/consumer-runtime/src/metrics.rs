@@ -143,7 +143,7 @@ impl Metrics {
             ))?,
             retried_in_place: IntCounter::with_opts(opts(
                 "consumer_retried_in_place_total",
-                "Messages processed again in place because the database was unavailable",
+                "Messages processed again in place because the database was unavailable or a publish of their copy failed",
                 consumer,
             ))?,
         };

@@ -930,5 +930,13 @@ pub(crate) async fn confirmed(
         .map_err(|_| Infra::Broker(format!("no confirm from the broker for {routing_key}")))?
         .map_err(|e| Infra::Broker(e.to_string()))?;
     kit::amqp::check_confirmation(confirmation)
-        .map_err(|e| Infra::Broker(format!("publish to {routing_key}: {e}")))
+        .map_err(|e| Infra::Broker(format!("publish to {routing_key}: {e}")))?;
+    // The broker took the copy, but its confirm is lost to this process (as
+    // when the confirm timed out under an alarm).
+    if kit::failpoint::error_point("consumer.publish.unconfirmed") {
+        return Err(Infra::Broker(format!(
+            "injected by fail point consumer.publish.unconfirmed: no confirm for {routing_key}"
+        )));
+    }
+    Ok(())
 }

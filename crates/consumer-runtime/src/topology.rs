@@ -126,7 +126,7 @@ impl Topology {
 
     /// Declare everything (idempotent; the arguments never change for a
     /// name). Only through [`Topology::check_and_declare`].
-    async fn declare(&self, channel: &Channel) -> Result<(), lapin::Error> {
+    pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), lapin::Error> {
         kit::amqp::declare_order_events_exchange(channel).await?;
         let durable_exchange = ExchangeDeclareOptions {
             durable: true,

@@ -48,6 +48,9 @@ pub(crate) async fn run_connection<D: Domain>(
     fatal: Arc<OnceLock<String>>,
     ready: kit::amqp::Connected,
 ) -> Result<(), lapin::Error> {
+    // Shared with the partition workers, which open a new publishing channel
+    // on it when a publish fails (`Publisher::renew`).
+    let connection = Arc::new(connection);
     let result = match processor
         .topology
         .check_and_declare(&connection, false)
@@ -87,7 +90,7 @@ pub(crate) async fn run_connection<D: Domain>(
 }
 
 async fn consume<D: Domain>(
-    connection: &Connection,
+    connection: &Arc<Connection>,
     processor: Arc<Processor<D>>,
     prefetch: u16,
     shutdown: &CancellationToken,
@@ -102,10 +105,7 @@ async fn consume<D: Domain>(
         consume_channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await?;
-        let publisher = connection.create_channel().await?;
-        publisher
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let mut publisher = Publisher::open(connection.clone()).await?;
         let tag = format!(
             "{}-{}-p{partition}",
             processor.topology.name,
@@ -123,8 +123,15 @@ async fn consume<D: Domain>(
         let stop = stop.clone();
         workers.spawn(async move {
             let ack_batch = usize::from(prefetch / 2).max(1);
-            let result =
-                partition_worker(processor, &queue, consumer, &publisher, &stop, ack_batch).await;
+            let result = partition_worker(
+                processor,
+                &queue,
+                consumer,
+                &mut publisher,
+                &stop,
+                ack_batch,
+            )
+            .await;
             if result.is_err() {
                 stop.cancel();
             }
@@ -133,7 +140,7 @@ async fn consume<D: Domain>(
             // connection meanwhile made lapin log an ERROR on every clean
             // shutdown. (Unacknowledged prefetched messages are requeued.)
             close_channel(&consume_channel).await;
-            close_channel(&publisher).await;
+            close_channel(&publisher.channel).await;
             result
         });
     }
@@ -200,7 +207,7 @@ async fn partition_worker<D: Domain>(
     processor: Arc<Processor<D>>,
     queue: &str,
     mut consumer: lapin::Consumer,
-    publisher: &lapin::Channel,
+    publisher: &mut Publisher,
     stop: &CancellationToken,
     ack_batch: usize,
 ) -> Result<(), lapin::Error> {
@@ -244,9 +251,11 @@ async fn partition_worker<D: Domain>(
         {
             Ok(settled) => settled,
             Err(error) => {
-                // The publishing channel failed; the consuming one may still
-                // take the acks of what was settled before (fewer duplicates
-                // after the reconnect). This message is not acknowledged.
+                // The connection failed (or the broker refused the topology
+                // on a new publishing channel); the consuming channel may
+                // still take the acks of what was settled before (fewer
+                // duplicates after the reconnect). This message is not
+                // acknowledged.
                 let _ = acks.flush().await;
                 return Err(error);
             }
@@ -360,17 +369,83 @@ fn lost(what: &str) -> lapin::Error {
     lapin::Error::from(std::io::Error::other(what.to_owned()))
 }
 
+/// A partition's confirm channel for its retry, deferral and dead-letter
+/// copies, on the connection it consumes from.
+struct Publisher {
+    connection: Arc<Connection>,
+    channel: lapin::Channel,
+}
+
+/// How long opening a publishing channel and declaring the topology on it
+/// may take (a connection the broker blocks under an alarm never answers).
+const RENEW_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Publisher {
+    async fn open(connection: Arc<Connection>) -> Result<Self, lapin::Error> {
+        let channel = Self::confirm_channel(&connection).await?;
+        Ok(Self {
+            connection,
+            channel,
+        })
+    }
+
+    async fn confirm_channel(connection: &Connection) -> Result<lapin::Channel, lapin::Error> {
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(channel)
+    }
+
+    /// Make the next publish attempt possible after a failed one, on the
+    /// same connection: a new channel if the broker closed this one, and
+    /// the consumer's topology declared again (a copy returned unroutable
+    /// means an operator deleted a tier queue or the dead-letter queue; the
+    /// declarations are idempotent). `Err`: the broker refused, and the
+    /// reconnect decides (a topology conflict stops the service there). No
+    /// answer within [`RENEW_TIMEOUT`] (blocked by an alarm) is not an
+    /// error: the caller tries again.
+    async fn renew(&mut self, topology: &crate::topology::Topology) -> Result<(), lapin::Error> {
+        let renewed = tokio::time::timeout(RENEW_TIMEOUT, async {
+            if !self.channel.status().connected() {
+                self.channel = Self::confirm_channel(&self.connection).await?;
+            }
+            topology.declare(&self.channel).await
+        })
+        .await;
+        match renewed {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::warn!(
+                    "the broker did not open a channel or declare the topology within {RENEW_TIMEOUT:?} (blocked by an alarm?): trying again"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Settle one delivery (the caller acknowledges it). `Ok(false)`: stopped
 /// before it could be settled (never acknowledged: the broker redelivers it).
+///
+/// A failure the database or a publish of a copy (retry, deferral, dead
+/// letter) reports while the connection stays up is retried in place, with
+/// the message held: it is not returned to its queue, so no delivery is
+/// counted against the queue's delivery limit. Returning it (the reconnect)
+/// counted one per attempt for every message prefetched on the partitions,
+/// and a broker alarm lasting 20 of them had the broker dead-letter good
+/// messages itself, with no reason and no order parked. Re-running
+/// `process` after a publish whose confirm was lost can only add a copy the
+/// inbox or the redrive recognises, as the reconnect's redelivery did.
 async fn settle<D: Domain>(
     processor: &Processor<D>,
-    publisher: &lapin::Channel,
+    publisher: &mut Publisher,
     delivery: &lapin::message::Delivery,
     stop: &CancellationToken,
 ) -> Result<bool, lapin::Error> {
     let mut pause = Duration::from_millis(100);
     loop {
-        match processor.process(publisher, delivery).await {
+        match processor.process(&publisher.channel, delivery).await {
             Ok(outcome) => {
                 tracing::debug!(?outcome, "settled");
                 return Ok(true);
@@ -385,8 +460,21 @@ async fn settle<D: Domain>(
                 pause = (pause * 2).min(Duration::from_secs(5));
             }
             Err(Infra::Broker(error)) => {
-                tracing::warn!(%error, "publish failed: reconnecting (the message will be redelivered)");
-                return Err(lost(&error));
+                if stop.is_cancelled() {
+                    return Ok(false);
+                }
+                if !publisher.connection.status().connected() {
+                    tracing::warn!(%error, "publish failed and the connection is gone: reconnecting (the message will be redelivered)");
+                    return Err(lost(&error));
+                }
+                tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, "publish failed: retrying the message in place");
+                processor.metrics.retried_in_place.inc();
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(false),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                publisher.renew(&processor.topology).await?;
+                pause = (pause * 2).min(Duration::from_secs(5));
             }
         }
     }
