@@ -908,6 +908,75 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// The failure write that quarantines a row commits and its reply is lost
+/// (`relay.mark_failed.reply_lost`, once): the retry matches no row (the
+/// lost attempt released them) and reads the quarantined ones back, so the
+/// quarantine is still logged and counted (before, it was neither).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantine_whose_reply_is_lost_is_still_logged_and_counted() {
+    let (tenant, event_type, db, connection, channel, _collector) =
+        subscribed("RelayTestQuarantineReply").await;
+    let mut events = orders_with_events(1, 2, &event_type);
+    // Not sendable: its own failure, quarantined at the first.
+    events[0].event_type = "E".repeat(256);
+    insert(&db, &tenant, &events).await;
+    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
+    let mut relay = Relay::start_with_output(
+        &tenant,
+        &[
+            (
+                "FAILPOINTS",
+                "relay.mark_failed.reply_lost=1*return".to_owned(),
+            ),
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+            ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "1".to_owned()),
+        ],
+        Some(&log),
+    );
+    relay.ready().await;
+    system_tests::consumers::wait_for_metric(
+        &format!("http://127.0.0.1:{}", relay.port),
+        "relay",
+        "outbox_quarantined_total",
+        "",
+        1.0,
+        Duration::from_secs(30),
+    )
+    .await;
+    let row = db
+        .query_one(
+            "SELECT quarantined_at IS NOT NULL, attempt_count, claimed_by IS NULL
+             FROM outbox_events WHERE event_id = $1",
+            &[&events[0].event_id],
+        )
+        .await
+        .expect("row");
+    assert_eq!(
+        (
+            row.get::<_, bool>(0),
+            row.get::<_, i32>(1),
+            row.get::<_, bool>(2)
+        ),
+        (true, 1, true),
+        "quarantined after one attempt, recorded once, released"
+    );
+    assert_eq!(relay.metric("outbox_quarantined_total").await, 1);
+    let output = std::fs::read_to_string(&log).expect("relay log");
+    let _ = std::fs::remove_file(&log);
+    assert!(
+        output.contains("injected by fail point relay.mark_failed.reply_lost"),
+        "the reply was lost once, and the write retried:\n{output}"
+    );
+    assert_eq!(
+        output.matches("event quarantined").count(),
+        1,
+        "the quarantine logged once:\n{output}"
+    );
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// A crash inside the claim transaction (fail point `relay.claim`) leaves no
 /// lease behind (the transaction never committed) and publishes nothing; a
 /// restarted relay publishes every event exactly once, in order.

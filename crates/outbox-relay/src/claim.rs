@@ -321,12 +321,20 @@ pub struct Failure {
 /// be publishing them right now; its confirm could then no longer be
 /// marked). Marking published needs no such guard: a confirmed event is
 /// published whoever holds the row.
+///
+/// `retry`: an earlier attempt failed, and it may have committed with only
+/// its reply lost. Its rows are then released, and the update matches none
+/// of them (the statement is one transaction: all or none). The rows it
+/// quarantined are read back, so the quarantine is still logged and
+/// counted: within the lease (the caller retries until it ends) no other
+/// claim can have touched them.
 pub async fn mark_failed(
     pool: &PgPool,
     instance: &str,
     lease_until: OffsetDateTime,
     failures: &[Failure],
     max_attempts: i32,
+    retry: bool,
 ) -> anyhow::Result<Vec<Uuid>> {
     if failures.is_empty() {
         return Ok(Vec::new());
@@ -363,6 +371,24 @@ pub async fn mark_failed(
             ],
         )
         .await?;
+    if retry && rows.is_empty() {
+        let quarantined = client
+            .query(
+                "SELECT event_id FROM outbox_events
+                 WHERE event_id = ANY($1) AND quarantined_at IS NOT NULL
+                   AND published_at IS NULL AND claimed_by IS NULL",
+                &[&ids],
+            )
+            .await?;
+        return Ok(quarantined.iter().map(|row| row.get(0)).collect());
+    }
+    // A committed write whose reply is lost (the statement ran in its own
+    // transaction): the caller retries it.
+    anyhow::ensure!(
+        !kit::failpoint::error_point("relay.mark_failed.reply_lost"),
+        "injected by fail point relay.mark_failed.reply_lost: the failures were recorded, \
+         the reply was lost"
+    );
     Ok(rows
         .iter()
         .filter(|row| row.get::<_, bool>(1))

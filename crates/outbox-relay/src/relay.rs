@@ -351,8 +351,17 @@ impl Relay {
             // instance takes them over and tries again. After the write the
             // failure is recorded and the lease released: nothing is pending.
             kit::failpoint::crash_point("relay.before_mark_failed");
+            let mut attempts = 0;
             if let Some(quarantined) = retry_until("record failures", lease_deadline, || {
-                claim::mark_failed(pool, instance, lease_until, failures_ref, max_attempts)
+                attempts += 1;
+                claim::mark_failed(
+                    pool,
+                    instance,
+                    lease_until,
+                    failures_ref,
+                    max_attempts,
+                    attempts > 1,
+                )
             })
             .await
             {

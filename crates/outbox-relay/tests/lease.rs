@@ -69,7 +69,14 @@ async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() 
     // The failure write of a claim (max_attempts 1: it quarantines).
     let fail_under = |claimed: &claim::Claimed| {
         let lease = claimed.lease_until.expect("lease");
-        claim::mark_failed(&pool, instance, lease, std::slice::from_ref(&failure), 1)
+        claim::mark_failed(
+            &pool,
+            instance,
+            lease,
+            std::slice::from_ref(&failure),
+            1,
+            false,
+        )
     };
     let state = || async {
         let row = db
