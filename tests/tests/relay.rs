@@ -2725,8 +2725,18 @@ async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
+    // Messages wait: a replay of everything refuses to purge them (one whose
+    // outbox row the cleanup deleted would be lost) until told to.
+    let (ok, output) = admin(&["replay", "--consumer", &target], &[]).await;
+    assert!(!ok, "{output}");
+    assert!(
+        output.contains("6 message(s) wait in") && output.contains("--purge-waiting"),
+        "{output}"
+    );
+    assert_eq!(waiting(&queues).await, 6, "nothing purged");
+
     let (ok, output) = admin(
-        &["replay", "--consumer", &target],
+        &["replay", "--consumer", &target, "--purge-waiting"],
         &[("FAILPOINTS", "replay.after_purge=return".to_owned())],
     )
     .await;

@@ -70,6 +70,11 @@ struct ReplayArgs {
     /// Events per database page and per pipelined publish.
     #[arg(long, default_value_t = 500)]
     page_size: i64,
+    /// A replay of everything refuses to purge partitions in which messages
+    /// wait (one whose outbox row the cleanup deleted would be lost): purge
+    /// them anyway.
+    #[arg(long)]
+    purge_waiting: bool,
 }
 
 fn parse_time(value: &str) -> Result<OffsetDateTime, String> {
@@ -183,6 +188,7 @@ pub async fn main() -> anyhow::Result<()> {
                     page_size: args.page_size,
                     confirm_timeout: settings.relay.confirm_timeout(),
                     max_message_bytes: settings.relay.max_message_bytes,
+                    purge_waiting: args.purge_waiting,
                 };
                 let summary = replay::replay(&pool, &settings.amqp, &request, &shutdown).await?;
                 let purged = if summary.purged_queues {

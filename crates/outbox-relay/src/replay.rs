@@ -44,6 +44,9 @@ pub struct ReplayRequest {
     pub confirm_timeout: std::time::Duration,
     /// The broker's largest message (`relay.max_message_bytes`).
     pub max_message_bytes: usize,
+    /// Purge the partitions even though messages wait in them (see
+    /// [`waiting_guard`]).
+    pub purge_waiting: bool,
 }
 
 impl ReplayRequest {
@@ -107,6 +110,56 @@ pub async fn discover_partitions(
     Ok(partitions)
 }
 
+/// Refuse to purge partitions in which messages wait, unless the operator
+/// said so (`--purge-waiting`). The replay re-sends only events whose
+/// outbox rows are retained, and the cleanup deletes published rows past
+/// its horizon: a message that waited longer than that (its consumer down
+/// for days) would be purged and never sent again, lost for this consumer.
+async fn waiting_guard(
+    pool: &PgPool,
+    channel: &lapin::Channel,
+    request: &ReplayRequest,
+    partitions: &[String],
+) -> anyhow::Result<()> {
+    let mut waiting = 0_u64;
+    for queue in partitions {
+        let declared = channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        waiting += u64::from(declared.message_count());
+    }
+    if waiting == 0 || request.purge_waiting {
+        return Ok(());
+    }
+    let client = pool.get().await?;
+    let oldest: Option<OffsetDateTime> = client
+        .query_one(
+            "SELECT min(published_at) FROM outbox_events WHERE published_at IS NOT NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    let retained = oldest.map_or_else(
+        || "none is retained".to_owned(),
+        |oldest| format!("the oldest retained was published at {oldest}"),
+    );
+    anyhow::bail!(
+        "{waiting} message(s) wait in {}'s partitions, and a replay of everything purges them \
+         first. It re-sends only the events whose outbox rows are retained ({retained}; the \
+         cleanup deletes older ones): a waiting event published before that would be lost \
+         for this consumer. Let the consumer drain its queues first, or replay a range \
+         (--since, --order, --tenant: no purge), or pass --purge-waiting to purge them anyway",
+        request.consumer
+    )
+}
+
 /// Run a replay, printing progress to stdout.
 pub async fn replay(
     pool: &PgPool,
@@ -146,6 +199,7 @@ pub async fn replay(
         ..ReplaySummary::default()
     };
     if request.purges() {
+        waiting_guard(pool, &channel, request, &partitions).await?;
         for queue in &partitions {
             let purged = channel
                 .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
