@@ -125,7 +125,9 @@ impl Topology {
     }
 
     /// Declare everything (idempotent; the arguments never change for a
-    /// name). Only through [`Topology::check_and_declare`].
+    /// name). Through [`Topology::check_and_declare`] on each connection,
+    /// and again by a partition worker whose publish failed (after the
+    /// connection's check: the partition count is not probed again).
     pub(crate) async fn declare(&self, channel: &Channel) -> Result<(), lapin::Error> {
         kit::amqp::declare_order_events_exchange(channel).await?;
         let durable_exchange = ExchangeDeclareOptions {

@@ -123,15 +123,12 @@ async fn consume<D: Domain>(
         let stop = stop.clone();
         workers.spawn(async move {
             let ack_batch = usize::from(prefetch / 2).max(1);
-            let result = partition_worker(
-                processor,
-                &queue,
-                consumer,
-                &mut publisher,
-                &stop,
-                ack_batch,
-            )
-            .await;
+            let channels = Channels {
+                consuming: &consume_channel,
+                publisher: &mut publisher,
+            };
+            let result =
+                partition_worker(processor, &queue, consumer, channels, &stop, ack_batch).await;
             if result.is_err() {
                 stop.cancel();
             }
@@ -207,7 +204,7 @@ async fn partition_worker<D: Domain>(
     processor: Arc<Processor<D>>,
     queue: &str,
     mut consumer: lapin::Consumer,
-    publisher: &mut Publisher,
+    mut channels: Channels<'_>,
     stop: &CancellationToken,
     ack_batch: usize,
 ) -> Result<(), lapin::Error> {
@@ -245,7 +242,7 @@ async fn partition_worker<D: Domain>(
             crate::topology::str_header(headers, events::headers::TRACESTATE).as_deref(),
         );
         // The in-flight message is always finished: no cancellation inside.
-        let settled = match settle(&processor, publisher, &delivery, stop)
+        let settled = match settle(&processor, &mut channels, &delivery, stop)
             .instrument(span)
             .await
         {
@@ -369,6 +366,13 @@ fn lost(what: &str) -> lapin::Error {
     lapin::Error::from(std::io::Error::other(what.to_owned()))
 }
 
+/// A partition worker's channels: the one it consumes (and acknowledges)
+/// on, and its publisher.
+struct Channels<'a> {
+    consuming: &'a lapin::Channel,
+    publisher: &'a mut Publisher,
+}
+
 /// A partition's confirm channel for its retry, deferral and dead-letter
 /// copies, on the connection it consumes from.
 struct Publisher {
@@ -437,14 +441,25 @@ impl Publisher {
 /// messages itself, with no reason and no order parked. Re-running
 /// `process` after a publish whose confirm was lost can only add a copy the
 /// inbox or the redrive recognises, as the reconnect's redelivery did.
+///
+/// Held only while the delivery is still this worker's: once the consuming
+/// channel is gone (the broker's `consumer_timeout` closes it when a
+/// delivery stays unacknowledged for 30 minutes, and returns the message)
+/// the worker reconnects instead.
 async fn settle<D: Domain>(
     processor: &Processor<D>,
-    publisher: &mut Publisher,
+    channels: &mut Channels<'_>,
     delivery: &lapin::message::Delivery,
     stop: &CancellationToken,
 ) -> Result<bool, lapin::Error> {
     let mut pause = Duration::from_millis(100);
     loop {
+        if !channels.consuming.status().connected() {
+            return Err(lost(
+                "the consuming channel closed while its message was retried in place",
+            ));
+        }
+        let publisher = &mut *channels.publisher;
         match processor.process(&publisher.channel, delivery).await {
             Ok(outcome) => {
                 tracing::debug!(?outcome, "settled");
@@ -473,7 +488,25 @@ async fn settle<D: Domain>(
                     _ = stop.cancelled() => return Ok(false),
                     _ = tokio::time::sleep(pause) => {}
                 }
-                publisher.renew(&processor.topology).await?;
+                // A blocked connection (a memory or disk alarm) writes
+                // nothing: a publish now would wait, unbounded and deaf to
+                // shutdown, until the alarm ends. Wait for the end here
+                // instead, counted every 5 s (ConsumerRetryingInPlace).
+                while publisher.connection.status().blocked() {
+                    if pause < Duration::from_secs(5) {
+                        tracing::warn!("the broker blocks this connection (an alarm): holding the message until it unblocks");
+                        pause = Duration::from_secs(5);
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => return Ok(false),
+                        _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                    }
+                    processor.metrics.retried_in_place.inc();
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(false),
+                    renewed = publisher.renew(&processor.topology) => renewed?,
+                }
                 pause = (pause * 2).min(Duration::from_secs(5));
             }
         }

@@ -53,7 +53,8 @@ pub struct IdempotencySettings {
     /// whichever of the two comes first; with `lock_timeout_ms` at or above
     /// the budget, the budget alone bounds it.
     pub request_budget_ms: u64,
-    /// Key retention (`expires_at = created_at + ttl`); default 24 h.
+    /// Key retention, from when the outcome is stored (`expires_at` =
+    /// that moment + ttl); default 24 h.
     pub ttl_seconds: u64,
     /// How often expired keys are deleted, and how many per statement.
     pub cleanup_interval_seconds: u64,

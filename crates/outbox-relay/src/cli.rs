@@ -189,6 +189,7 @@ pub async fn main() -> anyhow::Result<()> {
                     confirm_timeout: settings.relay.confirm_timeout(),
                     max_message_bytes: settings.relay.max_message_bytes,
                     purge_waiting: args.purge_waiting,
+                    horizon_secs: settings.cleanup.horizon_secs(),
                 };
                 let summary = replay::replay(&pool, &settings.amqp, &request, &shutdown).await?;
                 let purged = if summary.purged_queues {

@@ -47,6 +47,9 @@ pub struct ReplayRequest {
     /// Purge the partitions even though messages wait in them (see
     /// [`waiting_guard`]).
     pub purge_waiting: bool,
+    /// The cleanup's horizon ([`crate::settings::CleanupSettings::horizon_secs`]),
+    /// for the guard's message.
+    pub horizon_secs: u64,
 }
 
 impl ReplayRequest {
@@ -153,10 +156,14 @@ async fn waiting_guard(
     anyhow::bail!(
         "{waiting} message(s) wait in {}'s partitions, and a replay of everything purges them \
          first. It re-sends only the events whose outbox rows are retained ({retained}; the \
-         cleanup deletes older ones): a waiting event published before that would be lost \
-         for this consumer. Let the consumer drain its queues first, or replay a range \
-         (--since, --order, --tenant: no purge), or pass --purge-waiting to purge them anyway",
-        request.consumer
+         cleanup deletes published rows after {} h): a waiting event published before that \
+         would be lost for this consumer. Let the consumer drain its queues first, or replay \
+         a range (--since, --order, --tenant: no purge), or pass --purge-waiting to purge \
+         them anyway (safe when the consumer last consumed within those {} h: nothing \
+         waiting is older)",
+        request.consumer,
+        request.horizon_secs / 3600,
+        request.horizon_secs / 3600,
     )
 }
 
