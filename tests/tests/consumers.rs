@@ -2228,6 +2228,60 @@ async fn a_copy_whose_confirm_is_lost_is_published_again_in_place() {
     assert_eq!(ledger.metric("consumer_dead_lettered_total", "").await, 0.0);
 }
 
+/// A deferral copy returned unroutable because an operator deleted the
+/// first retry tier's queue: the message is held, the topology declared
+/// again on the publishing channel (the queue comes back), and the copy
+/// published again, all on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_returned_by_a_deleted_tier_queue_declares_it_again_in_place() {
+    let tenant = unique("t5-tier-gone");
+    let name = unique("t5-tier-gone-led");
+    let ledger = Consumer::start(Kind::Ledger, &name, Options::one_partition()).await;
+    let connection_name = format!("ledger-consumer:{name}");
+    let first = eventually("the consumer's connection", WAIT, || {
+        consumer_connection(&connection_name)
+    })
+    .await;
+    let tier = format!("{name}.retry.0");
+    let admin = system_tests::consumers::connect().await;
+    admin
+        .create_channel()
+        .await
+        .expect("channel")
+        .queue_delete(
+            tier.as_str().into(),
+            kit::amqp::lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the first retry tier");
+    let s = story(&tenant);
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.paid).await;
+    eventually("the tier queue declared again", WAIT, || async {
+        management(&format!("/api/queues/%2f/{tier}"))
+            .await
+            .get("durable")
+            .and_then(Value::as_bool)
+    })
+    .await;
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Ledger, &name, s.order, 2).await;
+    assert!(
+        ledger.metric("consumer_retried_in_place_total", "").await >= 1.0,
+        "the returned copy was retried in place"
+    );
+    assert_eq!(
+        consumer_connection(&connection_name).await,
+        Some(first),
+        "the connection was not rebuilt"
+    );
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![(s.paid.event_id, payment_lines())]
+    );
+    assert_eq!(ledger.metric("consumer_dead_lettered_total", "").await, 0.0);
+}
+
 /// The broker closes the consumer's connection (as on a broker restart or a
 /// network failure): it reconnects, re-declares and keeps consuming.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
