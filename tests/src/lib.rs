@@ -35,6 +35,25 @@ pub async fn pg(db: Database) -> tokio_postgres::Client {
     client
 }
 
+/// Run `statement`, a DELETE of outbox rows that may include unpublished
+/// ones (a test's clean-up of its own rows), with orders V13's guard
+/// lifted for it alone (`outbox.allow_unpublished_delete`, set and reset on
+/// this session). Returns the rows deleted.
+pub async fn delete_outbox_rows(
+    db: &tokio_postgres::Client,
+    statement: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> u64 {
+    db.batch_execute("SET outbox.allow_unpublished_delete = on")
+        .await
+        .expect("lift the guard");
+    let deleted = db.execute(statement, params).await;
+    db.batch_execute("RESET outbox.allow_unpublished_delete")
+        .await
+        .expect("restore the guard");
+    deleted.unwrap_or_else(|e| panic!("{statement}: {e}"))
+}
+
 /// Applies `db`'s migrations unless this process already did. Concurrent
 /// callers are serialised by the migration advisory lock.
 pub async fn ensure_migrated(db: Database) {

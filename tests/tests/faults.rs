@@ -289,13 +289,13 @@ async fn relay_crash_during_cleanup() {
     let db = pg(Database::Orders).await;
     // Rows an aborted earlier run (of this test, or of the relay suite's
     // cleanup test, whose rows are from 2000) left would come first.
-    db.execute(
+    system_tests::delete_outbox_rows(
+        &db,
         "DELETE FROM outbox_events WHERE event_type = 'FaultTestAged' \
             OR published_at < timestamptz '2001-01-03 00:00Z'",
         &[],
     )
-    .await
-    .expect("leftover aged rows");
+    .await;
     for i in 0..25 {
         let order = Uuid::now_v7().to_string();
         db.execute(
@@ -444,13 +444,12 @@ async fn the_checker_reports_each_broken_invariant() {
         }
     };
     // (1) a committed delivery whose outbox row is gone.
-    orders
-        .execute(
-            "DELETE FROM outbox_events WHERE aggregate_id = $1 AND aggregate_sequence = 3",
-            &[&ids[0]],
-        )
-        .await
-        .expect("delete");
+    system_tests::delete_outbox_rows(
+        &orders,
+        "DELETE FROM outbox_events WHERE aggregate_id = $1 AND aggregate_sequence = 3",
+        &[&ids[0]],
+    )
+    .await;
     // (2) an outbox row (published) without any order.
     orders
         .execute(

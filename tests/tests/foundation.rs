@@ -147,6 +147,97 @@ async fn the_outbox_keeps_no_statistics_of_its_payload() {
     assert_eq!(targets.len(), 19, "{targets:?}");
 }
 
+/// A new outbox row of tenant acme, then `SET <set>` on it (none if empty).
+async fn outbox_row(tx: &tokio_postgres::Transaction<'_>, set: &str) -> uuid::Uuid {
+    let event_id = uuid::Uuid::now_v7();
+    tx.execute(
+        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+         aggregate_sequence, event_type, schema_version, payload) \
+         VALUES ($1, 'acme', 'order', $2, 1, 'OrderPlaced', 1, '{}')",
+        &[&event_id, &uuid::Uuid::now_v7().to_string()],
+    )
+    .await
+    .expect("insert");
+    if !set.is_empty() {
+        tx.execute(
+            &format!("UPDATE outbox_events SET {set} WHERE event_id = $1"),
+            &[&event_id],
+        )
+        .await
+        .expect(set);
+    }
+    event_id
+}
+
+/// A committed intent is never lost to a DELETE (orders V13): an unpublished
+/// row refuses one, quarantined or not, unless it is the runbook's
+/// replacement of a row that never reached the broker (quarantined, every
+/// attempt its own `not sendable: ` failure) or the session lifts the guard
+/// (`outbox.allow_unpublished_delete`, the tests' clean-up). Published rows
+/// are the cleanup's to delete.
+#[tokio::test]
+async fn unpublished_outbox_rows_refuse_a_delete_but_the_runbook_s_replacement() {
+    let mut client = pg(Database::Orders).await;
+    // Rolled back at the end: no relay ever sees the rows.
+    let mut tx = client.transaction().await.expect("begin");
+    let refused = [
+        "",
+        "attempt_count = 5, own_failure_count = 5, quarantined_at = now(), \
+         last_error = 'unroutable: returned by the broker (312 NO_ROUTE)'",
+        "attempt_count = 6, own_failure_count = 5, quarantined_at = now(), \
+         last_error = 'not sendable: the event type is 256 bytes long'",
+        "attempt_count = 5, own_failure_count = 5, \
+         last_error = 'not sendable: the event type is 256 bytes long'",
+    ];
+    for set in refused {
+        let event_id = outbox_row(&tx, set).await;
+        let savepoint = tx.savepoint("delete").await.expect("savepoint");
+        let error = savepoint
+            .execute(
+                "DELETE FROM outbox_events WHERE event_id = $1",
+                &[&event_id],
+            )
+            .await
+            .expect_err(set);
+        let db_error = error.as_db_error().expect("a database error");
+        assert_eq!(db_error.code(), &SqlState::RESTRICT_VIOLATION, "{set}");
+        assert_eq!(
+            db_error.message(),
+            format!(
+                "outbox_events: row {event_id} is unpublished, a committed intent: it cannot \
+                 be deleted"
+            )
+        );
+        savepoint.rollback().await.expect("rollback to savepoint");
+    }
+    let deleted = |event_id: uuid::Uuid| {
+        let tx = &tx;
+        async move {
+            tx.execute(
+                "DELETE FROM outbox_events WHERE event_id = $1",
+                &[&event_id],
+            )
+            .await
+            .expect("deleted")
+        }
+    };
+    let never_sent = outbox_row(
+        &tx,
+        "attempt_count = 5, own_failure_count = 5, quarantined_at = now(), \
+         last_error = 'not sendable: the event type is 256 bytes long'",
+    )
+    .await;
+    assert_eq!(deleted(never_sent).await, 1, "the runbook's replacement");
+    let published = outbox_row(&tx, "published_at = now()").await;
+    assert_eq!(deleted(published).await, 1, "the cleanup's");
+    let pending = outbox_row(&tx, "").await;
+    tx.batch_execute("SET LOCAL outbox.allow_unpublished_delete = on")
+        .await
+        .expect("lift the guard");
+    assert_eq!(deleted(pending).await, 1, "a session that lifts the guard");
+    tx.rollback().await.expect("rollback");
+}
+
 /// Seed 000: the outbox row is immutable (migrations V8, V12). Every content
 /// column refuses an UPDATE naming it, even one writing the same value; the
 /// relay's columns (lease, mark, failures, quarantine) stay writable, and a
@@ -175,6 +266,9 @@ async fn outbox_rows_are_immutable_but_the_relays_columns_are_not() {
              aggregate_type, aggregate_id, aggregate_sequence, event_type, schema_version, \
              payload, occurred_at, traceparent, tracestate ON public.outbox_events FOR EACH ROW \
              EXECUTE FUNCTION outbox_events_immutable()",
+            "CREATE TRIGGER outbox_events_keep_unpublished AFTER DELETE ON public.outbox_events \
+             FOR EACH ROW WHEN ((old.published_at IS NULL)) \
+             EXECUTE FUNCTION outbox_events_keep_unpublished()",
             "CREATE TRIGGER outbox_events_notify AFTER INSERT ON public.outbox_events \
              FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_notify()",
         ],

@@ -69,13 +69,12 @@ impl Drop for Caller {
                 .build()
                 .expect("runtime");
             runtime.block_on(async {
-                pg(Database::Orders)
-                    .await
-                    .execute(
-                        "DELETE FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
-                        &[&tenant],
-                    )
-                    .await
+                system_tests::delete_outbox_rows(
+                    &pg(Database::Orders).await,
+                    "DELETE FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+                    &[&tenant],
+                )
+                .await
             })
         })
         .join();

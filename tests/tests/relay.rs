@@ -268,9 +268,12 @@ async fn wait_all_published(db: &Client, tenant: &str, timeout: Duration) {
 }
 
 async fn delete_tenant_rows(db: &Client, tenant: &str) {
-    db.execute("DELETE FROM outbox_events WHERE tenant_id = $1", &[&tenant])
-        .await
-        .expect("clean up");
+    system_tests::delete_outbox_rows(
+        db,
+        "DELETE FROM outbox_events WHERE tenant_id = $1",
+        &[&tenant],
+    )
+    .await;
 }
 
 /// A running relay.

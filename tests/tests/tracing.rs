@@ -310,14 +310,12 @@ async fn pending_spans_are_flushed_on_sigterm() {
     // No relay runs here: the order's event would stay pending for good in
     // the shared database, where every later relay (other tests, `make
     // bench`) walks it and publishes it to an exchange with no queue.
-    system_tests::pg(system_tests::Database::Orders)
-        .await
-        .execute(
-            "DELETE FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
-            &[&tenant],
-        )
-        .await
-        .expect("delete the pending event");
+    system_tests::delete_outbox_rows(
+        &system_tests::pg(system_tests::Database::Orders).await,
+        "DELETE FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+        &[&tenant],
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         receiver.spans().is_empty(),

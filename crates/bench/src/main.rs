@@ -1337,6 +1337,11 @@ async fn clear_aborted_runs(db: &tokio_postgres::Client) {
 
 /// Delete a tenant's orders, idempotency records and outbox rows.
 async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
+    // Its pending rows too (orders V13 keeps unpublished rows from a DELETE
+    // unless the session lifts the guard: the bench's own rows).
+    let _ = db
+        .batch_execute("SET outbox.allow_unpublished_delete = on")
+        .await;
     for statement in [
         "DELETE FROM outbox_events WHERE tenant_id = $1",
         "DELETE FROM idempotency_requests WHERE tenant_id = $1",
@@ -1347,6 +1352,9 @@ async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
             eprintln!("cleanup: {error}");
         }
     }
+    let _ = db
+        .batch_execute("RESET outbox.allow_unpublished_delete")
+        .await;
 }
 
 /// Delete a tenant's API keys and its `tenants` row (after its orders).
