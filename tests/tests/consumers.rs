@@ -2184,12 +2184,38 @@ async fn consumer_connection(connection_name: &str) -> Option<String> {
 async fn a_copy_whose_confirm_is_lost_is_published_again_in_place() {
     let tenant = unique("t5-unconfirmed");
     let name = unique("t5-unconfirmed-led");
+    let (ledger, first) = ledger_and_its_connection(
+        &name,
+        Some("consumer.publish.unconfirmed=1*return".to_owned()),
+    )
+    .await;
+    let s = story(&tenant);
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.paid).await;
+    eventually("the deferral published again in place", WAIT, || async {
+        (ledger.metric("consumer_retried_in_place_total", "").await >= 1.0).then_some(())
+    })
+    .await;
+    the_held_payment_applies_on_the_same_connection(&ledger, &publisher, &s, first).await;
+    eventually("the second copy suppressed", WAIT, || async {
+        (ledger.metric("consumer_duplicates_total", "").await >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        ledger.metric("consumer_retried_in_place_total", "").await,
+        1.0
+    );
+}
+
+/// The ledger consumer `name` (one partition, armed with `failpoints`) and
+/// RabbitMQ's name of its connection, once open.
+async fn ledger_and_its_connection(name: &str, failpoints: Option<String>) -> (Consumer, String) {
     let ledger = Consumer::start(
         Kind::Ledger,
-        &name,
+        name,
         Options {
             partitions: 1,
-            failpoints: Some("consumer.publish.unconfirmed=1*return".to_owned()),
+            failpoints,
             ..Options::default()
         },
     )
@@ -2199,30 +2225,32 @@ async fn a_copy_whose_confirm_is_lost_is_published_again_in_place() {
         consumer_connection(&connection_name)
     })
     .await;
-    let s = story(&tenant);
-    let publisher = Publisher::connect().await;
-    publisher.to_consumer(&name, &s.paid).await;
-    eventually("the deferral published again in place", WAIT, || async {
-        (ledger.metric("consumer_retried_in_place_total", "").await >= 1.0).then_some(())
-    })
-    .await;
-    publisher.to_consumer(&name, &s.placed).await;
-    wait_sequence(Database::Ledger, &name, s.order, 2).await;
-    eventually("the second copy suppressed", WAIT, || async {
-        (ledger.metric("consumer_duplicates_total", "").await >= 1.0).then_some(())
-    })
-    .await;
-    assert_eq!(
-        ledger.metric("consumer_retried_in_place_total", "").await,
-        1.0
+    (ledger, first)
+}
+
+/// The story's payment was held in place (published before its order):
+/// once the order is placed both apply in sequence, on the connection the
+/// consumer had from the start (`first`: never rebuilt), the payment
+/// journaled once, nothing dead-lettered.
+async fn the_held_payment_applies_on_the_same_connection(
+    ledger: &Consumer,
+    publisher: &Publisher,
+    s: &Story,
+    first: String,
+) {
+    publisher.to_consumer(&ledger.name, &s.placed).await;
+    wait_sequence(Database::Ledger, &ledger.name, s.order, 2).await;
+    assert!(
+        ledger.metric("consumer_retried_in_place_total", "").await >= 1.0,
+        "the copy was retried in place"
     );
     assert_eq!(
-        consumer_connection(&connection_name).await,
+        consumer_connection(&format!("ledger-consumer:{}", ledger.name)).await,
         Some(first),
         "the connection was not rebuilt"
     );
     assert_eq!(
-        journal(&tenant, s.order).await,
+        journal(&s.tenant, s.order).await,
         vec![(s.paid.event_id, payment_lines())]
     );
     assert_eq!(ledger.metric("consumer_dead_lettered_total", "").await, 0.0);
@@ -2236,12 +2264,7 @@ async fn a_copy_whose_confirm_is_lost_is_published_again_in_place() {
 async fn a_copy_returned_by_a_deleted_tier_queue_declares_it_again_in_place() {
     let tenant = unique("t5-tier-gone");
     let name = unique("t5-tier-gone-led");
-    let ledger = Consumer::start(Kind::Ledger, &name, Options::one_partition()).await;
-    let connection_name = format!("ledger-consumer:{name}");
-    let first = eventually("the consumer's connection", WAIT, || {
-        consumer_connection(&connection_name)
-    })
-    .await;
+    let (ledger, first) = ledger_and_its_connection(&name, None).await;
     let tier = format!("{name}.retry.0");
     let admin = system_tests::consumers::connect().await;
     admin
@@ -2264,22 +2287,7 @@ async fn a_copy_returned_by_a_deleted_tier_queue_declares_it_again_in_place() {
             .and_then(Value::as_bool)
     })
     .await;
-    publisher.to_consumer(&name, &s.placed).await;
-    wait_sequence(Database::Ledger, &name, s.order, 2).await;
-    assert!(
-        ledger.metric("consumer_retried_in_place_total", "").await >= 1.0,
-        "the returned copy was retried in place"
-    );
-    assert_eq!(
-        consumer_connection(&connection_name).await,
-        Some(first),
-        "the connection was not rebuilt"
-    );
-    assert_eq!(
-        journal(&tenant, s.order).await,
-        vec![(s.paid.event_id, payment_lines())]
-    );
-    assert_eq!(ledger.metric("consumer_dead_lettered_total", "").await, 0.0);
+    the_held_payment_applies_on_the_same_connection(&ledger, &publisher, &s, first).await;
 }
 
 /// The broker closes the consumer's connection (as on a broker restart or a

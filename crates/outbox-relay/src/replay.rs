@@ -92,17 +92,7 @@ pub async fn discover_partitions(
     for i in 0.. {
         let name = format!("{consumer}.p{i}");
         let channel = connection.create_channel().await?;
-        let declared = channel
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        match declared {
+        match passive_declare(&channel, &name).await {
             Ok(_) => {
                 partitions.push(name);
                 let _ = channel.close(200, "probe done".into()).await;
@@ -111,6 +101,24 @@ pub async fn discover_partitions(
         }
     }
     Ok(partitions)
+}
+
+/// `queue` as the broker holds it (its message count), declaring nothing:
+/// a missing queue is an error that closes `channel`.
+async fn passive_declare(
+    channel: &lapin::Channel,
+    queue: &str,
+) -> Result<lapin::Queue, lapin::Error> {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
 }
 
 /// Refuse to purge partitions in which messages wait, unless the operator
@@ -126,17 +134,7 @@ async fn waiting_guard(
 ) -> anyhow::Result<()> {
     let mut waiting = 0_u64;
     for queue in partitions {
-        let declared = channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        waiting += u64::from(declared.message_count());
+        waiting += u64::from(passive_declare(channel, queue).await?.message_count());
     }
     if waiting == 0 || request.purge_waiting {
         return Ok(());
