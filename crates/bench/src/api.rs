@@ -329,6 +329,7 @@ async fn raw_order(
             &201_i32,
             &response,
             &Some(order_id),
+            &86_400_i64,
         ],
     )
     .await?;
