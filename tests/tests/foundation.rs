@@ -169,12 +169,13 @@ async fn outbox_row(tx: &tokio_postgres::Transaction<'_>, set: &str) -> uuid::Uu
     event_id
 }
 
-/// A committed intent is never lost to a DELETE (orders V13): an unpublished
-/// row refuses one, quarantined or not, unless it is the runbook's
-/// replacement of a row that never reached the broker (quarantined, every
-/// attempt its own `not sendable: ` failure) or the session lifts the guard
-/// (`outbox.allow_unpublished_delete`, the tests' clean-up). Published rows
-/// are the cleanup's to delete.
+/// A committed intent is never lost to a DELETE (orders V13, V14): an
+/// unpublished row refuses one, quarantined or not, and fails the whole
+/// statement, unless it is the runbook's replacement of a row that never
+/// reached the broker (quarantined, every attempt its own `not sendable: `
+/// failure; a row must hold its position again at commit) or the session
+/// lifts the guard (`outbox.allow_unpublished_delete`, the tests' clean-up).
+/// Published rows are the cleanup's to delete.
 #[tokio::test]
 async fn unpublished_outbox_rows_refuse_a_delete_but_the_runbook_s_replacement() {
     let mut client = pg(Database::Orders).await;
@@ -210,6 +211,80 @@ async fn unpublished_outbox_rows_refuse_a_delete_but_the_runbook_s_replacement()
         );
         savepoint.rollback().await.expect("rollback to savepoint");
     }
+    // One DELETE over a published and a pending row fails as a whole.
+    let published = outbox_row(&tx, "published_at = now()").await;
+    let pending = outbox_row(&tx, "").await;
+    let both = vec![published, pending];
+    let savepoint = tx.savepoint("mixed").await.expect("savepoint");
+    let error = savepoint
+        .execute(
+            "DELETE FROM outbox_events WHERE event_id = ANY($1)",
+            &[&both],
+        )
+        .await
+        .expect_err("one pending row fails the statement");
+    assert_eq!(error.code(), Some(&SqlState::RESTRICT_VIOLATION));
+    savepoint.rollback().await.expect("rollback to savepoint");
+    let left: i64 = tx
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE event_id = ANY($1)",
+            &[&both],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(left, 2, "nothing deleted");
+
+    // The runbook's replacement of a row that never reached the broker: the
+    // DELETE passes, and at commit (V14; forced here by SET CONSTRAINTS
+    // IMMEDIATE) a row must hold its position again.
+    let never_sent = "attempt_count = 5, own_failure_count = 5, quarantined_at = now(), \
+                      last_error = 'not sendable: the event type is 256 bytes long'";
+    for replaced in [true, false] {
+        let event_id = outbox_row(&tx, never_sent).await;
+        let savepoint = tx.savepoint("replace").await.expect("savepoint");
+        let aggregate: String = savepoint
+            .query_one(
+                "DELETE FROM outbox_events WHERE event_id = $1 RETURNING aggregate_id",
+                &[&event_id],
+            )
+            .await
+            .expect("the never-sent row may be deleted")
+            .get(0);
+        if replaced {
+            savepoint
+                .execute(
+                    "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, \
+                     aggregate_id, aggregate_sequence, event_type, schema_version, payload) \
+                     VALUES ($1, 'acme', 'order', $2, 1, 'OrderPlaced', 1, '{}')",
+                    &[&uuid::Uuid::now_v7(), &aggregate],
+                )
+                .await
+                .expect("the corrective event");
+        }
+        let checked = savepoint
+            .batch_execute("SET CONSTRAINTS outbox_events_replaced IMMEDIATE")
+            .await;
+        if replaced {
+            checked.expect("replaced at its position");
+        } else {
+            let error = checked.expect_err("a bare DELETE fails at commit");
+            let db_error = error.as_db_error().expect("a database error");
+            assert_eq!(db_error.code(), &SqlState::RESTRICT_VIOLATION);
+            assert_eq!(
+                db_error.message(),
+                format!(
+                    "outbox_events: row {event_id} was deleted without a replacement at its \
+                     position (order {aggregate}, sequence 1)"
+                )
+            );
+        }
+        savepoint.rollback().await.expect("rollback to savepoint");
+        tx.batch_execute("SET CONSTRAINTS outbox_events_replaced DEFERRED")
+            .await
+            .expect("deferred again");
+    }
+
     let deleted = |event_id: uuid::Uuid| {
         let tx = &tx;
         async move {
@@ -221,20 +296,14 @@ async fn unpublished_outbox_rows_refuse_a_delete_but_the_runbook_s_replacement()
             .expect("deleted")
         }
     };
-    let never_sent = outbox_row(
-        &tx,
-        "attempt_count = 5, own_failure_count = 5, quarantined_at = now(), \
-         last_error = 'not sendable: the event type is 256 bytes long'",
-    )
-    .await;
-    assert_eq!(deleted(never_sent).await, 1, "the runbook's replacement");
-    let published = outbox_row(&tx, "published_at = now()").await;
     assert_eq!(deleted(published).await, 1, "the cleanup's");
-    let pending = outbox_row(&tx, "").await;
     tx.batch_execute("SET LOCAL outbox.allow_unpublished_delete = on")
         .await
         .expect("lift the guard");
     assert_eq!(deleted(pending).await, 1, "a session that lifts the guard");
+    tx.batch_execute("SET CONSTRAINTS outbox_events_replaced IMMEDIATE")
+        .await
+        .expect("no replacement needed with the guard lifted");
     tx.rollback().await.expect("rollback");
 }
 
@@ -269,8 +338,14 @@ async fn outbox_rows_are_immutable_but_the_relays_columns_are_not() {
             "CREATE TRIGGER outbox_events_keep_unpublished AFTER DELETE ON public.outbox_events \
              FOR EACH ROW WHEN ((old.published_at IS NULL)) \
              EXECUTE FUNCTION outbox_events_keep_unpublished()",
+            "CREATE TRIGGER outbox_events_no_truncate BEFORE TRUNCATE ON public.outbox_events \
+             FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_no_truncate()",
             "CREATE TRIGGER outbox_events_notify AFTER INSERT ON public.outbox_events \
              FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_notify()",
+            "CREATE CONSTRAINT TRIGGER outbox_events_replaced AFTER DELETE \
+             ON public.outbox_events DEFERRABLE INITIALLY DEFERRED \
+             FOR EACH ROW WHEN ((old.published_at IS NULL)) \
+             EXECUTE FUNCTION outbox_events_replaced()",
         ],
         "no BEFORE ROW trigger on the outbox (each would lock every row the relay marks)"
     );
