@@ -725,15 +725,7 @@ pub async fn inbox_count(db: Database, name: &str) -> i64 {
 pub async fn queue_depth(queue: &str) -> u32 {
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
-    let depth = channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let depth = kit::amqp::passive_declare(&channel, queue)
         .await
         .map(|q| q.message_count())
         .unwrap_or_else(|e| panic!("queue {queue}: {e}"));

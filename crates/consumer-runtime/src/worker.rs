@@ -19,10 +19,7 @@ use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
 use lapin::{
-    options::{
-        BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-        QueueDeclareOptions,
-    },
+    options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions},
     types::FieldTable,
     Connection,
 };
@@ -327,14 +324,7 @@ async fn watch_dead_letters(
     stop: CancellationToken,
 ) {
     loop {
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        match channel
-            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-            .await
-        {
+        match kit::amqp::passive_declare(&channel, &queue).await {
             Ok(declared) => gauge.set(i64::from(declared.message_count())),
             Err(error) => {
                 // Ends the connection's workers unless they are stopping

@@ -119,6 +119,21 @@ pub async fn declare_order_events_exchange(channel: &Channel) -> Result<(), lapi
     declare_topic_exchange(channel, events::EXCHANGE).await
 }
 
+/// `queue` as the broker holds it (its message count), declaring nothing: a
+/// missing queue is an error (404), which closes `channel`.
+pub async fn passive_declare(channel: &Channel, queue: &str) -> Result<lapin::Queue, lapin::Error> {
+    channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..lapin::options::QueueDeclareOptions::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+}
+
 /// Declare a durable topic exchange named `name` the way `order-events` is
 /// declared (idempotent): a relay configured to publish elsewhere
 /// (`OUTBOX_RELAY__RELAY__EXCHANGE`, the tests' private exchanges) uses it.

@@ -17,9 +17,7 @@ use std::time::Instant;
 
 use kit::{db::PgPool, settings::AmqpSettings, CancellationToken};
 use lapin::{
-    options::{
-        ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions, QueuePurgeOptions,
-    },
+    options::{ConfirmSelectOptions, ExchangeDeclareOptions, QueuePurgeOptions},
     types::FieldTable,
     Connection, ExchangeKind,
 };
@@ -92,7 +90,7 @@ pub async fn discover_partitions(
     for i in 0.. {
         let name = format!("{consumer}.p{i}");
         let channel = connection.create_channel().await?;
-        match passive_declare(&channel, &name).await {
+        match kit::amqp::passive_declare(&channel, &name).await {
             Ok(_) => {
                 partitions.push(name);
                 let _ = channel.close(200, "probe done".into()).await;
@@ -101,24 +99,6 @@ pub async fn discover_partitions(
         }
     }
     Ok(partitions)
-}
-
-/// `queue` as the broker holds it (its message count), declaring nothing:
-/// a missing queue is an error that closes `channel`.
-async fn passive_declare(
-    channel: &lapin::Channel,
-    queue: &str,
-) -> Result<lapin::Queue, lapin::Error> {
-    channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
 }
 
 /// Refuse to purge partitions in which messages wait, unless the operator
@@ -134,7 +114,11 @@ async fn waiting_guard(
 ) -> anyhow::Result<()> {
     let mut waiting = 0_u64;
     for queue in partitions {
-        waiting += u64::from(passive_declare(channel, queue).await?.message_count());
+        waiting += u64::from(
+            kit::amqp::passive_declare(channel, queue)
+                .await?
+                .message_count(),
+        );
     }
     if waiting == 0 || request.purge_waiting {
         return Ok(());
