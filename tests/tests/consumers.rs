@@ -2903,15 +2903,7 @@ async fn inside_its_transaction(admin: &tokio_postgres::Client, application_name
 async fn live_counts(queue: &str) -> (u32, u32) {
     let connection = system_tests::consumers::connect().await;
     let channel = connection.create_channel().await.expect("channel");
-    let declared = channel
-        .queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..lapin::options::QueueDeclareOptions::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
+    let declared = kit::amqp::passive_declare(&channel, queue)
         .await
         .expect("passive declare");
     let _ = connection.close(200, "ok".into()).await;
