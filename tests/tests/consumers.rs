@@ -1015,6 +1015,49 @@ async fn a_crash_after_the_retry_copy_before_the_ack_applies_once() {
     assert_eq!(level(&tenant).await, Some((0, 2, -2)));
 }
 
+/// The same crash on the deferral path: an event ahead of its order's
+/// sequence is deferred, the copy confirmed in the first tier, and the
+/// process dies before the ack. The restarted consumer defers the
+/// redelivered message again; once the order's first event is applied, one
+/// copy applies and the other is recognised: the payment journaled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_deferral_copy_before_the_ack_applies_once() {
+    let tenant = unique("t5-crash-defer");
+    let s = story(&tenant);
+    let name = unique("t5-crash-defer-led");
+    let crashing = Consumer::start(
+        Kind::Ledger,
+        &name,
+        Options {
+            failpoints: Some("consumer.after_republish_before_ack=1*return".to_owned()),
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.paid).await;
+    let _crashed = aborted_at_its_fail_point(crashing).await;
+    assert_eq!(progress(Database::Ledger, &name, s.order).await, None);
+
+    let restarted = Consumer::start(Kind::Ledger, &name, Options::one_partition()).await;
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Ledger, &name, s.order, 2).await;
+    eventually("the second copy recognised", WAIT, || async {
+        let seen = restarted.metric("consumer_duplicates_total", "").await
+            + restarted.metric("consumer_stale_total", "").await;
+        (seen >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![(s.paid.event_id, payment_lines())]
+    );
+    assert_eq!(
+        restarted.metric("consumer_dead_lettered_total", "").await,
+        0.0
+    );
+}
+
 /// (5) A crash after the commit and before the ack: the broker redelivers, the
 /// inbox recognises it, the effect stays single.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
