@@ -2235,15 +2235,15 @@ async fn a_copy_whose_confirm_is_lost_is_published_again_in_place() {
     let s = story(&tenant);
     let publisher = Publisher::connect().await;
     publisher.to_consumer(&name, &s.paid).await;
-    eventually("the deferral published again in place", WAIT, || async {
-        (ledger.metric("consumer_retried_in_place_total", "").await >= 1.0).then_some(())
-    })
-    .await;
+    // The deferral published again in place.
+    ledger
+        .wait_metric("consumer_retried_in_place_total", "", 1.0)
+        .await;
     the_held_payment_applies_on_the_same_connection(&ledger, &publisher, &s, first).await;
-    eventually("the second copy suppressed", WAIT, || async {
-        (ledger.metric("consumer_duplicates_total", "").await >= 1.0).then_some(())
-    })
-    .await;
+    // The copy whose confirm was lost, suppressed.
+    ledger
+        .wait_metric("consumer_duplicates_total", "", 1.0)
+        .await;
     assert_eq!(
         ledger.metric("consumer_retried_in_place_total", "").await,
         1.0

@@ -276,6 +276,13 @@ async fn delete_tenant_rows(db: &Client, tenant: &str) {
     .await;
 }
 
+/// The text of a relay's output file, the file removed.
+fn take_log(path: &std::path::Path) -> String {
+    let output = std::fs::read_to_string(path).expect("relay log");
+    let _ = std::fs::remove_file(path);
+    output
+}
+
 /// A running relay.
 struct Relay {
     service: Service,
@@ -341,6 +348,19 @@ impl Relay {
             .wait_ready(&url, Duration::from_secs(60))
             .await
             .expect("relay ready");
+    }
+
+    /// Wait (at most 30 s) until metric `name` reaches `value`.
+    async fn wait_metric(&self, name: &str, value: f64) {
+        system_tests::consumers::wait_for_metric(
+            &format!("http://127.0.0.1:{}", self.port),
+            "relay",
+            name,
+            "",
+            value,
+            Duration::from_secs(30),
+        )
+        .await;
     }
 
     /// The value of a metric (the sum over its label sets), 0 when absent.
@@ -878,21 +898,12 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     collector.wait_distinct(6, Duration::from_secs(30)).await;
     // The rows are published before the retry has counted them (it runs
     // after a pause): wait for the count, not a fixed time.
-    system_tests::consumers::wait_for_metric(
-        &format!("http://127.0.0.1:{}", relay.port),
-        "relay",
-        "outbox_published_total",
-        "",
-        6.0,
-        Duration::from_secs(30),
-    )
-    .await;
+    relay.wait_metric("outbox_published_total", 6.0).await;
     let received = collector.snapshot();
     assert_eq!(received.len(), 6, "each event once: {received:?}");
     let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
     assert_in_sequence_order(&received, &expect);
-    let output = std::fs::read_to_string(&log).expect("relay log");
-    let _ = std::fs::remove_file(&log);
+    let output = take_log(&log);
     assert!(
         output.contains("injected by fail point relay.mark.reply_lost"),
         "the mark's reply was lost once, and the mark retried:\n{output}"
@@ -937,15 +948,7 @@ async fn a_quarantine_whose_reply_is_lost_is_still_logged_and_counted() {
         Some(&log),
     );
     relay.ready().await;
-    system_tests::consumers::wait_for_metric(
-        &format!("http://127.0.0.1:{}", relay.port),
-        "relay",
-        "outbox_quarantined_total",
-        "",
-        1.0,
-        Duration::from_secs(30),
-    )
-    .await;
+    relay.wait_metric("outbox_quarantined_total", 1.0).await;
     let row = db
         .query_one(
             "SELECT quarantined_at IS NOT NULL, attempt_count, claimed_by IS NULL
@@ -964,8 +967,7 @@ async fn a_quarantine_whose_reply_is_lost_is_still_logged_and_counted() {
         "quarantined after one attempt, recorded once, released"
     );
     assert_eq!(relay.metric("outbox_quarantined_total").await, 1);
-    let output = std::fs::read_to_string(&log).expect("relay log");
-    let _ = std::fs::remove_file(&log);
+    let output = take_log(&log);
     assert!(
         output.contains("injected by fail point relay.mark_failed.reply_lost"),
         "the reply was lost once, and the write retried:\n{output}"
