@@ -639,6 +639,15 @@ async fn duplicate_deliveries_apply_once_and_are_counted() {
     for c in consumers {
         assert_eq!(c.metric("consumer_events_applied_total", "").await, 3.0);
         assert_eq!(c.metric("consumer_duplicates_total", "").await, 3.0);
+        // One inbox row per event, each with the event's tenant (DESIGN.md
+        // section 3).
+        let mut expected = vec![
+            (s.placed.event_id, tenant.clone()),
+            (s.paid.event_id, tenant.clone()),
+            (s.delivered.event_id, tenant.clone()),
+        ];
+        expected.sort();
+        assert_eq!(inbox(c.kind.database(), &c.name).await, expected);
     }
     let receipt_reserve_and_sale: Vec<String> =
         movements(&tenant).await.into_iter().map(|m| m.0).collect();
@@ -654,6 +663,23 @@ async fn duplicate_deliveries_apply_once_and_are_counted() {
     );
     assert_eq!(loyalty(&tenant).await.len(), 1);
     assert_eq!(loyalty(&tenant).await[0].1, 80);
+}
+
+/// Consumer `name`'s inbox rows in `db`: (event, tenant), sorted.
+async fn inbox(db: Database, name: &str) -> Vec<(Uuid, String)> {
+    let mut rows: Vec<(Uuid, String)> = pg(db)
+        .await
+        .query(
+            "SELECT event_id, tenant_id FROM processed_events WHERE consumer_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("inbox rows")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    rows.sort();
+    rows
 }
 
 /// (3) Sequence 3 before 2: deferred, then applied after 2; the end state is

@@ -72,6 +72,30 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
                 db.name()
             );
         }
+        // DESIGN.md section 3: every row carries tenant_id (the migration
+        // tools' history tables are not the system's rows).
+        let without_tenant: Vec<String> = pg(db)
+            .await
+            .query(
+                "SELECT t.table_name::text FROM information_schema.tables t \
+                 WHERE t.table_schema = 'public' AND t.table_type = 'BASE TABLE' \
+                   AND t.table_name NOT LIKE '%schema_history' \
+                   AND NOT EXISTS (SELECT 1 FROM information_schema.columns c \
+                       WHERE c.table_schema = t.table_schema \
+                         AND c.table_name = t.table_name AND c.column_name = 'tenant_id') \
+                 ORDER BY 1",
+                &[],
+            )
+            .await
+            .expect("tables without tenant_id")
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert!(
+            without_tenant.is_empty(),
+            "{}: tables without tenant_id: {without_tenant:?}",
+            db.name()
+        );
     }
 }
 

@@ -174,7 +174,7 @@ async fn sequential_open(
     name: &str,
     raw: &RawEnvelope,
 ) -> anyhow::Result<()> {
-    let inbox_args: [&(dyn ToSql + Sync); 2] = [&name, &raw.event_id];
+    let inbox_args: [&(dyn ToSql + Sync); 3] = [&name, &raw.event_id, &raw.tenant_id];
     let inserted = tx.query_opt(INSERT_INBOX, &inbox_args).await?;
     anyhow::ensure!(inserted.is_some(), "raw events are new");
     let progress_args: [&(dyn ToSql + Sync); 3] = [&name, &raw.aggregate_id, &raw.tenant_id];

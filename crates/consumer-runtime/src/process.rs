@@ -154,9 +154,10 @@ fn named_by_metadata(delivery: &Delivery) -> Option<(uuid::Uuid, String, String,
     Some((event_id, tenant, order, sequence))
 }
 
-/// The inbox row: the event applied once per consumer name.
-pub const INSERT_INBOX: &str = "INSERT INTO processed_events (consumer_name, event_id) \
-     VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING event_id";
+/// The inbox row: the event applied once per consumer name, with the
+/// event's tenant (`$3`; DESIGN.md section 3: every row carries one).
+pub const INSERT_INBOX: &str = "INSERT INTO processed_events (consumer_name, event_id, \
+     tenant_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING RETURNING event_id";
 /// The order's progress row, created on its first event.
 pub const INSERT_PROGRESS: &str = "INSERT INTO order_progress (consumer_name, aggregate_id, \
      tenant_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
@@ -221,7 +222,7 @@ pub async fn open_message(
     let advance = tx.prepare_cached(ADVANCE_PROGRESS).await?;
     let sequence = raw.aggregate_sequence;
     let (inserted, ensured, progress, advanced) = futures_util::future::join4(
-        tx.query_opt(&insert_inbox, &[&name, &raw.event_id]),
+        tx.query_opt(&insert_inbox, &[&name, &raw.event_id, &raw.tenant_id]),
         tx.execute(
             &insert_progress,
             &[&name, &raw.aggregate_id, &raw.tenant_id],
