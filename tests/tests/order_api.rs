@@ -7,7 +7,8 @@ use std::time::Duration;
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{json, Value};
 use system_tests::{
-    api_key, consumers::eventually, free_port, pg, unique_tenant, Database, OrderApi, Service,
+    api_key, api_key_command, consumers::eventually, free_port, pg, unique_tenant, Database,
+    OrderApi, Service,
 };
 
 const SEED_ORDER: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","total":"93.00","currency":"USD","location":"WH-1"}"#;
@@ -640,6 +641,13 @@ async fn the_key_cleanup_counts_deleted_keys_and_failed_runs() {
     .await;
     let deleted = || api_metric(&api, "idempotency_expired_keys_deleted_total", None);
     let failures = || api_metric(&api, "idempotency_cleanup_failures_total", None);
+    let last_success = || {
+        api_metric(
+            &api,
+            "idempotency_cleanup_last_success_timestamp_seconds",
+            None,
+        )
+    };
     let mut db = database.connect().await;
     let keys = "SELECT count(*) FROM idempotency_requests";
     // Rows as order-api stores them, three expired (in one statement: no
@@ -694,6 +702,16 @@ async fn the_key_cleanup_counts_deleted_keys_and_failed_runs() {
         deleted_before + 3,
         "nothing deleted while failing"
     );
+    // A failed run is not a success: the gauge stands still while they fail.
+    let stalled_at = last_success().await;
+    assert!(stalled_at > 0, "runs completed before the lock");
+    eventually(
+        "another failed run not counted",
+        Duration::from_secs(30),
+        || async { (failures().await >= failures_before + 3).then_some(()) },
+    )
+    .await;
+    assert_eq!(last_success().await, stalled_at);
     tx.commit().await.expect("commit");
     eventually(
         "the cleanup did not recover",
@@ -703,7 +721,78 @@ async fn the_key_cleanup_counts_deleted_keys_and_failed_runs() {
     .await;
     let count: i64 = db.query_one(keys, &[]).await.expect("count").get(0);
     assert_eq!(count, 1);
+    assert!(
+        last_success().await > stalled_at,
+        "a completed run moves it"
+    );
     drop(api);
+}
+
+/// Reads before a request's transaction (the caller's key, a GET's order)
+/// end at the request budget as the transaction does: behind a table locked
+/// past it, the answer is 503 `deadline_exceeded` at about the budget, not
+/// 503 `unavailable` after `lock_timeout` (20 s here). The cancelled
+/// connections are closed, not pooled: the next request is served.
+#[tokio::test]
+async fn reads_before_the_transaction_end_at_the_request_budget() {
+    let database = OwnOrdersDatabase::create().await;
+    let api = OrderApi::start(&[
+        ("ORDER_API__DATABASE__URL", database.url.clone()),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "500".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+        ("ORDER_API__AUTH__KEY_CACHE_MS", "0".to_owned()),
+    ])
+    .await;
+    let output = api_key_command(&unique_tenant("budget-read"))
+        .env("ORDER_API__DATABASE__URL", &database.url)
+        .output()
+        .expect("api-key create");
+    assert!(output.status.success(), "api-key create failed");
+    let key = String::from_utf8(output.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned();
+    let client = Client::new();
+    let get = || {
+        client
+            .get(api.url(&format!("/orders/{}", uuid::Uuid::now_v7())))
+            .bearer_auth(&key)
+            .timeout(Duration::from_secs(60))
+            .send()
+    };
+    assert_eq!(get().await.expect("get").status(), StatusCode::NOT_FOUND);
+    for table in ["api_keys", "orders"] {
+        let mut db = database.connect().await;
+        let tx = db.transaction().await.expect("begin");
+        tx.batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+            .await
+            .expect("lock");
+        let started = std::time::Instant::now();
+        let response = get().await.expect("get");
+        let waited = started.elapsed();
+        expect_problem(
+            response,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "deadline_exceeded",
+        )
+        .await;
+        assert!(
+            waited < Duration::from_secs(15),
+            "{table}: answered after {waited:?}, as if lock_timeout (20 s) had ended the wait"
+        );
+        tx.rollback().await.expect("rollback");
+        assert_eq!(
+            get().await.expect("get").status(),
+            StatusCode::NOT_FOUND,
+            "{table}: served again once the lock is gone"
+        );
+    }
 }
 
 #[tokio::test]

@@ -30,3 +30,11 @@ pub fn render(registry: &Registry) -> String {
     }
     String::from_utf8(buffer).unwrap_or_default()
 }
+
+/// Seconds since the Unix epoch: the value of a `*_timestamp_seconds` gauge
+/// (e.g. a cleanup's last success).
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}

@@ -7,7 +7,7 @@ use actix_web::HttpRequest;
 use deadpool_postgres::Pool;
 use rand::RngCore;
 
-use crate::{error::ApiError, AppState};
+use crate::{error::ApiError, idempotency::Deadline, AppState};
 
 /// Prefix of every key, so a leaked key is recognisable (e.g. by secret scanners).
 pub const KEY_PREFIX: &str = "oek_";
@@ -47,7 +47,12 @@ impl KeyCache {
 
 /// The caller's tenant, or 401. A key verified less than
 /// `auth.key_cache_ms` ago is not looked up again (see [`KeyCache`]).
-pub async fn tenant(state: &AppState, request: &HttpRequest) -> Result<String, ApiError> {
+/// The lookup runs within the request's `deadline`.
+pub async fn tenant(
+    state: &AppState,
+    request: &HttpRequest,
+    deadline: &Deadline,
+) -> Result<String, ApiError> {
     let (cache, ttl) = (
         &state.keys,
         Duration::from_millis(state.settings.auth.key_cache_ms),
@@ -57,14 +62,19 @@ pub async fn tenant(state: &AppState, request: &HttpRequest) -> Result<String, A
     if let Some(tenant) = cache.get(&hash, ttl) {
         return Ok(tenant);
     }
-    let client = state.pool.get().await?;
-    let statement = client
-        .prepare_cached("SELECT tenant_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL")
-        .await?;
-    let tenant: String = client
-        .query_opt(&statement, &[&hash])
+    let tenant: String = deadline
+        .read(&state.pool, async |client| {
+            let statement = client
+                .prepare_cached(
+                    "SELECT tenant_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL",
+                )
+                .await?;
+            Ok(client
+                .query_opt(&statement, &[&hash])
+                .await?
+                .map(|row| row.get(0)))
+        })
         .await?
-        .map(|row| row.get(0))
         .ok_or(ApiError::Unauthorized)?;
     if !ttl.is_zero() {
         cache.put(hash, &tenant);

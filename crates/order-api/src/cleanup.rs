@@ -39,7 +39,10 @@ pub async fn delete_expired(
     }
 }
 
-/// The background task: cleanup every `interval`, and the in-flight gauge every second.
+/// The background task: cleanup every `interval`, and the in-flight gauge
+/// every second. Two loops, so a long cleanup run (a backlog of expired
+/// keys, batch after batch) does not freeze the gauge: a stuck owner must
+/// show while the database is under that stress too.
 pub async fn run(
     pool: Pool,
     metrics: Metrics,
@@ -48,26 +51,38 @@ pub async fn run(
     batch: i64,
     shutdown: CancellationToken,
 ) {
-    let mut cleanup = tokio::time::interval(interval);
-    let mut gauge = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = gauge.tick() => {
-                let age = i64::try_from(in_flight.oldest().as_secs()).unwrap_or(i64::MAX);
-                metrics.oldest_incomplete_key_seconds.set(age);
+    let gauge = async {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {
+                    let age = i64::try_from(in_flight.oldest().as_secs()).unwrap_or(i64::MAX);
+                    metrics.oldest_incomplete_key_seconds.set(age);
+                }
             }
-            _ = cleanup.tick() => match delete_expired(&pool, batch, &shutdown).await {
-                Ok(0) => {}
-                Ok(deleted) => {
-                    metrics.expired_deleted.inc_by(deleted);
-                    tracing::info!(deleted, "expired idempotency keys deleted");
-                }
-                Err(error) => {
-                    metrics.cleanup_failures.inc();
-                    tracing::warn!(%error, "idempotency key cleanup failed");
-                }
-            },
         }
-    }
+    };
+    let cleanup = async {
+        let mut tick = tokio::time::interval(interval);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => match delete_expired(&pool, batch, &shutdown).await {
+                    Ok(deleted) => {
+                        metrics.cleanup_last_success.set(kit::metrics::unix_now());
+                        if deleted > 0 {
+                            metrics.expired_deleted.inc_by(deleted);
+                            tracing::info!(deleted, "expired idempotency keys deleted");
+                        }
+                    }
+                    Err(error) => {
+                        metrics.cleanup_failures.inc();
+                        tracing::warn!(%error, "idempotency key cleanup failed");
+                    }
+                },
+            }
+        }
+    };
+    tokio::join!(gauge, cleanup);
 }

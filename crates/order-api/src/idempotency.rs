@@ -229,6 +229,30 @@ impl Deadline {
         }
     }
 
+    /// A read before the request's transaction (the caller's key, an
+    /// order's currency, a GET's order) on a pooled connection, within the
+    /// budget as the transaction is: the pool's wait and the statements end
+    /// at the deadline (the statement then running is cancelled, and its
+    /// connection closed, not pooled: [`Self::bound`]), answered 503
+    /// `deadline_exceeded`. Without it such a read waited on a lock up to
+    /// `lock_timeout` and `statement_timeout`, past the budget the client
+    /// was promised an answer within.
+    pub async fn read<T>(
+        &self,
+        pool: &deadpool_postgres::Pool,
+        work: impl AsyncFnOnce(&deadpool_postgres::Client) -> Result<T, ApiError>,
+    ) -> Result<T, ApiError> {
+        let client = self.client(pool).await?;
+        let (outcome, cancelled) = self.bound(&client.cancel_token(), work(&client)).await;
+        if cancelled {
+            discard(client);
+            if let Err(ApiError::Database(_)) = outcome {
+                return Err(self.exceeded());
+            }
+        }
+        outcome
+    }
+
     /// `work` (the transaction's statements), ended at the deadline: the
     /// statement running then is cancelled (a cancel request to the server,
     /// only on this path), again every [`CANCEL_AGAIN`] until `work`

@@ -97,6 +97,9 @@ impl Application {
         // Migrations, health and the key cleanup: a small pool of their own,
         // so the process holds at most `database.pool_size` (the workers')
         // plus these connections.
+        for warning in settings.warnings() {
+            tracing::warn!("{warning}");
+        }
         let shared_pool = pool_of_size(&settings, SHARED_POOL_SIZE)?;
         kit::db::wait_until_ready(&shared_pool, shutdown).await?;
         kit::migrations::run(&shared_pool, Database::Orders).await?;

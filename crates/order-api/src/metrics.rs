@@ -1,6 +1,6 @@
 //! order-api metrics (Prometheus names; rendered at `/metrics`).
 
-use kit::metrics::prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use kit::metrics::prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -24,6 +24,10 @@ pub struct Metrics {
     /// Cleanup runs that failed (the database unreachable, a lock held past
     /// `lock_timeout`): expired keys stay until a later run deletes them.
     pub cleanup_failures: IntCounter,
+    /// When this instance last completed a cleanup run (Unix seconds; 0:
+    /// never): a stalled or dead cleanup task shows as a value that stops
+    /// moving (alert IdempotencyCleanupStalled).
+    pub cleanup_last_success: Gauge,
     /// Age of the oldest owner transaction still running in this process.
     pub oldest_incomplete_key_seconds: IntGauge,
 }
@@ -62,6 +66,12 @@ impl Metrics {
         )
         .expect("valid metric");
         kit::metrics::register(&registry, &cleanup_failures);
+        let cleanup_last_success = Gauge::new(
+            "idempotency_cleanup_last_success_timestamp_seconds",
+            "When this instance last completed a run of the expired-key cleanup (0: never)",
+        )
+        .expect("valid metric");
+        kit::metrics::register(&registry, &cleanup_last_success);
         let oldest = IntGauge::new(
             "idempotency_oldest_incomplete_key_seconds",
             "Age of the oldest idempotency key whose owning transaction is still running here",
@@ -107,6 +117,7 @@ impl Metrics {
             ),
             expired_deleted,
             cleanup_failures,
+            cleanup_last_success,
             oldest_incomplete_key_seconds: oldest,
             registry,
         }

@@ -149,7 +149,7 @@ async fn create_order(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let deadline = idempotency::Deadline::start(state.settings.idempotency.request_budget_ms);
-    let tenant = auth::tenant(&state, &request).await?;
+    let tenant = auth::tenant(&state, &request, &deadline).await?;
     let key = idempotency::key(&request)?;
     let body = body(&state, &request, payload).await?;
     let order = request::parse::<CreateOrderRequest>(&body)?.validate()?;
@@ -281,15 +281,19 @@ async fn order_command<C: OrderCommand>(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let deadline = idempotency::Deadline::start(state.settings.idempotency.request_budget_ms);
-    let tenant = auth::tenant(&state, &request).await?;
+    let tenant = auth::tenant(&state, &request, &deadline).await?;
     let key = idempotency::key(&request)?;
     let order_id = order_id(&path)?;
     let body = body(&state, &request, payload).await?;
     let mut command = request::parse::<C>(&body)?;
     command.validate()?;
     let order = if command.defaults_from_order() {
-        let client = deadline.client(&state.pool).await?;
-        match operations::order_currency(&client, &tenant, order_id).await? {
+        let currency = deadline
+            .read(&state.pool, async |client| {
+                operations::order_currency(client, &tenant, order_id).await
+            })
+            .await?;
+        match currency {
             Some(currency) => OrderDefaults::Order { currency },
             None => OrderDefaults::NoOrder,
         }
@@ -316,10 +320,15 @@ async fn get_order(
     request: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let tenant = auth::tenant(&state, &request).await?;
+    let deadline = idempotency::Deadline::start(state.settings.idempotency.request_budget_ms);
+    let tenant = auth::tenant(&state, &request, &deadline).await?;
     let order_id = order_id(&path)?;
-    let client = state.pool.get().await?;
-    match operations::get_order(&client, &tenant, order_id).await? {
+    let order = deadline
+        .read(&state.pool, async |client| {
+            operations::get_order(client, &tenant, order_id).await
+        })
+        .await?;
+    match order {
         Some(order) => Ok(HttpResponse::Ok().json(order)),
         None => Err(RejectedError(Rejection::OrderNotFound).into()),
     }

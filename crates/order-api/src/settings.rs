@@ -98,6 +98,26 @@ impl Settings {
     /// would raise the statements' limit it is meant to lower (`SET LOCAL
     /// statement_timeout` to the budget left plus the backstop); a key TTL
     /// beyond an interval's range fails every POST.
+    /// Settings that work but weaken a guarantee, said at start-up. A key
+    /// retention not longer than the request budget lets a client that
+    /// retries after its timeout find its key expired and run the request
+    /// again (seed 004: the retention must cover the clients' longest retry
+    /// window). Not refused: tests shorten the retention on purpose.
+    pub fn warnings(&self) -> Vec<String> {
+        let i = &self.idempotency;
+        let mut warnings = Vec::new();
+        if i.ttl_seconds.saturating_mul(1000) <= i.request_budget_ms {
+            warnings.push(format!(
+                "idempotency.ttl_seconds ({} s) is not longer than idempotency.request_budget_ms \
+                 ({} ms): a client retrying after its timeout may find its key expired and \
+                 have its request run again; keep the retention above the clients' longest \
+                 retry window",
+                i.ttl_seconds, i.request_budget_ms
+            ));
+        }
+        warnings
+    }
+
     pub fn validate(&self) -> anyhow::Result<()> {
         let i = &self.idempotency;
         anyhow::ensure!(
@@ -187,6 +207,12 @@ mod tests {
         })
         .is_ok());
         assert!(with(|s| s.idempotency.ttl_seconds = 0).is_err());
+        assert!(Settings::default().warnings().is_empty());
+        let mut short = Settings::default();
+        short.idempotency.ttl_seconds = 10;
+        assert_eq!(short.warnings().len(), 1, "10 s against a 10 s budget");
+        short.idempotency.ttl_seconds = 11;
+        assert!(short.warnings().is_empty());
         assert!(with(|s| s.idempotency.ttl_seconds = u64::MAX).is_err());
         assert!(with(|s| s.idempotency.cleanup_batch = 0).is_err());
         assert!(with(|s| s.auth.key_cache_ms = u64::MAX).is_err());

@@ -132,7 +132,7 @@ pub async fn run_periodically(
                 tracing::debug!("another instance is cleaning up");
             }
             Ok(report) => {
-                metrics.cleanup_last_success.set(unix_now());
+                metrics.cleanup_last_success.set(kit::metrics::unix_now());
                 if report.deleted > 0 {
                     tracing::info!(
                         deleted = report.deleted,
@@ -152,11 +152,4 @@ pub async fn run_periodically(
             _ = tokio::time::sleep(Duration::from_millis(settings.interval_ms)) => {}
         }
     }
-}
-
-/// Seconds since the Unix epoch (the convention of `*_timestamp_seconds`).
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
