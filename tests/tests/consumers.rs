@@ -2052,6 +2052,20 @@ async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_
         .wait_metric("consumer_inbox_cleaned_total", "", 3.0)
         .await;
     assert_eq!(inbox_ids(&client, &name).await, vec![recent]);
+    // Its runs complete (ConsumerInboxCleanupStalled reads this), none failed.
+    restarted
+        .wait_metric(
+            "consumer_inbox_cleanup_last_success_timestamp_seconds",
+            "",
+            1.0,
+        )
+        .await;
+    assert_eq!(
+        restarted
+            .metric("consumer_inbox_cleanup_failures_total", "")
+            .await,
+        0.0
+    );
 }
 
 /// An inbox row of `consumer` for `event_id`, processed `days_ago` days ago.

@@ -81,9 +81,18 @@ pub(crate) async fn run(
             next_cleanup = tokio::time::Instant::now() + interval;
             let counted = |deleted| metrics.inbox_cleaned.inc_by(deleted);
             match clean_inbox(&pool, &consumer, retention_hours, batch, counted).await {
-                Ok(0) => {}
-                Ok(deleted) => tracing::info!(deleted, retention_hours, "inbox cleaned"),
-                Err(error) => tracing::warn!(error = format!("{error:#}"), "inbox cleanup failed"),
+                Ok(deleted) => {
+                    metrics
+                        .inbox_cleanup_last_success
+                        .set(kit::metrics::unix_now());
+                    if deleted > 0 {
+                        tracing::info!(deleted, retention_hours, "inbox cleaned");
+                    }
+                }
+                Err(error) => {
+                    metrics.inbox_cleanup_failures.inc();
+                    tracing::warn!(error = format!("{error:#}"), "inbox cleanup failed");
+                }
             }
         }
         match parked_orders(&pool, &consumer).await {

@@ -2,7 +2,7 @@
 //! label of the registry and the `consumer` label = the consumer name).
 
 use kit::metrics::prometheus::{
-    self, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    self, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
 };
 
 #[derive(Clone)]
@@ -30,6 +30,12 @@ pub struct Metrics {
     pub lag_seconds: Histogram,
     /// Inbox rows deleted by cleanup.
     pub inbox_cleaned: IntCounter,
+    /// Inbox cleanup runs that failed (the rows stay until a later run).
+    pub inbox_cleanup_failures: IntCounter,
+    /// When this instance last completed an inbox cleanup run (Unix
+    /// seconds; 0: never): a failing or dead cleanup shows as a value that
+    /// stops moving while the inbox grows (alert ConsumerInboxCleanupStalled).
+    pub inbox_cleanup_last_success: Gauge,
     /// Events of tenants outside `consumer.only_tenants`, acknowledged unapplied.
     pub filtered: IntCounter,
     /// Messages whose acknowledgement has been written to the broker's socket
@@ -131,6 +137,16 @@ impl Metrics {
                 "Inbox rows deleted after the replay horizon",
                 consumer,
             ))?,
+            inbox_cleanup_failures: IntCounter::with_opts(opts(
+                "consumer_inbox_cleanup_failures_total",
+                "Inbox cleanup runs that failed (retried at the next interval)",
+                consumer,
+            ))?,
+            inbox_cleanup_last_success: Gauge::with_opts(opts(
+                "consumer_inbox_cleanup_last_success_timestamp_seconds",
+                "When this instance last completed an inbox cleanup run (0: never)",
+                consumer,
+            ))?,
             filtered: IntCounter::with_opts(opts(
                 "consumer_filtered_total",
                 "Events of other tenants acknowledged without effect (consumer.only_tenants)",
@@ -164,6 +180,8 @@ impl Metrics {
         kit::metrics::register(registry, &metrics.handler_seconds);
         kit::metrics::register(registry, &metrics.lag_seconds);
         kit::metrics::register(registry, &metrics.inbox_cleaned);
+        kit::metrics::register(registry, &metrics.inbox_cleanup_failures);
+        kit::metrics::register(registry, &metrics.inbox_cleanup_last_success);
         kit::metrics::register(registry, &metrics.filtered);
         kit::metrics::register(registry, &metrics.acknowledged);
         kit::metrics::register(registry, &metrics.retried_in_place);
