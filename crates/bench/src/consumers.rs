@@ -217,19 +217,27 @@ async fn raw_with<D: Domain>(
         clients.push(pool.get().await.expect("raw connection"));
     }
     let started = Instant::now();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     for (mut client, share) in clients.into_iter().zip(shares) {
         let (domain, name, pool) = (domain.clone(), name.to_owned(), pool.clone());
+        let done = done.clone();
         tasks.spawn(async move {
             for body in share {
                 // Retried on a new connection if the database went away (other
                 // engineers' fault tests restart it); an event applied before
-                // the failure counts as done.
+                // the failure counts as done. A duplicate without a failure
+                // before it (left-over inbox rows) fails the run: it would
+                // count an event not applied.
                 let mut attempts = 0;
                 while let Err(error) =
                     apply_one(&mut client, pipelined, domain.as_ref(), &name, &body).await
                 {
                     if error.to_string().contains("raw events are new") {
+                        assert!(
+                            attempts > 0,
+                            "raw apply: a duplicate with no failure before it: {error}"
+                        );
                         break;
                     }
                     attempts += 1;
@@ -241,11 +249,27 @@ async fn raw_with<D: Domain>(
                         }
                     }
                 }
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         });
     }
-    while let Some(result) = tasks.join_next().await {
-        result.expect("raw worker");
+    let mut progress = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(5),
+        Duration::from_secs(5),
+    );
+    loop {
+        tokio::select! {
+            result = tasks.join_next() => match result {
+                Some(result) => result.expect("raw worker"),
+                None => break,
+            },
+            _ = progress.tick() => println!(
+                "  raw {name}: {}/{} applied after {:.0?}",
+                done.load(std::sync::atomic::Ordering::Relaxed),
+                bodies.len(),
+                started.elapsed()
+            ),
+        }
     }
     let wall = started.elapsed();
     Apply {

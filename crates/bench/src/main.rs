@@ -519,6 +519,23 @@ async fn check_commit_timestamps(orders: &tokio_postgres::Client) -> anyhow::Res
         "PostgreSQL runs with track_commit_timestamp = {tracked}: the end-to-end latency is \
          measured between commits; `make up` turns it on (scripts/infra-up.sh)"
     );
+    // The end-to-end latency subtracts commit timestamps of different
+    // databases: they must be one server's (one clock), not four.
+    let mut servers = std::collections::BTreeSet::new();
+    for db in Database::ALL {
+        let id: i64 = pg(db)
+            .await
+            .query_one("SELECT system_identifier FROM pg_control_system()", &[])
+            .await?
+            .get(0);
+        servers.insert(id);
+    }
+    anyhow::ensure!(
+        servers.len() == 1,
+        "the four databases are on {} PostgreSQL servers: the end-to-end latency subtracts \
+         commit timestamps of different databases and needs one server's clock",
+        servers.len()
+    );
     Ok(())
 }
 
@@ -856,7 +873,9 @@ async fn raw_half(
     let wal = relay::Wal::read(orders).await?;
     let meter = cpu::Meter::start();
     let recorder = sink.record();
+    sink.arm();
     let mut raw = relay::raw_publish(&connection, messages.clone(), workers, window).await;
+    relay::span_from_first_message(&mut raw, sink, std::time::SystemTime::now());
     let delivered = sink
         .wait_delivered(before + messages.len() as u64, RAW_DELIVERY_DEADLINE)
         .await;
@@ -899,6 +918,7 @@ async fn drain(
     let meter = cpu::Meter::start();
     let before = sink.delivered();
     let recorder = sink.record();
+    sink.arm();
     let started = start_relays(system, relays).await;
     let total = u64::try_from(backlog).unwrap_or(0);
     let drain = relay::measure_drain(
@@ -1457,6 +1477,7 @@ async fn backlog_drain(bench: &mut Bench, settings: &Settings) -> anyhow::Result
     println!("  backlog: {backlog} events, {per_order} per synthetic order");
     let sink = relay::Sink::bind(&system.exchange).await;
     phase("backlog: one relay draining; a sample every 2 s");
+    sink.arm();
     let started = start_relays(&system, 1).await;
     let measured = guarded(async {
         let samples = sample_backlog(orders, &system.tenant, started, &sink, backlog).await?;
