@@ -5,11 +5,11 @@
 
 use std::{
     collections::HashMap,
-    time::SystemTime,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
+    time::SystemTime,
     time::{Duration, Instant},
 };
 

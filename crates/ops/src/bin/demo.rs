@@ -70,6 +70,43 @@ impl Demo {
     }
 }
 
+/// A journal line: (account, debit, credit).
+type SeedLine = (&'static str, &'static str, &'static str);
+
+/// An entry as the demo compares it: its event and its lines.
+type Posting = (String, Vec<(String, String, String)>);
+
+/// Seed 003's journal of the order: per entry, its event and its lines
+/// (account, debit, credit) in the ledger's order.
+const SEED_JOURNAL: [(&str, &[SeedLine]); 2] = [
+    (
+        "PaymentReceived",
+        &[
+            ("clearing:card", "93.00", "0.00"),
+            ("customer_deposits", "0.00", "93.00"),
+        ],
+    ),
+    (
+        "ParcelDelivered",
+        &[
+            ("customer_deposits", "93.00", "0.00"),
+            ("sales", "0.00", "80.00"),
+            ("shipping_income", "0.00", "5.00"),
+            ("tax_payable", "0.00", "8.00"),
+            ("cogs", "44.00", "0.00"),
+            ("inventory", "0.00", "44.00"),
+        ],
+    ),
+];
+
+/// Seed 003's stock movements of JKT-M at WH-1: (type, qty, on-hand delta,
+/// reserved delta).
+const SEED_MOVEMENTS: [(&str, i64, i64, i64); 3] = [
+    ("receipt", 48, 48, 0),
+    ("reserve", 2, 0, 2),
+    ("sale", -2, -2, -2),
+];
+
 fn s(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
@@ -266,31 +303,76 @@ async fn main() -> anyhow::Result<()> {
             s(&e["event_id"])
         );
     }
-    // The seed's numbers, not only their count: a wrong amount fails the
-    // demo (exit 1) after printing what it found.
-    let totals: Vec<(String, String, String)> = journal["entries"]
+    // The seed's rows, not only their totals: a wrong posting, movement or
+    // award fails the demo (exit 1) after printing what it found.
+    let postings: Vec<Posting> = journal["entries"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            let lines = e["lines"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|l| (s(&l["account_code"]), s(&l["debit"]), s(&l["credit"])))
+                .collect();
+            (s(&e["event_type"]), lines)
+        })
+        .collect();
+    let seed_postings: Vec<Posting> = SEED_JOURNAL
+        .iter()
+        .map(|(event, lines)| {
+            let lines = lines
+                .iter()
+                .map(|(a, d, c)| ((*a).to_owned(), (*d).to_owned(), (*c).to_owned()))
+                .collect();
+            ((*event).to_owned(), lines)
+        })
+        .collect();
+    if postings != seed_postings {
+        bail!("the journal differs from seed 003's: {postings:?}, expected {seed_postings:?}");
+    }
+    let movements: Vec<(String, i64, i64, i64)> = stock["movements"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| {
+            (
+                s(&m["movement_type"]),
+                m["qty"].as_i64().unwrap_or_default(),
+                m["on_hand_delta"].as_i64().unwrap_or_default(),
+                m["reserved_delta"].as_i64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let seed_movements: Vec<(String, i64, i64, i64)> = SEED_MOVEMENTS
+        .iter()
+        .map(|(kind, qty, on_hand, reserved)| ((*kind).to_owned(), *qty, *on_hand, *reserved))
+        .collect();
+    if movements != seed_movements {
+        bail!("the stock movements differ from seed 003's: {movements:?}, expected {seed_movements:?}");
+    }
+    let level = (&stock["on_hand"], &stock["reserved"], &stock["available"]);
+    if level != (&json!(46), &json!(0), &json!(46)) {
+        bail!("stock level {level:?} instead of seed 003's on hand 46, reserved 0, available 46");
+    }
+    let awards: Vec<(i64, String, String)> = loyalty["entries"]
         .as_array()
         .into_iter()
         .flatten()
         .map(|e| {
             (
+                e["points"].as_i64().unwrap_or_default(),
+                s(&e["order_id"]),
                 s(&e["event_type"]),
-                s(&e["total_debit"]),
-                s(&e["total_credit"]),
             )
         })
         .collect();
-    let seed = [("PaymentReceived", "93.00"), ("ParcelDelivered", "137.00")]
-        .map(|(event, total)| (event.to_owned(), total.to_owned(), total.to_owned()));
-    if totals != seed {
+    let seed_award = vec![(80, order_id.clone(), "ParcelDelivered".to_owned())];
+    if awards != seed_award || loyalty["balance"] != 80 {
         bail!(
-            "the journal differs from seed 003's (93.00 = 93.00, then 137.00 = 137.00): {totals:?}"
-        );
-    }
-    if stock["available"] != 46 {
-        bail!(
-            "available stock {} instead of seed 003's 46",
-            stock["available"]
+            "loyalty differs from seed 003's (80 points for the delivered order): balance {}, entries {awards:?}",
+            loyalty["balance"]
         );
     }
     println!("\n== story complete (tenant {tenant}): the seed's rows; `make drift` checks all four databases");
