@@ -2072,8 +2072,8 @@ async fn a_crash_during_the_inbox_cleanup_rolls_back_one_batch_and_the_next_run_
 async fn inbox_row(client: &tokio_postgres::Client, consumer: &str, event_id: Uuid, days_ago: i32) {
     client
         .execute(
-            "INSERT INTO processed_events (consumer_name, event_id, processed_at) \
-             VALUES ($1, $2, now() - make_interval(days => $3))",
+            "INSERT INTO processed_events (consumer_name, event_id, tenant_id, processed_at) \
+             VALUES ($1, $2, 'cleanup', now() - make_interval(days => $3))",
             &[&consumer, &event_id, &days_ago],
         )
         .await

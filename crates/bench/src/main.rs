@@ -519,6 +519,25 @@ async fn check_commit_timestamps(orders: &tokio_postgres::Client) -> anyhow::Res
         "PostgreSQL runs with track_commit_timestamp = {tracked}: the end-to-end latency is \
          measured between commits; `make up` turns it on (scripts/infra-up.sh)"
     );
+    // The relay phase's spans subtract PostgreSQL's `now()` from the
+    // bench's clock: one host's clock (within 50 ms of a round trip).
+    let before = std::time::SystemTime::now();
+    let server: f64 = orders
+        .query_one("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8", &[])
+        .await?
+        .get(0);
+    let after = std::time::SystemTime::now();
+    let epoch = |at: std::time::SystemTime| {
+        at.duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    };
+    anyhow::ensure!(
+        server >= epoch(before) - 0.05 && server <= epoch(after) + 0.05,
+        "PostgreSQL's clock ({server}) is not the bench's ({} to {}): the relay phase's \
+         spans need one host's clock",
+        epoch(before),
+        epoch(after)
+    );
     // The end-to-end latency subtracts commit timestamps of different
     // databases: they must be one server's (one clock), not four.
     let mut servers = std::collections::BTreeSet::new();
@@ -875,7 +894,7 @@ async fn raw_half(
     let recorder = sink.record();
     sink.arm();
     let mut raw = relay::raw_publish(&connection, messages.clone(), workers, window).await;
-    relay::span_from_first_message(&mut raw, sink, std::time::SystemTime::now());
+    relay::span_from_first_message(&mut raw, sink)?;
     let delivered = sink
         .wait_delivered(before + messages.len() as u64, RAW_DELIVERY_DEADLINE)
         .await;

@@ -43,6 +43,9 @@ pub struct Drain {
     pub per_second: f64,
     /// Messages the sink received in each second of the run (for the chart).
     pub timeline: Vec<u64>,
+    /// The raw loop's last confirm (the end of its span).
+    #[serde(skip)]
+    pub last_confirm: Option<SystemTime>,
 }
 
 impl Drain {
@@ -59,6 +62,7 @@ impl Drain {
             span_seconds,
             per_second: crate::stats::rate(events, Duration::from_secs_f64(span_seconds)),
             timeline: self.timeline,
+            last_confirm: next.last_confirm,
         }
     }
 }
@@ -563,6 +567,7 @@ pub async fn measure_drain(
         span_seconds: span,
         per_second: events as f64 / span,
         timeline: Vec::new(),
+        last_confirm: None,
     })
 }
 
@@ -573,15 +578,22 @@ fn unix_micros(at: SystemTime) -> u64 {
 }
 
 /// The raw loop's span on the relay's terms: from the sink's first message
-/// to `ended` (the last confirm), its rate the events over it.
-pub fn span_from_first_message(raw: &mut Drain, sink: &Sink, ended: SystemTime) {
-    if let Some(first) = sink.first_since_armed() {
-        let span = unix_micros(ended) as f64 / 1e6 - first;
-        if span > 0.0 {
-            raw.span_seconds = span;
-            raw.per_second = raw.events as f64 / span;
-        }
-    }
+/// to its last confirm, its rate the events over it.
+pub fn span_from_first_message(raw: &mut Drain, sink: &Sink) -> anyhow::Result<()> {
+    let first = sink
+        .first_since_armed()
+        .ok_or_else(|| anyhow::anyhow!("raw loop: the sink received nothing"))?;
+    let last = raw
+        .last_confirm
+        .ok_or_else(|| anyhow::anyhow!("raw loop: no confirm recorded"))?;
+    let span = unix_micros(last) as f64 / 1e6 - first;
+    anyhow::ensure!(
+        span > 0.0,
+        "raw loop: the last confirm precedes the sink's first message"
+    );
+    raw.span_seconds = span;
+    raw.per_second = raw.events as f64 / span;
+    Ok(())
 }
 
 /// The tenant's rows as the relay claims them.
@@ -663,11 +675,15 @@ pub async fn raw_publish(
                     .await
                     .expect("a window published and confirmed within 60 s");
             }
+            let last_confirm = SystemTime::now();
             let _ = channel.close(200, "done".into()).await;
+            last_confirm
         });
     }
+    let mut last_confirm = None;
     while let Some(result) = tasks.join_next().await {
-        result.expect("publisher task");
+        let at = result.expect("publisher task");
+        last_confirm = last_confirm.max(Some(at));
     }
     let wall = started.elapsed();
     Drain {
@@ -676,6 +692,7 @@ pub async fn raw_publish(
         span_seconds: wall.as_secs_f64(),
         per_second: rate(messages.len() as u64, wall),
         timeline: Vec::new(),
+        last_confirm,
     }
 }
 

@@ -18,11 +18,14 @@ DELETE FROM idempotency_requests
 
 /// Delete every expired key now, batch by batch, until none is left or
 /// `stop` is cancelled (checked between batches: a large backlog of expired
-/// keys does not hold up a shutdown); returns how many.
+/// keys does not hold up a shutdown); `deleted_batch` is told each batch's
+/// count as it commits (a long run shows as rows deleted, not as a stall;
+/// also when a later batch fails). Returns how many.
 pub async fn delete_expired(
     pool: &Pool,
     batch: i64,
     stop: &CancellationToken,
+    mut deleted_batch: impl FnMut(u64),
 ) -> Result<u64, crate::error::ApiError> {
     let mut total = 0;
     loop {
@@ -32,6 +35,7 @@ pub async fn delete_expired(
         let client = pool.get().await?;
         let statement = client.prepare_cached(DELETE_EXPIRED).await?;
         let deleted = client.execute(&statement, &[&batch]).await?;
+        deleted_batch(deleted);
         total += deleted;
         if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
             return Ok(total);
@@ -68,11 +72,17 @@ pub async fn run(
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tick.tick() => match delete_expired(&pool, batch, &shutdown).await {
+                _ = tick.tick() => match delete_expired(
+                    &pool,
+                    batch,
+                    &shutdown,
+                    |deleted| metrics.expired_deleted.inc_by(deleted),
+                )
+                .await
+                {
                     Ok(deleted) => {
                         metrics.cleanup_last_success.set(kit::metrics::unix_now());
                         if deleted > 0 {
-                            metrics.expired_deleted.inc_by(deleted);
                             tracing::info!(deleted, "expired idempotency keys deleted");
                         }
                     }

@@ -67,6 +67,7 @@ pub async fn main() -> anyhow::Result<()> {
                     &pool,
                     settings.idempotency.cleanup_batch.max(1),
                     &shutdown,
+                    |_| {},
                 )
                 .await?;
                 println!("{deleted} expired idempotency key(s) deleted");

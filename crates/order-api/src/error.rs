@@ -301,7 +301,7 @@ impl ApiError {
             .detail(format!(
                 "the request took longer than {budget_ms} ms from its start (reading it, \
                  waiting for a connection, the database work); nothing was stored; \
-                 retry with the same key"
+                 retry (a POST with the same key)"
             ))
             .retry_after(1),
             Self::Rejected(RejectedError(rejection)) => rejection.problem(),

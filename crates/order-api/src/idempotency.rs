@@ -232,25 +232,42 @@ impl Deadline {
     /// A read before the request's transaction (the caller's key, an
     /// order's currency, a GET's order) on a pooled connection, within the
     /// budget as the transaction is: the pool's wait and the statements end
-    /// at the deadline (the statement then running is cancelled, and its
-    /// connection closed, not pooled: [`Self::bound`]), answered 503
-    /// `deadline_exceeded`. Without it such a read waited on a lock up to
-    /// `lock_timeout` and `statement_timeout`, past the budget the client
-    /// was promised an answer within.
+    /// at the deadline (the statement then running is cancelled:
+    /// [`Self::bound`]), answered 503 `deadline_exceeded`. Without it such a
+    /// read waited on a lock up to `lock_timeout` and `statement_timeout`,
+    /// past the budget the client was promised an answer within. Should the
+    /// cancel not reach the server, the read is given up
+    /// [`SERVER_BACKSTOP_MS`] after the deadline (the transaction's backstop
+    /// is the server's `statement_timeout`; a read has none). A connection
+    /// a cancel may still reach is closed, not pooled: after a cancel, after
+    /// giving up, and when the request itself is dropped mid-read.
     pub async fn read<T>(
         &self,
         pool: &deadpool_postgres::Pool,
         work: impl AsyncFnOnce(&deadpool_postgres::Client) -> Result<T, ApiError>,
     ) -> Result<T, ApiError> {
-        let client = self.client(pool).await?;
-        let (outcome, cancelled) = self.bound(&client.cancel_token(), work(&client)).await;
-        if cancelled {
-            discard(client);
-            if let Err(ApiError::Database(_)) = outcome {
-                return Err(self.exceeded());
-            }
+        if self.passed() {
+            return Err(self.exceeded());
         }
-        outcome
+        let mut held = Held(Some(self.client(pool).await?));
+        let Some(client) = held.0.as_ref() else {
+            return Err(self.exceeded());
+        };
+        let backstop = self.at + Duration::from_millis(SERVER_BACKSTOP_MS);
+        let cancel = client.cancel_token();
+        let bounded = self.bound(&cancel, work(client));
+        let Ok((outcome, cancelled)) = tokio::time::timeout_at(backstop, bounded).await else {
+            // `held` discards the connection.
+            return Err(self.exceeded());
+        };
+        if !cancelled {
+            // Back to the pool: no cancel was sent to its session.
+            drop(held.0.take());
+        }
+        match outcome {
+            Err(ApiError::Database(_)) if cancelled => Err(self.exceeded()),
+            outcome => outcome,
+        }
     }
 
     /// `work` (the transaction's statements), ended at the deadline: the
@@ -285,6 +302,18 @@ impl Deadline {
                 done = &mut work => return (done, true),
                 () = cancel_then_pause => {}
             }
+        }
+    }
+}
+
+/// A connection that is closed, not pooled, when dropped unless taken out
+/// first ([`Deadline::read`]).
+struct Held(Option<deadpool_postgres::Client>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            discard(client);
         }
     }
 }

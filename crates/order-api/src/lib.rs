@@ -94,12 +94,12 @@ pub struct Application {
 
 impl Application {
     pub async fn build(settings: Settings, shutdown: &CancellationToken) -> anyhow::Result<Self> {
-        // Migrations, health and the key cleanup: a small pool of their own,
-        // so the process holds at most `database.pool_size` (the workers')
-        // plus these connections.
         for warning in settings.warnings() {
             tracing::warn!("{warning}");
         }
+        // Migrations, health and the key cleanup: a small pool of their own,
+        // so the process holds at most `database.pool_size` (the workers')
+        // plus these connections.
         let shared_pool = pool_of_size(&settings, SHARED_POOL_SIZE)?;
         kit::db::wait_until_ready(&shared_pool, shutdown).await?;
         kit::migrations::run(&shared_pool, Database::Orders).await?;

@@ -88,16 +88,6 @@ impl Settings {
         Ok(settings)
     }
 
-    /// Refuse values that would change what a setting means or fail every
-    /// request later: `lock_timeout = 0` is *no* timeout in PostgreSQL (a
-    /// waiting request would sit until `statement_timeout`), and so is in
-    /// effect one at or above the sessions' `statement_timeout` (the wait
-    /// ends as a cancelled statement, a 503, not 409
-    /// `idempotency_in_progress`); a request budget of 0 would answer every
-    /// POST 503, and one that with its backstop passes `statement_timeout`
-    /// would raise the statements' limit it is meant to lower (`SET LOCAL
-    /// statement_timeout` to the budget left plus the backstop); a key TTL
-    /// beyond an interval's range fails every POST.
     /// Settings that work but weaken a guarantee, said at start-up. A key
     /// retention not longer than the request budget lets a client that
     /// retries after its timeout find its key expired and run the request
@@ -118,6 +108,16 @@ impl Settings {
         warnings
     }
 
+    /// Refuse values that would change what a setting means or fail every
+    /// request later: `lock_timeout = 0` is *no* timeout in PostgreSQL (a
+    /// waiting request would sit until `statement_timeout`), and so is in
+    /// effect one at or above the sessions' `statement_timeout` (the wait
+    /// ends as a cancelled statement, a 503, not 409
+    /// `idempotency_in_progress`); a request budget of 0 would answer every
+    /// POST 503, and one that with its backstop passes `statement_timeout`
+    /// would raise the statements' limit it is meant to lower (`SET LOCAL
+    /// statement_timeout` to the budget left plus the backstop); a key TTL
+    /// beyond an interval's range fails every POST.
     pub fn validate(&self) -> anyhow::Result<()> {
         let i = &self.idempotency;
         anyhow::ensure!(
