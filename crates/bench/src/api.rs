@@ -50,8 +50,7 @@ pub struct Load {
     pub seconds: f64,
     pub per_second: f64,
     pub latency: Latency,
-    /// Completions per whole second of the run (for the chart).
-    #[serde(skip)]
+    /// Requests started in each whole second of the run (for the chart).
     pub timeline: Vec<u64>,
 }
 

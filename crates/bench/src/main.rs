@@ -122,7 +122,6 @@ pub struct Results {
     /// Peak RSS (KiB) per service binary, over every process of the run.
     pub peak_rss_kib: BTreeMap<String, u64>,
     /// (second, orders, p50 ms, max ms) of the end-to-end run.
-    #[serde(skip)]
     pub e2e_timeline: Vec<(f64, f64, f64, f64)>,
 }
 

@@ -105,6 +105,95 @@ fn verdict(ok: bool) -> &'static str {
     }
 }
 
+/// The issue's targets.
+const API_TARGET_PCT: f64 = 85.0;
+const RELAY_TARGET_PCT: f64 = 80.0;
+const CONSUMER_TARGET_PCT: f64 = 80.0;
+const E2E_P50_MS: f64 = 20.0;
+const E2E_P99_MS: f64 = 100.0;
+
+/// The peak RSS limit of `service` in MiB.
+fn rss_limit_mib(service: &str) -> u32 {
+    if service == "order-api" {
+        128
+    } else {
+        64
+    }
+}
+
+/// One target and whether the run met it (`verdicts` in latest.json: the
+/// table's last column, readable without the markdown).
+#[derive(Debug, Serialize)]
+pub struct Verdict {
+    pub stage: String,
+    pub value: f64,
+    pub unit: &'static str,
+    pub target: String,
+    pub met: bool,
+}
+
+pub fn verdicts(r: &Results) -> Vec<Verdict> {
+    let mut out = Vec::new();
+    let api = ratio(r.api.per_second, r.api_raw.per_second);
+    out.push(Verdict {
+        stage: "API".into(),
+        value: api,
+        unit: "% of raw",
+        target: format!(">= {API_TARGET_PCT} %, no errors"),
+        met: api >= API_TARGET_PCT && r.api.errors == 0 && r.api_raw.errors == 0,
+    });
+    for (label, drain) in [
+        ("relay, 1 relay", &r.relay_one),
+        ("relay, 2 relays", &r.relay_two),
+    ] {
+        let q = ratio(drain.per_second, r.relay_raw.per_second);
+        out.push(Verdict {
+            stage: label.into(),
+            value: q,
+            unit: "% of raw",
+            target: format!(">= {RELAY_TARGET_PCT} %"),
+            met: q >= RELAY_TARGET_PCT,
+        });
+    }
+    for (name, (applied, raw, _)) in &r.consumers {
+        let q = ratio(applied.per_second, raw.per_second);
+        out.push(Verdict {
+            stage: format!("consumer {name}"),
+            value: q,
+            unit: "% of raw",
+            target: format!(">= {CONSUMER_TARGET_PCT} %"),
+            met: q >= CONSUMER_TARGET_PCT,
+        });
+    }
+    let e2e_ok = r.e2e.count > 0 && r.e2e_orders.errors == 0;
+    out.push(Verdict {
+        stage: "end to end p50".into(),
+        value: r.e2e.p50_ms,
+        unit: "ms",
+        target: format!("< {E2E_P50_MS} ms, no failed order"),
+        met: e2e_ok && r.e2e.p50_ms < E2E_P50_MS,
+    });
+    out.push(Verdict {
+        stage: "end to end p99".into(),
+        value: r.e2e.p99_ms,
+        unit: "ms",
+        target: format!("< {E2E_P99_MS} ms, no failed order"),
+        met: e2e_ok && r.e2e.p99_ms < E2E_P99_MS,
+    });
+    for (service, kib) in &r.peak_rss_kib {
+        let mib = *kib as f64 / 1024.0;
+        let limit = rss_limit_mib(service);
+        out.push(Verdict {
+            stage: format!("peak RSS {service}"),
+            value: mib,
+            unit: "MiB",
+            target: format!("< {limit} MiB"),
+            met: mib < f64::from(limit),
+        });
+    }
+    out
+}
+
 /// The markdown table of a run.
 /// "  <label>: 1234/s against 1500/s raw: 82 %" (the single-phase modes).
 pub fn print_ratio(label: &str, measured: f64, raw: f64) {
@@ -140,7 +229,7 @@ pub fn table(r: &Results) -> String {
         r.settings.as_ref().map_or(0, |s| s.concurrency),
         r.api.per_second, r.api.latency.p50_ms, r.api.latency.p99_ms, r.api.errors,
         r.api_raw.per_second, r.api_raw.latency.p50_ms, r.api_raw.latency.p99_ms, r.api_raw.errors,
-        api_ratio, verdict(api_ratio >= 85.0 && r.api.errors == 0 && r.api_raw.errors == 0)
+        api_ratio, verdict(api_ratio >= API_TARGET_PCT && r.api.errors == 0 && r.api_raw.errors == 0)
     );
     for (label, drain) in [("1 relay", &r.relay_one), ("2 relays", &r.relay_two)] {
         let q = ratio(drain.per_second, r.relay_raw.per_second);
@@ -148,7 +237,7 @@ pub fn table(r: &Results) -> String {
             md,
             "| Relay drain, {label} ({} events) | {:.0} events/s (wall {:.1} s) | {:.0} msg/s confirm-publish ({} channels × {} in flight) | {:.1} % | ≥ 80 % | {} |",
             drain.events, drain.per_second, drain.wall_seconds, r.relay_raw.per_second,
-            r.relay_workers, r.relay_window, q, verdict(q >= 80.0)
+            r.relay_workers, r.relay_window, q, verdict(q >= RELAY_TARGET_PCT)
         );
     }
     for (name, (applied, raw, unprepared)) in &r.consumers {
@@ -156,7 +245,7 @@ pub fn table(r: &Results) -> String {
         let _ = writeln!(
             md,
             "| {name} apply ({} events, {} partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect ({:.0} tx/s with them one at a time as text, as before) | {:.1} % | ≥ 80 % | {} |",
-            applied.events, r.consumer_partitions, applied.per_second, raw.per_second, unprepared.per_second, q, verdict(q >= 80.0)
+            applied.events, r.consumer_partitions, applied.per_second, raw.per_second, unprepared.per_second, q, verdict(q >= CONSUMER_TARGET_PCT)
         );
     }
     let _ = writeln!(
@@ -174,12 +263,12 @@ pub fn table(r: &Results) -> String {
         verdict(
             r.e2e.count > 0
                 && r.e2e_orders.errors == 0
-                && r.e2e.p50_ms < 20.0
-                && r.e2e.p99_ms < 100.0
+                && r.e2e.p50_ms < E2E_P50_MS
+                && r.e2e.p99_ms < E2E_P99_MS
         )
     );
     for (service, kib) in &r.peak_rss_kib {
-        let limit = if service == "order-api" { 128 } else { 64 };
+        let limit = rss_limit_mib(service);
         let mib = *kib as f64 / 1024.0;
         let _ = writeln!(
             md,
@@ -326,7 +415,11 @@ const END: &str = "<!-- bench:results:end -->";
 /// Write `latest.json`, `latest.md`, `latest.svg` under `out` (and a copy
 /// under `out/runs/<date>/`), and splice the table into BENCHMARKS.md.
 pub fn write(out: &str, r: &Results) -> anyhow::Result<()> {
-    let json = serde_json::to_string_pretty(r)?;
+    let mut value = serde_json::to_value(r)?;
+    if let Some(fields) = value.as_object_mut() {
+        fields.insert("verdicts".into(), serde_json::to_value(verdicts(r))?);
+    }
+    let json = serde_json::to_string_pretty(&value)?;
     let md = table(r);
     let svg = chart_of(r);
     let stamp = r.date.replace([' ', ':'], "-");
@@ -520,6 +613,38 @@ pub fn write_backlog(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn verdicts_apply_the_issue_s_targets() {
+        let mut r = Results::default();
+        r.api.per_second = 85.0;
+        r.api_raw.per_second = 100.0;
+        r.relay_one.per_second = 79.9;
+        r.relay_two.per_second = 80.0;
+        r.relay_raw.per_second = 100.0;
+        r.e2e.count = 10;
+        r.e2e.p50_ms = 19.9;
+        r.e2e.p99_ms = 100.0;
+        r.peak_rss_kib.insert("order-api".into(), 100 * 1024);
+        r.peak_rss_kib.insert("outbox-relay".into(), 64 * 1024);
+        let met: Vec<(String, bool)> = verdicts(&r)
+            .into_iter()
+            .map(|v| (v.stage, v.met))
+            .collect();
+        let expected = [
+            ("API", true),
+            ("relay, 1 relay", false),
+            ("relay, 2 relays", true),
+            ("end to end p50", true),
+            ("end to end p99", false),
+            ("peak RSS order-api", true),
+            ("peak RSS outbox-relay", false),
+        ]
+        .map(|(stage, met)| (stage.to_owned(), met));
+        assert_eq!(met, expected);
+        r.api.errors = 1;
+        assert!(!verdicts(&r)[0].met, "an error fails the API target");
+    }
 
     fn samples(claim: &[f64], dead: &[i64]) -> Vec<BacklogSample> {
         claim
