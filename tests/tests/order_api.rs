@@ -767,14 +767,38 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
             .send()
     };
     assert_eq!(get().await.expect("get").status(), StatusCode::NOT_FOUND);
+    let observer = database.connect().await;
     for table in ["api_keys", "orders"] {
         let mut db = database.connect().await;
         let tx = db.transaction().await.expect("begin");
         tx.batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
             .await
             .expect("lock");
+        let holder: i32 = tx
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pid")
+            .get(0);
+        let blocked = async {
+            eventually(
+                "the read's backend waiting on the lock",
+                Duration::from_secs(30),
+                || async {
+                    observer
+                        .query_opt(
+                            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                            &[&holder],
+                        )
+                        .await
+                        .expect("pg_stat_activity")
+                        .map(|row| row.get::<_, i32>(0))
+                },
+            )
+            .await
+        };
         let started = std::time::Instant::now();
-        let response = get().await.expect("get");
+        let (response, blocked) = tokio::join!(get(), blocked);
+        let response = response.expect("get");
         let waited = started.elapsed();
         expect_problem(
             response,
@@ -786,6 +810,21 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
             waited < Duration::from_secs(15),
             "{table}: answered after {waited:?}, as if lock_timeout (20 s) had ended the wait"
         );
+        // The cancelled read's connection is closed, not pooled (its
+        // backend ends while the lock is still held).
+        eventually(
+            "the cancelled read's connection closed",
+            Duration::from_secs(30),
+            || async {
+                observer
+                    .query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&blocked])
+                    .await
+                    .expect("pg_stat_activity")
+                    .is_none()
+                    .then_some(())
+            },
+        )
+        .await;
         tx.rollback().await.expect("rollback");
         assert_eq!(
             get().await.expect("get").status(),

@@ -627,10 +627,7 @@ mod tests {
         r.e2e.p99_ms = 100.0;
         r.peak_rss_kib.insert("order-api".into(), 100 * 1024);
         r.peak_rss_kib.insert("outbox-relay".into(), 64 * 1024);
-        let met: Vec<(String, bool)> = verdicts(&r)
-            .into_iter()
-            .map(|v| (v.stage, v.met))
-            .collect();
+        let met: Vec<(String, bool)> = verdicts(&r).into_iter().map(|v| (v.stage, v.met)).collect();
         let expected = [
             ("API", true),
             ("relay, 1 relay", false),

@@ -17,7 +17,7 @@
 use std::{
     collections::BTreeMap,
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc, Mutex,
     },
     time::{Duration, Instant},
@@ -249,21 +249,23 @@ impl Deadline {
         if self.passed() {
             return Err(self.exceeded());
         }
-        let mut held = Held(Some(self.client(pool).await?));
-        let Some(client) = held.0.as_ref() else {
+        let cancel_sent = AtomicBool::new(false);
+        let held = Held {
+            client: Some(self.client(pool).await?),
+            cancel_sent: &cancel_sent,
+        };
+        let Some(client) = held.client.as_ref() else {
             return Err(self.exceeded());
         };
         let backstop = self.at + Duration::from_millis(SERVER_BACKSTOP_MS);
         let cancel = client.cancel_token();
-        let bounded = self.bound(&cancel, work(client));
+        let bounded = self.bound(&cancel, &cancel_sent, work(client));
         let Ok((outcome, cancelled)) = tokio::time::timeout_at(backstop, bounded).await else {
-            // `held` discards the connection.
+            // Given up with the statement maybe still running: `held` closes
+            // the connection.
+            cancel_sent.store(true, Ordering::Relaxed);
             return Err(self.exceeded());
         };
-        if !cancelled {
-            // Back to the pool: no cancel was sent to its session.
-            drop(held.0.take());
-        }
         match outcome {
             Err(ApiError::Database(_)) if cancelled => Err(self.exceeded()),
             outcome => outcome,
@@ -280,17 +282,21 @@ impl Deadline {
     /// the session
     /// asynchronously (tokio-postgres does not wait for the server to act on
     /// it), so it may still reach the session after `work` returned, and
-    /// that connection must not serve another request (the caller discards
-    /// it: [`discard`]).
+    /// that connection must not serve another request: `cancel_sent` is set
+    /// before the first cancel, and the caller's [`Held`] then closes it.
     async fn bound<T>(
         &self,
         cancel: &tokio_postgres::CancelToken,
+        cancel_sent: &AtomicBool,
         work: impl std::future::Future<Output = Result<T, ApiError>>,
     ) -> (Result<T, ApiError>, bool) {
         tokio::pin!(work);
         if let Ok(done) = tokio::time::timeout_at(self.at, &mut work).await {
             return (done, false);
         }
+        // From here on the connection must not go back to the pool, also
+        // when the request is dropped before `work` returns ([`Held`]).
+        cancel_sent.store(true, Ordering::Relaxed);
         loop {
             let cancel_then_pause = async {
                 if let Err(error) = cancel.cancel_query(tokio_postgres::NoTls).await {
@@ -306,14 +312,22 @@ impl Deadline {
     }
 }
 
-/// A connection that is closed, not pooled, when dropped unless taken out
-/// first ([`Deadline::read`]).
-struct Held(Option<deadpool_postgres::Client>);
+/// A pooled connection that is closed, not returned to the pool, when
+/// dropped after a cancel was sent to its session ([`Deadline::bound`] sets
+/// `cancel_sent`): a cancel reaches its session asynchronously and would
+/// end another request's statement. So also when the request itself is
+/// dropped (its client gone) while the cancel is under way.
+struct Held<'a> {
+    client: Option<deadpool_postgres::Client>,
+    cancel_sent: &'a AtomicBool,
+}
 
-impl Drop for Held {
+impl Drop for Held<'_> {
     fn drop(&mut self) {
-        if let Some(client) = self.0.take() {
-            discard(client);
+        if let Some(client) = self.client.take() {
+            if self.cancel_sent.load(Ordering::Relaxed) {
+                discard(client);
+            }
         }
     }
 }
@@ -354,7 +368,14 @@ pub async fn execute(
     let key_hash = &key_hash.as_str()[..16];
     let ttl = i64::try_from(state.settings.idempotency.ttl_seconds).unwrap_or(i64::MAX);
 
-    let mut client = deadline.client(&state.pool).await?;
+    let cancel_sent = AtomicBool::new(false);
+    let mut held = Held {
+        client: Some(deadline.client(&state.pool).await?),
+        cancel_sent: &cancel_sent,
+    };
+    let Some(client) = held.client.as_mut() else {
+        return Err(deadline.exceeded());
+    };
     let tx = client.transaction().await?;
     let in_progress = |why: &'static str| {
         metrics.in_progress.with_label_values(&[endpoint]).inc();
@@ -538,12 +559,11 @@ pub async fn execute(
         }
         Ok(Step::Owner(stored, in_flight))
     };
-    let (outcome, cancelled) = deadline.bound(&tx.cancel_token(), work).await;
+    let (outcome, cancelled) = deadline.bound(&tx.cancel_token(), &cancel_sent, work).await;
     if cancelled {
         // Past the deadline: nothing is committed, and the connection, which
-        // a late cancel may still reach, is closed, not pooled.
+        // a late cancel may still reach, is closed, not pooled (`held`).
         drop(tx);
-        discard(client);
         return match outcome {
             Ok(Step::Answer(response)) => Ok(response),
             Ok(Step::Owner(..)) => {
