@@ -1551,8 +1551,13 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
         "nothing of the quarantined order went out"
     );
     let deadline = Instant::now() + Duration::from_secs(60);
-    while relay.metric("outbox_quarantined_events").await < 1 {
-        assert!(Instant::now() < deadline, "quarantine gauge");
+    while relay.metric("outbox_quarantined_events").await < 1
+        || relay
+            .metric_of("outbox_oldest_quarantined_age_seconds", "")
+            .await
+            <= 0.0
+    {
+        assert!(Instant::now() < deadline, "quarantine gauges");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(relay.metric("outbox_returned_total").await >= 5);
@@ -1566,6 +1571,16 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
     assert!(output.contains("released 1 event(s)"), "{output}");
     assert!(output.contains("2 later event(s)"), "{output}");
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while relay.metric("outbox_quarantined_events").await > 0
+        || relay
+            .metric_of("outbox_oldest_quarantined_age_seconds", "")
+            .await
+            > 0.0
+    {
+        assert!(Instant::now() < deadline, "quarantine gauges back to 0");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     collector
         .wait_distinct(others.len() + later.len() + 3, Duration::from_secs(30))
         .await;

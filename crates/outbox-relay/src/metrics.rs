@@ -13,6 +13,8 @@ pub struct Metrics {
     pub pending: IntGauge,
     /// Age of the oldest pending row (seconds since `occurred_at`).
     pub oldest_pending_age: Gauge,
+    /// How long the oldest quarantined row has been held (0: none).
+    pub oldest_quarantined_age: Gauge,
     /// Quarantined rows (each also holds back its order's later events).
     pub quarantined: IntGauge,
     /// `pg_total_relation_size('outbox_events')`.
@@ -87,6 +89,12 @@ impl Metrics {
         ))
         .expect("valid gauge");
         kit::metrics::register(registry, &oldest_pending_age);
+        let oldest_quarantined_age = Gauge::with_opts(opts(
+            "outbox_oldest_quarantined_age_seconds",
+            "How long the oldest quarantined outbox row has held its order (0: none)",
+        ))
+        .expect("valid gauge");
+        kit::metrics::register(registry, &oldest_quarantined_age);
         let failures = IntCounterVec::new(
             opts(
                 "outbox_publish_failures_total",
@@ -129,6 +137,7 @@ impl Metrics {
                 "Unpublished, not quarantined outbox rows",
             ),
             oldest_pending_age,
+            oldest_quarantined_age,
             quarantined: int_gauge(
                 "outbox_quarantined_events",
                 "Quarantined outbox rows (their orders' later events are held back)",
@@ -220,6 +229,8 @@ impl Metrics {
         self.table_bytes.set(row.get(3));
         self.retrying.set(row.get(4));
         self.max_attempts.set(i64::from(row.get::<_, i32>(5)));
+        let held: f64 = row.get(6);
+        self.oldest_quarantined_age.set(held.max(0.0));
         Ok(())
     }
 
