@@ -162,6 +162,21 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Every service process's peak RSS over the run: read (VmHWM, the
+/// process's own high-water mark) right before each stop, every 200 ms by
+/// the sampler, and at the end for the processes still running.
+static PEAKS: std::sync::LazyLock<PeakMemory> = std::sync::LazyLock::new(PeakMemory::default);
+
+/// Stop `member`, its peak RSS read first (a process that stops between
+/// two samples would lose up to 200 ms of them; one stopped before the
+/// sampler starts, e.g. during the stock-up, all).
+fn stop_member(member: &system_tests::system::Member) {
+    if let Some(pid) = member.pid() {
+        PEAKS.record(member.binary, pid);
+    }
+    block(|| member.stop());
+}
+
 /// Sample every member's peak RSS until the returned guard is dropped.
 fn sample_memory(system: Arc<System>, peaks: PeakMemory) -> AbortOnDrop {
     AbortOnDrop(tokio::spawn(async move {
@@ -226,7 +241,7 @@ async fn start_relays(system: &System, count: usize) -> Instant {
 
 fn stop_relays(system: &System) {
     for relay in &system.relays {
-        block(|| relay.stop());
+        stop_member(relay);
     }
 }
 
@@ -286,7 +301,7 @@ impl Bench {
         receive_raw_stock(&system, &format!("{raw_tenant}2")).await;
         if !consumers_running {
             for consumer in &system.consumers {
-                block(|| consumer.stop());
+                stop_member(consumer);
             }
         }
         Ok(Bench {
@@ -316,7 +331,7 @@ impl Bench {
     /// effects (see [`cleanup_effects`] for what stays).
     async fn teardown(self) {
         for member in self.system.members() {
-            block(|| member.stop());
+            stop_member(member);
         }
         for consumer in &self.system.consumers {
             if consumer.label.ends_with("-0") {
@@ -380,7 +395,7 @@ async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<()> 
         ..Results::default()
     };
     let (system, orders, raw_tenant) = (&bench.system, &bench.orders, &bench.raw_tenant);
-    let peaks = PeakMemory::default();
+    let peaks = PEAKS.clone();
     let sampler = sample_memory(system.clone(), peaks.clone());
 
     // 1. API vs raw transaction.
@@ -1067,7 +1082,7 @@ async fn consumer_phase(
         let kind = consumer.kind.expect("consumer kind");
         let db = consumers::db(kind).await;
         let (first, first_cpu) = consumer_half(consumer, &db, &rows[..half]).await;
-        block(|| consumer.stop());
+        stop_member(consumer);
         let raw_name = format!("{}-raw", consumer.name);
         settle(&db).await;
         let meter = cpu::Meter::start();
