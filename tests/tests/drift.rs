@@ -22,6 +22,9 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     let tenant = unique_tenant("drift");
     let order = Uuid::now_v7();
     let orders = pg(Database::Orders).await;
+    // Nothing of the tenant anywhere yet (a misspelt name): nothing compared
+    // is not zero drift.
+    assert_eq!(drift_check(&tenant).0, 2);
     system_tests::insert_seed_order(&orders, &tenant, order).await;
 
     // Placed, but inventory never reserved: drift.
@@ -87,6 +90,47 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
         out.contains("stock level JKT-M@WH-1: on_hand 48 reserved 4, movements say 48 / 2"),
         "{out}"
     );
+
+    // A reservation with the right qty but another effect (on hand taken,
+    // nothing reserved), its level consistent with it: drift all the same.
+    inventory
+        .execute(
+            "UPDATE stock_movements SET on_hand_delta = -2, reserved_delta = 0 \
+             WHERE tenant_id = $1 AND movement_type = 'reserve'",
+            &[&tenant],
+        )
+        .await
+        .expect("wrong effect");
+    inventory
+        .execute(
+            "UPDATE stock_levels SET on_hand = 46, reserved = 0 WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("reserve of 2 JKT-M@WH-1 moved on hand by -2 and reserved by 0"),
+        "{out}"
+    );
+    inventory
+        .execute(
+            "UPDATE stock_movements SET on_hand_delta = 0, reserved_delta = 2 \
+             WHERE tenant_id = $1 AND movement_type = 'reserve'",
+            &[&tenant],
+        )
+        .await
+        .expect("right effect");
+    inventory
+        .execute(
+            "UPDATE stock_levels SET on_hand = 48, reserved = 2 WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 0, "{out}");
 
     // A paid order without its payment journal: drift.
     inventory

@@ -535,4 +535,16 @@ async fn the_checker_reports_each_broken_invariant() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert_eq!(output.status.code(), Some(1), "{stdout}");
     assert!(stdout.contains("INVARIANTS VIOLATED"), "{stdout}");
+    // A tenant with nothing (a misspelt name) checks nothing: not a pass.
+    args[1] = format!("{t}-misspelt");
+    let output = std::process::Command::new(system_tests::bin("check-invariants"))
+        .args(&args)
+        .output()
+        .expect("check-invariants");
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

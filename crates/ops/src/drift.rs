@@ -394,6 +394,38 @@ pub async fn check(
         );
     }
 
+    // Every movement's effect on the level is its type's: a receipt adds to
+    // on hand, a reservation to reserved, a sale takes its (negative) qty
+    // from both. A movement with the right qty but another effect (a sale
+    // that never releases its reservation) leaves a level that equals its
+    // movements and an order whose quantities match: found only here.
+    for row in inventory
+        .query(
+            "SELECT tenant_id, order_id, movement_type, sku, location, qty, on_hand_delta, \
+                    reserved_delta \
+               FROM stock_movements \
+              WHERE ($1::text IS NULL OR tenant_id = $1) \
+                AND NOT ((movement_type = 'receipt' AND on_hand_delta = qty AND reserved_delta = 0) \
+                      OR (movement_type = 'reserve' AND on_hand_delta = 0 AND reserved_delta = qty) \
+                      OR (movement_type = 'sale' AND on_hand_delta = qty AND reserved_delta = qty)) \
+              ORDER BY movement_id",
+            &[&tenant],
+        )
+        .await?
+    {
+        let t: String = row.get(0);
+        let (kind, sku, location): (String, String, String) = (row.get(2), row.get(3), row.get(4));
+        let (qty, on_hand, reserved): (i64, i64, i64) = (row.get(5), row.get(6), row.get(7));
+        drift(
+            &t,
+            row.get(1),
+            format!(
+                "{kind} of {qty} {sku}@{location} moved on hand by {on_hand} and reserved by \
+                 {reserved}, not as a {kind} does"
+            ),
+        );
+    }
+
     // Stock levels equal the sum of their movements.
     for row in inventory
         .query(

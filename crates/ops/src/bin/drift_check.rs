@@ -1,5 +1,6 @@
 //! `drift-check [--tenant T] [--grace-seconds N]`: exits 0 on zero drift,
-//! 1 on any drift, 2 when it cannot run.
+//! 1 on any drift, 2 when it cannot run (or `--tenant` names a tenant with
+//! nothing in any database).
 
 use std::time::Duration;
 
@@ -30,6 +31,16 @@ async fn main() -> std::process::ExitCode {
     {
         Ok(report) => {
             ops::drift::print(&report);
+            if let Some(tenant) = cli.tenant.as_deref() {
+                if report.tenants.is_empty() {
+                    // A misspelt tenant, or the wrong databases: nothing
+                    // compared is not "zero drift".
+                    eprintln!(
+                        "drift-check: nothing of tenant {tenant} in any database: nothing was compared"
+                    );
+                    return std::process::ExitCode::from(2);
+                }
+            }
             if report.is_clean() {
                 std::process::ExitCode::SUCCESS
             } else {
