@@ -52,6 +52,7 @@ drift: build
 	$(ENV) target/debug/drift-check
 
 test: up
+	scripts/no-stray-services.sh
 	scripts/check-deploy.sh
 	$(CARGO) build --workspace --all-targets $(FAILPOINTS_FEATURES)
 	$(ENV) $(CARGO) test --workspace --no-fail-fast $(FAILPOINTS_FEATURES)

@@ -29,11 +29,17 @@ fi
 set -a; . "$CREDENTIALS"; set +a
 
 pids=()
+# The running services (pid, binary), for `make test` to refuse to run
+# beside them (scripts/no-stray-services.sh), also after a kill -9 of this
+# script left them running.
+PIDS_FILE=.run/services.pids
+: >"$PIDS_FILE"
 stop() {
     trap - INT TERM
     echo "==> stopping services"
     for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     wait || true
+    rm -f "$PIDS_FILE"
     exit 0
 }
 trap stop INT TERM
@@ -43,6 +49,7 @@ start() {
     # Each service's output, prefixed with its name; $! is the service itself.
     "$BIN/$svc" > >(sed -u "s/^/[$svc] /") 2>&1 &
     pids+=($!)
+    echo "$! $svc" >>"$PIDS_FILE"
 }
 
 # Wait for a service's probe (`readyz`: its database and broker are there).

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# `make test` runs its own services on free ports. The services of a `make
+# run` still running, or left behind by one that was killed (its Ctrl-C trap
+# never ran), would take the tests' events: that relay has no tenant filter
+# and claims every tenant's outbox rows. Refuse, naming them.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+pids_file=.run/services.pids
+[ -s "$pids_file" ] || exit 0
+alive=()
+while read -r pid name; do
+    [ -n "${pid:-}" ] || continue
+    # The pid is still that service (not a pid reused by another process).
+    if [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$name"; then
+        alive+=("$pid")
+    fi
+done <"$pids_file"
+if [ "${#alive[@]}" -eq 0 ]; then
+    rm -f "$pids_file"
+    exit 0
+fi
+echo "make test: the services of \`make run\` are still running (pids ${alive[*]})." >&2
+echo "Stop them first: Ctrl-C in make run's terminal, or: kill ${alive[*]}" >&2
+exit 1
