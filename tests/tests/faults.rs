@@ -520,6 +520,36 @@ async fn the_checker_reports_each_broken_invariant() {
     }
     assert!(report.drift_findings() > 0, "drift not reported");
     assert!(report.lost() > 0 && report.double_effects() > 0 && report.ordering_violations() > 0);
+    // Each mutation found by the check meant for it, on its order (another
+    // check firing on the same order must not stand in for it).
+    let reported = |invariant: u8, consumer: Option<&str>, order: &str, what: &str| {
+        report.violations.iter().any(|v| {
+            v.invariant == invariant
+                && consumer.is_none_or(|c| v.consumer.as_deref() == Some(c))
+                && v.order.as_deref() == Some(order)
+                && v.what.contains(what)
+        })
+    };
+    let inventory_name = system
+        .consumer(system_tests::consumers::Kind::Inventory)
+        .name
+        .clone();
+    let loyalty_name = system
+        .consumer(system_tests::consumers::Kind::Loyalty)
+        .name
+        .clone();
+    assert!(
+        reported(5, Some(&inventory_name), &ids[2], "processed out of order"),
+        "(5) the reordered delivery:\n{}",
+        report.render()
+    );
+    assert!(
+        report.violations.iter().any(|v| v.invariant == 3
+            && v.consumer.as_deref() == Some(loyalty_name.as_str())
+            && v.order.as_deref() == Some(ids[3].as_str())),
+        "(3) the lost delivery:\n{}",
+        report.render()
+    );
     assert!(!report.is_clean());
     // The command says so too, with exit status 1.
     let scope = system.scope();
