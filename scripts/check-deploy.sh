@@ -13,6 +13,14 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# Another apt (apt-daily on a fresh VM) may hold the locks: install waits
+# for dpkg's (DPkg::Lock::Timeout); update does not wait for the lists'
+# lock, so it is retried (up to 5 minutes).
+apt_update() {
+    for _ in $(seq 1 60); do apt-get update -qq && return; sleep 5; done
+    apt-get update -qq
+}
+
 need_promtool() {
     command -v promtool >/dev/null && command -v amtool >/dev/null && return
     echo "check-deploy: installing promtool and amtool (Debian packages prometheus, prometheus-alertmanager)"
@@ -22,7 +30,7 @@ need_promtool() {
         chmod 0755 /usr/sbin/policy-rc.d
         trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     fi
-    apt-get update -qq -o DPkg::Lock::Timeout=600
+    apt_update
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 \
         prometheus prometheus-alertmanager >/dev/null
     if trap -p EXIT | grep -q policy-rc.d; then rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
@@ -33,7 +41,7 @@ need_promtool() {
 # no python3 or pip at all).
 apt_install() {
     command -v apt-get >/dev/null || return 1
-    apt-get update -qq -o DPkg::Lock::Timeout=600
+    apt_update
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         -o DPkg::Lock::Timeout=600 "$@" >/dev/null
 }

@@ -33,8 +33,10 @@ if [ ${#missing[@]} -gt 0 ]; then
         chmod 0755 /usr/sbin/policy-rc.d
         trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     fi
-    # Wait for a lock another apt (apt-daily on a fresh VM) holds.
-    apt-get update -qq -o DPkg::Lock::Timeout=600
+    # Another apt (apt-daily on a fresh VM) may hold the locks: install
+    # waits for dpkg's (DPkg::Lock::Timeout); update does not wait for the
+    # lists' lock, so it is retried (up to 5 minutes).
+    for _ in $(seq 1 60); do apt-get update -qq && break; sleep 5; done
     apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "${missing[@]}"
     if [ -e /usr/sbin/policy-rc.d ] && trap -p EXIT | grep -q policy-rc.d; then
         rm -f /usr/sbin/policy-rc.d; trap - EXIT

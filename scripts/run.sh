@@ -33,6 +33,9 @@ pids=()
 # beside them (scripts/no-stray-services.sh), also after a kill -9 of this
 # script left them running.
 PIDS_FILE=.run/services.pids
+# Services a killed `make run` left behind hold the ports and would answer
+# the readiness probes in place of these: refuse, naming them.
+scripts/no-stray-services.sh
 : >"$PIDS_FILE"
 stop() {
     trap - INT TERM

@@ -238,8 +238,8 @@ impl Deadline {
     /// past the budget the client was promised an answer within. Should the
     /// cancel not reach the server, the read is given up
     /// [`SERVER_BACKSTOP_MS`] after the deadline (the transaction's backstop
-    /// is the server's `statement_timeout`; a read has none). A connection
-    /// a cancel may still reach is closed, not pooled: after a cancel, after
+    /// is the server's `statement_timeout`; a read has none). The
+    /// connection is closed, not pooled ([`Held`]), after a cancel, after
     /// giving up, and when the request itself is dropped mid-read.
     pub async fn read<T>(
         &self,
@@ -250,9 +250,10 @@ impl Deadline {
             return Err(self.exceeded());
         }
         let cancel_sent = AtomicBool::new(false);
-        let held = Held {
+        let mut held = Held {
             client: Some(self.client(pool).await?),
             cancel_sent: &cancel_sent,
+            released: false,
         };
         let Some(client) = held.client.as_ref() else {
             return Err(self.exceeded());
@@ -266,6 +267,8 @@ impl Deadline {
             cancel_sent.store(true, Ordering::Relaxed);
             return Err(self.exceeded());
         };
+        // Ended by itself: the connection may serve another request.
+        held.released = !cancelled;
         match outcome {
             Err(ApiError::Database(_)) if cancelled => Err(self.exceeded()),
             outcome => outcome,
@@ -312,20 +315,23 @@ impl Deadline {
     }
 }
 
-/// A pooled connection that is closed, not returned to the pool, when
-/// dropped after a cancel was sent to its session ([`Deadline::bound`] sets
-/// `cancel_sent`): a cancel reaches its session asynchronously and would
-/// end another request's statement. So also when the request itself is
-/// dropped (its client gone) while the cancel is under way.
+/// A pooled connection that goes back to the pool only when released: once
+/// its statements ended by themselves, before the deadline. Closed instead
+/// when a cancel was sent to its session ([`Deadline::bound`] sets
+/// `cancel_sent`: a cancel reaches its session asynchronously and would end
+/// another request's statement), and when the request is dropped mid-work
+/// (its client gone: actix drops the handler), its statement maybe still
+/// running on the server (the next request would queue behind it).
 struct Held<'a> {
     client: Option<deadpool_postgres::Client>,
     cancel_sent: &'a AtomicBool,
+    released: bool,
 }
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
-            if self.cancel_sent.load(Ordering::Relaxed) {
+            if !self.released || self.cancel_sent.load(Ordering::Relaxed) {
                 discard(client);
             }
         }
@@ -372,6 +378,7 @@ pub async fn execute(
     let mut held = Held {
         client: Some(deadline.client(&state.pool).await?),
         cancel_sent: &cancel_sent,
+        released: false,
     };
     let Some(client) = held.client.as_mut() else {
         return Err(deadline.exceeded());
@@ -560,6 +567,9 @@ pub async fn execute(
         Ok(Step::Owner(stored, in_flight))
     };
     let (outcome, cancelled) = deadline.bound(&tx.cancel_token(), &cancel_sent, work).await;
+    // The work ended by itself: from here (answers, COMMIT) the connection
+    // may go back to the pool.
+    held.released = !cancelled;
     if cancelled {
         // Past the deadline: nothing is committed, and the connection, which
         // a late cancel may still reach, is closed, not pooled (`held`).

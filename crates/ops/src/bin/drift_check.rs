@@ -30,17 +30,17 @@ async fn main() -> std::process::ExitCode {
     .await
     {
         Ok(report) => {
-            ops::drift::print(&report);
             if let Some(tenant) = cli.tenant.as_deref() {
-                if report.tenants.is_empty() {
+                if report.tenants.is_empty() && report.is_clean() {
                     // A misspelt tenant, or the wrong databases: nothing
-                    // compared is not "zero drift".
+                    // compared is not "zero drift" (not even printed as such).
                     eprintln!(
                         "drift-check: nothing of tenant {tenant} in any database: nothing was compared"
                     );
                     return std::process::ExitCode::from(2);
                 }
             }
+            ops::drift::print(&report);
             if report.is_clean() {
                 std::process::ExitCode::SUCCESS
             } else {
