@@ -31,9 +31,34 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("reservation missing"), "{out}");
+    assert!(!out.contains("parked in"), "{out}");
+
+    // The same, with the order parked in the inventory consumer: the finding
+    // says so (what to look at: its dead letter).
+    let inventory = pg(Database::Inventory).await;
+    inventory
+        .execute(
+            "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id, parked_at, \
+               parked_reason) VALUES ('drift-test', $1, $2, now(), 'poison: test')",
+            &[&order.to_string(), &tenant],
+        )
+        .await
+        .expect("parked");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("reservation missing") && out.contains("(parked in drift-test: poison: test)"),
+        "{out}"
+    );
+    inventory
+        .execute(
+            "DELETE FROM order_progress WHERE consumer_name = 'drift-test' AND aggregate_id = $1",
+            &[&order.to_string()],
+        )
+        .await
+        .expect("unpark");
 
     // The reservation as the consumer writes it: zero drift.
-    let inventory = pg(Database::Inventory).await;
     inventory
         .execute(
             "INSERT INTO stock_levels (tenant_id, sku, location, on_hand, reserved) VALUES ($1, 'JKT-M', 'WH-1', 48, 2)",

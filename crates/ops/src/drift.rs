@@ -510,8 +510,78 @@ pub async fn check(
     {
         report.tenants.entry(row.get(0)).or_default().loyalty_entries = row.get(1);
     }
+    annotate(
+        &mut report,
+        tenant,
+        &orders_db,
+        [&inventory, &ledger, &loyalty],
+    )
+    .await?;
     report.drift.sort();
     Ok(report)
+}
+
+/// Say, next to each finding on an order, what may explain it: the order's
+/// events not yet published (pending or quarantined in the outbox: its
+/// effects are still to come) or the order parked in a consumer (behind a
+/// dead letter). Read in the same snapshots. A finding with neither is
+/// drift in the strict sense: an event lost or applied wrongly.
+async fn annotate(
+    report: &mut Report,
+    tenant: Option<&str>,
+    orders_db: &Client,
+    consumers: [&Client; 3],
+) -> anyhow::Result<()> {
+    if report.drift.iter().all(|d| d.order_id.is_none()) {
+        return Ok(());
+    }
+    let mut notes: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for row in orders_db
+        .query(
+            "SELECT tenant_id, aggregate_id, count(*), count(*) FILTER (WHERE quarantined_at IS NOT NULL) \
+               FROM outbox_events \
+              WHERE published_at IS NULL AND ($1::text IS NULL OR tenant_id = $1) \
+              GROUP BY 1, 2",
+            &[&tenant],
+        )
+        .await?
+    {
+        let (pending, quarantined): (i64, i64) = (row.get(2), row.get(3));
+        notes
+            .entry((row.get(0), row.get(1)))
+            .or_default()
+            .push(if quarantined > 0 {
+                format!("{pending} event(s) unpublished, {quarantined} quarantined")
+            } else {
+                format!("{pending} event(s) not yet published")
+            });
+    }
+    for db in consumers {
+        for row in db
+            .query(
+                "SELECT tenant_id, aggregate_id, consumer_name, coalesce(parked_reason, '') \
+                   FROM order_progress \
+                  WHERE parked_at IS NOT NULL AND ($1::text IS NULL OR tenant_id = $1)",
+                &[&tenant],
+            )
+            .await?
+        {
+            let (consumer, reason): (String, String) = (row.get(2), row.get(3));
+            notes
+                .entry((row.get(0), row.get(1)))
+                .or_default()
+                .push(format!("parked in {consumer}: {reason}"));
+        }
+    }
+    for finding in &mut report.drift {
+        let Some(order) = finding.order_id else {
+            continue;
+        };
+        if let Some(notes) = notes.get(&(finding.tenant.clone(), order.to_string())) {
+            finding.what = format!("{} ({})", finding.what, notes.join("; "));
+        }
+    }
+    Ok(())
 }
 
 fn describe(
