@@ -17,6 +17,32 @@ fn drift_check(tenant: &str) -> (i32, String) {
     )
 }
 
+/// Set the tenant's reserve movements' effect (on hand, reserved deltas) and
+/// its level (on hand, reserved) together: a level that equals its
+/// movements.
+async fn reserve_effect(
+    inventory: &tokio_postgres::Client,
+    tenant: &str,
+    (on_hand_delta, reserved_delta): (i64, i64),
+    (on_hand, reserved): (i64, i64),
+) {
+    inventory
+        .execute(
+            "UPDATE stock_movements SET on_hand_delta = $2, reserved_delta = $3 \
+             WHERE tenant_id = $1 AND movement_type = 'reserve'",
+            &[&tenant, &on_hand_delta, &reserved_delta],
+        )
+        .await
+        .expect("movement effect");
+    inventory
+        .execute(
+            "UPDATE stock_levels SET on_hand = $2, reserved = $3 WHERE tenant_id = $1",
+            &[&tenant, &on_hand, &reserved],
+        )
+        .await
+        .expect("level");
+}
+
 #[tokio::test]
 async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_non_zero() {
     let tenant = unique_tenant("drift");
@@ -33,8 +59,18 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     assert!(out.contains("reservation missing"), "{out}");
     assert!(!out.contains("parked in"), "{out}");
 
-    // The same, with the order parked in the inventory consumer: the finding
-    // says so (what to look at: its dead letter).
+    // The same, with the order's event quarantined in the outbox (no relay
+    // claims it) and the order parked in the inventory consumer: the
+    // finding says both (what to look at first).
+    orders
+        .execute(
+            "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+               aggregate_sequence, event_type, schema_version, payload, quarantined_at) \
+             VALUES ($1, $2, 'order', $3, 1, 'OrderPlaced', 1, '{}', now())",
+            &[&Uuid::now_v7(), &tenant, &order.to_string()],
+        )
+        .await
+        .expect("quarantined row");
     let inventory = pg(Database::Inventory).await;
     inventory
         .execute(
@@ -47,9 +83,18 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 1, "{out}");
     assert!(
-        out.contains("reservation missing") && out.contains("(parked in drift-test: poison: test)"),
+        out.contains(
+            "reservation missing: expected JKT-M@WH-1 2, found none \
+             (1 event(s) unpublished, 1 quarantined; parked in drift-test: poison: test)"
+        ),
         "{out}"
     );
+    system_tests::delete_outbox_rows(
+        &orders,
+        "DELETE FROM outbox_events WHERE tenant_id = $1",
+        &[&tenant],
+    )
+    .await;
     inventory
         .execute(
             "DELETE FROM order_progress WHERE consumer_name = 'drift-test' AND aggregate_id = $1",
@@ -118,42 +163,14 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
 
     // A reservation with the right qty but another effect (on hand taken,
     // nothing reserved), its level consistent with it: drift all the same.
-    inventory
-        .execute(
-            "UPDATE stock_movements SET on_hand_delta = -2, reserved_delta = 0 \
-             WHERE tenant_id = $1 AND movement_type = 'reserve'",
-            &[&tenant],
-        )
-        .await
-        .expect("wrong effect");
-    inventory
-        .execute(
-            "UPDATE stock_levels SET on_hand = 46, reserved = 0 WHERE tenant_id = $1",
-            &[&tenant],
-        )
-        .await
-        .expect("level");
+    reserve_effect(&inventory, &tenant, (-2, 0), (46, 0)).await;
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("reserve of 2 JKT-M@WH-1 moved on hand by -2 and reserved by 0"),
         "{out}"
     );
-    inventory
-        .execute(
-            "UPDATE stock_movements SET on_hand_delta = 0, reserved_delta = 2 \
-             WHERE tenant_id = $1 AND movement_type = 'reserve'",
-            &[&tenant],
-        )
-        .await
-        .expect("right effect");
-    inventory
-        .execute(
-            "UPDATE stock_levels SET on_hand = 48, reserved = 2 WHERE tenant_id = $1",
-            &[&tenant],
-        )
-        .await
-        .expect("level");
+    reserve_effect(&inventory, &tenant, (0, 2), (48, 2)).await;
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 0, "{out}");
 

@@ -72,30 +72,6 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
                 db.name()
             );
         }
-        // DESIGN.md section 3: every row carries tenant_id (the migration
-        // tools' history tables are not the system's rows).
-        let without_tenant: Vec<String> = pg(db)
-            .await
-            .query(
-                "SELECT t.table_name::text FROM information_schema.tables t \
-                 WHERE t.table_schema = 'public' AND t.table_type = 'BASE TABLE' \
-                   AND t.table_name NOT LIKE '%schema_history' \
-                   AND NOT EXISTS (SELECT 1 FROM information_schema.columns c \
-                       WHERE c.table_schema = t.table_schema \
-                         AND c.table_name = t.table_name AND c.column_name = 'tenant_id') \
-                 ORDER BY 1",
-                &[],
-            )
-            .await
-            .expect("tables without tenant_id")
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        assert!(
-            without_tenant.is_empty(),
-            "{}: tables without tenant_id: {without_tenant:?}",
-            db.name()
-        );
     }
 }
 
@@ -468,36 +444,66 @@ async fn outbox_rows_are_immutable_but_the_relays_columns_are_not() {
     tx.rollback().await.expect("rollback");
 }
 
-/// DESIGN.md section 3: every row of the orders database carries its
-/// tenant. order_lines got it in migrations V6/V7 (its NOT NULL a
-/// validated CHECK); a line written without it, by a binary from before,
-/// gets its order's.
-#[tokio::test]
-async fn every_orders_row_carries_its_tenant() {
-    kit::migrations::run(&pool(Database::Orders), Database::Orders)
-        .await
-        .expect("migrate");
-    let client = pg(Database::Orders).await;
-    let without: Vec<String> = client
+/// The tables of `db`'s database (but `exempt`) whose rows may lack a
+/// tenant: no `tenant_id` column, or one that may be NULL without a
+/// validated `CHECK (tenant_id IS NOT NULL)`, unless the table is in
+/// `nullable`.
+async fn tables_lacking_a_tenant(
+    client: &tokio_postgres::Client,
+    exempt: &[&str],
+    nullable: &[&str],
+) -> Vec<String> {
+    client
         .query(
             "SELECT t.table_name::text FROM information_schema.tables t \
              WHERE t.table_schema = 'public' AND t.table_type = 'BASE TABLE' \
-               AND t.table_name NOT IN ('tenants', 'refinery_schema_history') \
+               AND t.table_name <> ALL($1::text[]) \
                AND NOT EXISTS (SELECT 1 FROM information_schema.columns c \
                    WHERE c.table_schema = 'public' AND c.table_name = t.table_name \
                      AND c.column_name = 'tenant_id' \
-                     AND (c.is_nullable = 'NO' OR EXISTS (SELECT 1 FROM pg_constraint k \
+                     AND (c.is_nullable = 'NO' OR c.table_name = ANY($2::text[]) \
+                          OR EXISTS (SELECT 1 FROM pg_constraint k \
                           WHERE k.conrelid = t.table_name::regclass AND k.contype = 'c' \
                             AND k.convalidated \
                             AND pg_get_constraintdef(k.oid) = 'CHECK ((tenant_id IS NOT NULL))'))) \
              ORDER BY 1",
-            &[],
+            &[&exempt, &nullable],
         )
         .await
         .expect("columns")
         .iter()
         .map(|row| row.get(0))
-        .collect();
+        .collect()
+}
+
+/// DESIGN.md section 3: every row carries its tenant, in all four
+/// databases. order_lines got it in migrations V6/V7 (its NOT NULL a
+/// validated CHECK); a line written without it, by a binary from before,
+/// gets its order's. The consumers' inbox got it in runtime V3, nullable
+/// (rows from before it, or from an older binary during a rolling deploy,
+/// have none); every other consumer table has it NOT NULL.
+#[tokio::test]
+async fn every_row_carries_its_tenant() {
+    for db in [Database::Inventory, Database::Ledger, Database::Loyalty] {
+        kit::migrations::run(&pool(db), db).await.expect("migrate");
+        let without = tables_lacking_a_tenant(
+            &pg(db).await,
+            &["refinery_schema_history", "consumer_runtime_schema_history"],
+            &["processed_events"],
+        )
+        .await;
+        assert!(
+            without.is_empty(),
+            "{}: tables whose rows may lack a tenant_id: {without:?}",
+            db.name()
+        );
+    }
+    kit::migrations::run(&pool(Database::Orders), Database::Orders)
+        .await
+        .expect("migrate");
+    let client = pg(Database::Orders).await;
+    let without =
+        tables_lacking_a_tenant(&client, &["tenants", "refinery_schema_history"], &[]).await;
     assert!(
         without.is_empty(),
         "tables whose rows may lack a tenant_id: {without:?}"
