@@ -34,6 +34,10 @@ pub async fn delete_expired(
         }
         let client = pool.get().await?;
         let statement = client.prepare_cached(DELETE_EXPIRED).await?;
+        // Crash window: each batch is one autocommit DELETE of rows already
+        // expired (a key past its retention is a new operation whether its
+        // row is there or not); a crash before or after it leaves the rest
+        // to the next run, nothing half done.
         let deleted = client.execute(&statement, &[&batch]).await?;
         deleted_batch(deleted);
         total += deleted;

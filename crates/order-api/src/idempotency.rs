@@ -17,7 +17,7 @@
 use std::{
     collections::BTreeMap,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
         Arc, Mutex,
     },
     time::{Duration, Instant},
@@ -249,10 +249,8 @@ impl Deadline {
         if self.passed() {
             return Err(self.exceeded());
         }
-        let cancel_sent = AtomicBool::new(false);
         let mut held = Held {
             client: Some(self.client(pool).await?),
-            cancel_sent: &cancel_sent,
             released: false,
         };
         let Some(client) = held.client.as_ref() else {
@@ -260,11 +258,10 @@ impl Deadline {
         };
         let backstop = self.at + Duration::from_millis(SERVER_BACKSTOP_MS);
         let cancel = client.cancel_token();
-        let bounded = self.bound(&cancel, &cancel_sent, work(client));
+        let bounded = self.bound(&cancel, work(client));
         let Ok((outcome, cancelled)) = tokio::time::timeout_at(backstop, bounded).await else {
-            // Given up with the statement maybe still running: `held` closes
-            // the connection.
-            cancel_sent.store(true, Ordering::Relaxed);
+            // Given up with the statement maybe still running: `held`, not
+            // released, closes the connection.
             return Err(self.exceeded());
         };
         // Ended by itself: the connection may serve another request.
@@ -285,21 +282,19 @@ impl Deadline {
     /// the session
     /// asynchronously (tokio-postgres does not wait for the server to act on
     /// it), so it may still reach the session after `work` returned, and
-    /// that connection must not serve another request: `cancel_sent` is set
-    /// before the first cancel, and the caller's [`Held`] then closes it.
+    /// that connection must not serve another request: the caller's
+    /// [`Held`] is released only when no cancel was sent, and closes it
+    /// otherwise (also when the request is dropped while the cancel is
+    /// under way).
     async fn bound<T>(
         &self,
         cancel: &tokio_postgres::CancelToken,
-        cancel_sent: &AtomicBool,
         work: impl std::future::Future<Output = Result<T, ApiError>>,
     ) -> (Result<T, ApiError>, bool) {
         tokio::pin!(work);
         if let Ok(done) = tokio::time::timeout_at(self.at, &mut work).await {
             return (done, false);
         }
-        // From here on the connection must not go back to the pool, also
-        // when the request is dropped before `work` returns ([`Held`]).
-        cancel_sent.store(true, Ordering::Relaxed);
         loop {
             let cancel_then_pause = async {
                 if let Err(error) = cancel.cancel_query(tokio_postgres::NoTls).await {
@@ -316,22 +311,21 @@ impl Deadline {
 }
 
 /// A pooled connection that goes back to the pool only when released: once
-/// its statements ended by themselves, before the deadline. Closed instead
-/// when a cancel was sent to its session ([`Deadline::bound`] sets
-/// `cancel_sent`: a cancel reaches its session asynchronously and would end
-/// another request's statement), and when the request is dropped mid-work
-/// (its client gone: actix drops the handler), its statement maybe still
-/// running on the server (the next request would queue behind it).
-struct Held<'a> {
+/// its statements ended by themselves, before the deadline
+/// ([`Deadline::bound`] sent no cancel). Closed otherwise: after a cancel (it
+/// reaches its session asynchronously and would end another request's
+/// statement), and when the request is dropped mid-work (its client gone:
+/// actix drops the handler), a statement maybe still running on the server
+/// (the next request would queue behind it) or a cancel under way.
+struct Held {
     client: Option<deadpool_postgres::Client>,
-    cancel_sent: &'a AtomicBool,
     released: bool,
 }
 
-impl Drop for Held<'_> {
+impl Drop for Held {
     fn drop(&mut self) {
         if let Some(client) = self.client.take() {
-            if !self.released || self.cancel_sent.load(Ordering::Relaxed) {
+            if !self.released {
                 discard(client);
             }
         }
@@ -374,10 +368,8 @@ pub async fn execute(
     let key_hash = &key_hash.as_str()[..16];
     let ttl = i64::try_from(state.settings.idempotency.ttl_seconds).unwrap_or(i64::MAX);
 
-    let cancel_sent = AtomicBool::new(false);
     let mut held = Held {
         client: Some(deadline.client(&state.pool).await?),
-        cancel_sent: &cancel_sent,
         released: false,
     };
     let Some(client) = held.client.as_mut() else {
@@ -566,7 +558,7 @@ pub async fn execute(
         }
         Ok(Step::Owner(stored, in_flight))
     };
-    let (outcome, cancelled) = deadline.bound(&tx.cancel_token(), &cancel_sent, work).await;
+    let (outcome, cancelled) = deadline.bound(&tx.cancel_token(), work).await;
     // The work ended by itself: from here (answers, COMMIT) the connection
     // may go back to the pool.
     held.released = !cancelled;
