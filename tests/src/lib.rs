@@ -324,20 +324,11 @@ pub async fn insert_another_seed_order(
         .expect("line");
 }
 
-/// The seed 003 order's payment journal as the ledger posts it: (account,
-/// debit, credit) in minor units.
-pub const SEED_PAYMENT_JOURNAL: &[(&str, i64, i64)] =
-    &[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)];
-
-/// The seed 003 order's delivery journal as the ledger posts it.
-pub const SEED_DELIVERY_JOURNAL: &[(&str, i64, i64)] = &[
-    ("customer_deposits", 9300, 0),
-    ("sales", 0, 8000),
-    ("shipping_income", 0, 500),
-    ("tax_payable", 0, 800),
-    ("cogs", 4400, 0),
-    ("inventory", 0, 4400),
-];
+/// The seed 003 order's payment and delivery journals as the ledger posts
+/// them (`ops::seed`, which `demo` checks too).
+pub use ops::seed::{
+    DELIVERY_JOURNAL as SEED_DELIVERY_JOURNAL, PAYMENT_JOURNAL as SEED_PAYMENT_JOURNAL,
+};
 
 /// Insert the header of a journal entry `entry` of `event_type` for `order`
 /// (no lines; description `test`, currency USD) in `tx`.

@@ -70,42 +70,9 @@ impl Demo {
     }
 }
 
-/// A journal line: (account, debit, credit).
-type SeedLine = (&'static str, &'static str, &'static str);
-
-/// An entry as the demo compares it: its event and its lines.
+/// An entry as the demo compares it: its event and its lines (account,
+/// debit, credit as the ledger's API shows them).
 type Posting = (String, Vec<(String, String, String)>);
-
-/// Seed 003's journal of the order: per entry, its event and its lines
-/// (account, debit, credit) in the ledger's order.
-const SEED_JOURNAL: [(&str, &[SeedLine]); 2] = [
-    (
-        "PaymentReceived",
-        &[
-            ("clearing:card", "93.00", "0.00"),
-            ("customer_deposits", "0.00", "93.00"),
-        ],
-    ),
-    (
-        "ParcelDelivered",
-        &[
-            ("customer_deposits", "93.00", "0.00"),
-            ("sales", "0.00", "80.00"),
-            ("shipping_income", "0.00", "5.00"),
-            ("tax_payable", "0.00", "8.00"),
-            ("cogs", "44.00", "0.00"),
-            ("inventory", "0.00", "44.00"),
-        ],
-    ),
-];
-
-/// Seed 003's stock movements of JKT-M at WH-1: (type, qty, on-hand delta,
-/// reserved delta).
-const SEED_MOVEMENTS: [(&str, i64, i64, i64); 3] = [
-    ("receipt", 48, 48, 0),
-    ("reserve", 2, 0, 2),
-    ("sale", -2, -2, -2),
-];
 
 fn s(v: &Value) -> String {
     match v {
@@ -319,16 +286,25 @@ async fn main() -> anyhow::Result<()> {
             (s(&e["event_type"]), lines)
         })
         .collect();
-    let seed_postings: Vec<Posting> = SEED_JOURNAL
-        .iter()
-        .map(|(event, lines)| {
-            let lines = lines
-                .iter()
-                .map(|(a, d, c)| ((*a).to_owned(), (*d).to_owned(), (*c).to_owned()))
-                .collect();
-            ((*event).to_owned(), lines)
-        })
-        .collect();
+    let seed_postings: Vec<Posting> = [
+        ("PaymentReceived", ops::seed::PAYMENT_JOURNAL),
+        ("ParcelDelivered", ops::seed::DELIVERY_JOURNAL),
+    ]
+    .iter()
+    .map(|(event, lines)| {
+        let lines = lines
+            .iter()
+            .map(|(account, debit, credit)| {
+                (
+                    (*account).to_owned(),
+                    events::format_total(i128::from(*debit)),
+                    events::format_total(i128::from(*credit)),
+                )
+            })
+            .collect();
+        ((*event).to_owned(), lines)
+    })
+    .collect();
     if postings != seed_postings {
         bail!("the journal differs from seed 003's: {postings:?}, expected {seed_postings:?}");
     }
@@ -345,7 +321,7 @@ async fn main() -> anyhow::Result<()> {
             )
         })
         .collect();
-    let seed_movements: Vec<(String, i64, i64, i64)> = SEED_MOVEMENTS
+    let seed_movements: Vec<(String, i64, i64, i64)> = ops::seed::MOVEMENTS
         .iter()
         .map(|(kind, qty, on_hand, reserved)| ((*kind).to_owned(), *qty, *on_hand, *reserved))
         .collect();
