@@ -541,10 +541,7 @@ async fn check_commit_timestamps(orders: &tokio_postgres::Client) -> anyhow::Res
         .await?
         .get(0);
     let after = std::time::SystemTime::now();
-    let epoch = |at: std::time::SystemTime| {
-        at.duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64())
-    };
+    let epoch = kit::metrics::unix_seconds;
     anyhow::ensure!(
         server >= epoch(before) - 0.05 && server <= epoch(after) + 0.05,
         "PostgreSQL's clock ({server}) is not the bench's ({} to {}): the relay phase's \

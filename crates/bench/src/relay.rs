@@ -571,10 +571,9 @@ pub async fn measure_drain(
     })
 }
 
-/// Microseconds since the Unix epoch.
+/// Microseconds since the Unix epoch (the sink's atomic holds them).
 fn unix_micros(at: SystemTime) -> u64 {
-    at.duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+    (kit::metrics::unix_seconds(at) * 1e6) as u64
 }
 
 /// The raw loop's span on the relay's terms: from the sink's first message
@@ -586,7 +585,7 @@ pub fn span_from_first_message(raw: &mut Drain, sink: &Sink) -> anyhow::Result<(
     let last = raw
         .last_confirm
         .ok_or_else(|| anyhow::anyhow!("raw loop: no confirm recorded"))?;
-    let span = unix_micros(last) as f64 / 1e6 - first;
+    let span = kit::metrics::unix_seconds(last) - first;
     anyhow::ensure!(
         span > 0.0,
         "raw loop: the last confirm precedes the sink's first message"

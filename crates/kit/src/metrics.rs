@@ -31,10 +31,14 @@ pub fn render(registry: &Registry) -> String {
     String::from_utf8(buffer).unwrap_or_default()
 }
 
-/// Seconds since the Unix epoch: the value of a `*_timestamp_seconds` gauge
-/// (e.g. a cleanup's last success).
+/// Seconds since the Unix epoch now: the value of a `*_timestamp_seconds`
+/// gauge (e.g. a cleanup's last success).
 pub fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
+    unix_seconds(std::time::SystemTime::now())
+}
+
+/// Seconds since the Unix epoch at `at` (0 before it).
+pub fn unix_seconds(at: std::time::SystemTime) -> f64 {
+    at.duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
