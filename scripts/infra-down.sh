@@ -42,10 +42,12 @@ fi
 
 if [ "$purge" = 1 ]; then
     for d in "$PG_DATA_DIR" "$RABBITMQ_DIR" "$PG_SOCKET_DIR"; do
-        case "$d" in ''|/|"$REPO"|"$RUN_DIR") echo "refusing to delete '$d'" >&2; exit 1 ;; esac
+        case "$d" in ''|/|"$REPO"|"$RUN_DIR"|"$INFRA_DATA_DIR") echo "refusing to delete '$d'" >&2; exit 1 ;; esac
         log "purging $d"
         rm -rf -- "$d"
     done
     # The demo credentials name an API key of the purged database.
     rm -f -- "$PG_LOG" "$RUN_DIR/infra.env" "$RUN_DIR/initdb.log" "$RUN_DIR/credentials.env"
+    # The data's own directory in /var/tmp, when .run was out of reach.
+    [ "$INFRA_DATA_DIR" = "$RUN_DIR" ] || rmdir -- "$INFRA_DATA_DIR" 2>/dev/null || true
 fi

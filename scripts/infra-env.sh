@@ -41,6 +41,28 @@ export REPO
 export RUN_DIR="${RUN_DIR:-$REPO/.run}"
 export DEBIAN_FRONTEND="${DEBIAN_FRONTEND:-noninteractive}"
 
+# Where PostgreSQL's and RabbitMQ's data live: $RUN_DIR, unless their OS users
+# could not reach it or PostgreSQL's socket path would be too long there. A
+# checkout under a 0700 directory (root's home) or a deep path then keeps its
+# data in /var/tmp instead, one directory per checkout (named by its path's
+# checksum), which scripts/infra-down.sh --purge removes like .run's.
+_infra_data_dir_ok() {   # dir: every existing ancestor searchable by others, socket path < 108 bytes
+    [ "$(printf '%s' "$1/pgsock/.s.PGSQL.${PGPORT:-5432}" | wc -c)" -lt 108 ] || return 1
+    _p=$1
+    while [ -n "$_p" ] && [ "$_p" != / ]; do
+        if [ -e "$_p" ]; then
+            case $(stat -c %A -- "$_p" 2>/dev/null) in ?????????[xt]) ;; *) return 1 ;; esac
+        fi
+        _p=$(dirname -- "$_p")
+    done
+}
+if [ -z "${INFRA_DATA_DIR:-}" ]; then
+    if _infra_data_dir_ok "$RUN_DIR"; then INFRA_DATA_DIR=$RUN_DIR
+    else INFRA_DATA_DIR=/var/tmp/outbox-infra-$(printf '%s' "$REPO" | cksum | cut -d' ' -f1); fi
+fi
+unset _p
+export INFRA_DATA_DIR
+
 # --- PostgreSQL ----------------------------------------------------------------
 export PGHOST="${PGHOST:-127.0.0.1}"
 export PGPORT="${PGPORT:-5432}"
@@ -48,9 +70,9 @@ export PGUSER="${PGUSER:-app}"
 export PGPASSWORD="${PGPASSWORD:-app}"
 export PG_VERSION="${PG_VERSION:-15}"
 export PG_BIN="${PG_BIN:-/usr/lib/postgresql/$PG_VERSION/bin}"
-export PG_DATA_DIR="${PG_DATA_DIR:-$RUN_DIR/pg}"
-export PG_SOCKET_DIR="${PG_SOCKET_DIR:-$RUN_DIR/pgsock}"
-export PG_LOG="${PG_LOG:-$RUN_DIR/pg.log}"
+export PG_DATA_DIR="${PG_DATA_DIR:-$INFRA_DATA_DIR/pg}"
+export PG_SOCKET_DIR="${PG_SOCKET_DIR:-$INFRA_DATA_DIR/pgsock}"
+export PG_LOG="${PG_LOG:-$INFRA_DATA_DIR/pg.log}"
 export DATABASES="${DATABASES:-orders inventory ledger loyalty}"
 
 # PG_URL_<DB> per database, e.g. PG_URL_ORDERS=postgres://app:app@127.0.0.1:5432/orders
@@ -73,7 +95,7 @@ export AMQP_URL
 export RABBITMQ_MGMT_PORT="${RABBITMQ_MGMT_PORT:-15672}"
 
 # The node is run by Debian's rabbitmq-server (as OS user `rabbitmq`, HOME and
-# Erlang cookie in /var/lib/rabbitmq) but keeps its data/logs/config in .run/.
+# Erlang cookie in /var/lib/rabbitmq) but keeps its data/logs/config in $INFRA_DATA_DIR.
 # Node name and cookie match Debian's defaults, so bare `rabbitmqctl status` works.
 # rabbitmqctl/rabbitmq-plugins need the same variables: source this file first.
 if [ -z "${RABBITMQ_NODENAME:-}" ]; then
@@ -84,7 +106,7 @@ if [ -z "${RABBITMQ_NODENAME:-}" ]; then
     unset _h
 fi
 export RABBITMQ_NODENAME
-export RABBITMQ_DIR="${RABBITMQ_DIR:-$RUN_DIR/rabbitmq}"
+export RABBITMQ_DIR="${RABBITMQ_DIR:-$INFRA_DATA_DIR/rabbitmq}"
 export RABBITMQ_MNESIA_BASE="${RABBITMQ_MNESIA_BASE:-$RABBITMQ_DIR/mnesia}"
 export RABBITMQ_LOG_BASE="${RABBITMQ_LOG_BASE:-$RABBITMQ_DIR/log}"
 export RABBITMQ_PID_FILE="${RABBITMQ_PID_FILE:-$RABBITMQ_DIR/rabbit.pid}"

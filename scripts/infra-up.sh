@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start local PostgreSQL + RabbitMQ for development/tests (idempotent, run as root).
-# Data lives in $RUN_DIR (.run/); settings come from scripts/infra-env.sh.
+# Data lives in $INFRA_DATA_DIR (.run/ where the services' OS users can reach it);
+# settings come from scripts/infra-env.sh.
 set -euo pipefail
 # shellcheck source=scripts/infra-env.sh
 . "$(dirname "${BASH_SOURCE[0]}")/infra-env.sh"
@@ -47,12 +48,13 @@ else
 fi
 
 # --- 2. PostgreSQL ---------------------------------------------------------------------
-mkdir -p "$RUN_DIR" "$PG_SOCKET_DIR"
-chmod 0755 "$RUN_DIR"
+mkdir -p "$RUN_DIR" "$INFRA_DATA_DIR" "$PG_SOCKET_DIR"
+chmod 0755 "$RUN_DIR" "$INFRA_DATA_DIR"
+[ "$INFRA_DATA_DIR" = "$RUN_DIR" ] || log "data in $INFRA_DATA_DIR ($RUN_DIR is out of reach of the services' OS users, or too deep for PostgreSQL's socket)"
 chown postgres:postgres "$PG_SOCKET_DIR"
 touch "$PG_LOG"; chown postgres:postgres "$PG_LOG"
-runuser -u postgres -- test -x "$RUN_DIR" \
-    || die "OS user postgres cannot reach $RUN_DIR (chmod o+x its parent directories)"
+runuser -u postgres -- test -x "$INFRA_DATA_DIR" \
+    || die "OS user postgres cannot reach $INFRA_DATA_DIR (chmod o+x its parent directories, or set INFRA_DATA_DIR)"
 
 if [ ! -s "$PG_DATA_DIR/PG_VERSION" ]; then
     if [ -d "$PG_DATA_DIR" ] && [ -n "$(ls -A "$PG_DATA_DIR")" ]; then
