@@ -208,22 +208,8 @@ impl RawEnvelope {
                 self.aggregate_sequence
             )));
         }
-        // `time` parses e.g. "9999-12-31T23:59:59-01:00", whose UTC value is
-        // in year 10000, outside the range `time` supports: converting it to
-        // UTC (as binding it to PostgreSQL does) would panic. And
-        // "0000-01-01T00:00:00+01:00" is in year -1 in UTC: it would be
-        // stored, but RFC 3339 cannot write it back (a read endpoint
-        // showing it would fail). The UTC value must be in 0000-9999.
-        let in_range = self
-            .occurred_at
-            .checked_to_offset(time::UtcOffset::UTC)
-            .is_some_and(|utc| (0..=9999).contains(&utc.year()));
-        if !in_range {
-            return Err(DecodeError::Malformed(format!(
-                "occurred_at {} is out of range: its UTC value is not in years 0000 to 9999",
-                self.occurred_at
-            )));
-        }
+        crate::timestamp::check_range("occurred_at", &self.occurred_at)
+            .map_err(DecodeError::Malformed)?;
         Ok(())
     }
 

@@ -8,6 +8,28 @@ use serde::{Deserializer, Serializer};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
+/// Whether `value`'s UTC value lies in years 0000 to 9999. `time` parses
+/// e.g. "9999-12-31T23:59:59-01:00", whose UTC value is in year 10000,
+/// outside the range `time` supports: converting it to UTC (as binding it to
+/// PostgreSQL does) would panic. And "0000-01-01T00:00:00+01:00" is in year
+/// -1 in UTC: it would be stored, but RFC 3339 cannot write it back (a read
+/// endpoint showing it would fail). Every timestamp of an event is checked.
+pub(crate) fn in_utc_range(value: &OffsetDateTime) -> bool {
+    value
+        .checked_to_offset(time::UtcOffset::UTC)
+        .is_some_and(|utc| (0..=9999).contains(&utc.year()))
+}
+
+/// `Err` naming `field` when `value` is out of [`in_utc_range`]'s range.
+pub(crate) fn check_range(field: &str, value: &OffsetDateTime) -> Result<(), String> {
+    if in_utc_range(value) {
+        return Ok(());
+    }
+    Err(format!(
+        "{field} {value} is out of range: its UTC value is not in years 0000 to 9999"
+    ))
+}
+
 pub(crate) fn serialize<S: Serializer>(
     value: &OffsetDateTime,
     serializer: S,

@@ -190,6 +190,6 @@ impl EventPayload for ParcelDeliveredV1 {
         for (i, line) in self.lines.iter().enumerate() {
             at_least_one(&format!("lines[{i}].qty"), line.qty)?;
         }
-        Ok(())
+        crate::timestamp::check_range("delivered_at", &self.delivered_at)
     }
 }

@@ -435,6 +435,39 @@ fn payloads_breaking_the_version_s_rules_are_invalid_payload() {
     assert_contains(&text, "lines[0].qty must be at least 1");
     let text = invalid_payload(&set(PARCEL_DELIVERED_JSON, "/payload/lines", json!([])));
     assert_contains(&text, "a delivery has at least one line");
+    // A delivery time whose UTC value `time` cannot hold (binding it would
+    // panic) or RFC 3339 cannot write back: poison, like such an occurred_at.
+    for delivered_at in [
+        "9999-12-31T23:59:59-01:00",
+        "9999-12-31T23:30:00-00:45",
+        "0000-01-01T00:00:00+01:00",
+    ] {
+        let text = invalid_payload(&set(
+            PARCEL_DELIVERED_JSON,
+            "/payload/delivered_at",
+            json!(delivered_at),
+        ));
+        assert_contains(&text, "invalid ParcelDelivered v1 payload: ");
+        assert_contains(&text, "delivered_at ");
+        assert_contains(
+            &text,
+            "is out of range: its UTC value is not in years 0000 to 9999",
+        );
+    }
+    for delivered_at in ["9999-12-31T22:59:59-01:00", "0000-01-01T01:00:00+01:00"] {
+        let edge = set(
+            PARCEL_DELIVERED_JSON,
+            "/payload/delivered_at",
+            json!(delivered_at),
+        );
+        assert!(
+            RawEnvelope::parse_raw(&edge)
+                .expect("parse")
+                .decode()
+                .is_ok(),
+            "{delivered_at}"
+        );
+    }
     // Zero amounts are allowed where the producer allows them.
     let free = edited(ORDER_PLACED_JSON, |v| {
         v["payload"]["shipping"] = json!("0.00");
