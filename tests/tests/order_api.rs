@@ -2133,11 +2133,11 @@ async fn a_method_not_allowed_names_the_allowed_ones() {
     for (method, path, allow) in [
         ("DELETE", "/orders".to_owned(), "POST"),
         ("GET", "/orders".to_owned(), "POST"),
-        ("PUT", format!("/orders/{id}"), "GET"),
-        ("DELETE", format!("/orders/{id}"), "GET"),
+        ("PUT", format!("/orders/{id}"), "GET, HEAD"),
+        ("DELETE", format!("/orders/{id}"), "GET, HEAD"),
         ("GET", format!("/orders/{id}/payments"), "POST"),
         ("GET", format!("/orders/{id}/deliveries"), "POST"),
-        ("POST", "/openapi.json".to_owned(), "GET"),
+        ("POST", "/openapi.json".to_owned(), "GET, HEAD"),
     ] {
         let response = client
             .request(method.parse().expect("method"), api.url(&path))
@@ -2154,6 +2154,51 @@ async fn a_method_not_allowed_names_the_allowed_ones() {
         assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
         assert_eq!(problem, expected, "{method} {path}");
     }
+    // A GET resource answers HEAD (RFC 9110 section 9.1): the GET's status
+    // and headers, no body.
+    let caller = Caller::new("head");
+    let (status, placed) = json_of(caller.post(&api.url("/orders"), "k1", SEED_ORDER).await).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let order = format!("/orders/{}", placed["order_id"].as_str().expect("id"));
+    for (path, authorised) in [(order.as_str(), true), ("/openapi.json", false)] {
+        let request = |method: reqwest::Method| {
+            let request = client.request(method, api.url(path));
+            if authorised {
+                request.bearer_auth(&caller.key)
+            } else {
+                request
+            }
+        };
+        let get = request(reqwest::Method::GET).send().await.expect("GET");
+        assert_eq!(get.status(), StatusCode::OK, "GET {path}");
+        let get_type = header(&get, "content-type").map(str::to_owned);
+        let get_body = get.bytes().await.expect("GET body");
+        assert!(!get_body.is_empty(), "GET {path}");
+        let head = request(reqwest::Method::HEAD).send().await.expect("HEAD");
+        assert_eq!(head.status(), StatusCode::OK, "HEAD {path}");
+        assert_eq!(
+            header(&head, "content-type").map(str::to_owned),
+            get_type,
+            "HEAD {path}"
+        );
+        assert_eq!(
+            header(&head, "content-length"),
+            Some(get_body.len().to_string().as_str()),
+            "HEAD {path}"
+        );
+        assert!(
+            head.bytes().await.expect("HEAD body").is_empty(),
+            "HEAD {path}"
+        );
+    }
+    // HEAD of an order that is not there: the GET's 404, without its body.
+    let missing = client
+        .head(api.url(&format!("/orders/{id}")))
+        .bearer_auth(&caller.key)
+        .send()
+        .await
+        .expect("HEAD missing");
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
 }
 
 /// A payment's currency is moot without the order (another tenant's, or

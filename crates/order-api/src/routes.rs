@@ -33,6 +33,8 @@ pub fn openapi(ttl_seconds: u64) -> String {
         .replace(RETENTION, &retention(ttl_seconds));
     info["description"] = description.into();
     info["x-idempotency-retention-seconds"] = ttl_seconds.into();
+    // The supported currencies, from the list the server checks against.
+    doc["components"]["schemas"]["Currency"]["enum"] = events::SUPPORTED_CURRENCIES.into();
     doc.to_string()
 }
 
@@ -54,7 +56,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     .service(
         web::resource("/orders/{id}")
             .route(web::get().to(get_order))
-            .default_service(web::to(method_not_allowed("GET"))),
+            .route(web::head().to(get_order))
+            .default_service(web::to(method_not_allowed("GET, HEAD"))),
     )
     .service(
         web::resource("/orders/{id}/payments")
@@ -68,13 +71,19 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     )
     .service(
         web::resource("/openapi.json")
-            .route(web::get().to(|state: web::Data<AppState>| async move {
-                HttpResponse::Ok()
-                    .content_type("application/json")
-                    .body(openapi(state.settings.idempotency.ttl_seconds))
-            }))
-            .default_service(web::to(method_not_allowed("GET"))),
+            .route(web::get().to(openapi_document))
+            .route(web::head().to(openapi_document))
+            .default_service(web::to(method_not_allowed("GET, HEAD"))),
     );
+}
+
+/// The OpenAPI document, with this server's key retention. A GET resource
+/// answers HEAD too (RFC 9110 section 9.1): actix sends the headers, with the
+/// GET's Content-Length, and no body.
+async fn openapi_document(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .body(openapi(state.settings.idempotency.ttl_seconds))
 }
 
 pub async fn not_found() -> Result<HttpResponse, ApiError> {
@@ -337,6 +346,19 @@ async fn get_order(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_served_document_lists_the_supported_currencies() {
+        let doc: serde_json::Value = serde_json::from_str(&openapi(86_400)).expect("JSON");
+        let listed: Vec<&str> = doc["components"]["schemas"]["Currency"]["enum"]
+            .as_array()
+            .expect("enum")
+            .iter()
+            .map(|c| c.as_str().expect("code"))
+            .collect();
+        assert_eq!(listed, events::SUPPORTED_CURRENCIES);
+        assert_eq!(doc["info"]["x-idempotency-retention-seconds"], 86_400);
+    }
 
     fn parse<C: OrderCommand>(body: &str) -> C {
         request::parse::<C>(body.as_bytes()).expect("parse")
