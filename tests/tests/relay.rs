@@ -1742,6 +1742,27 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
         (e.event_id == unreadable).then_some(Timestamp::PosInfinity)
     })
     .await;
+    // A fifth order whose first event carries a trace state no AMQP frame
+    // takes (the column has no bound; the broker would close the whole
+    // connection on its header frame).
+    let traced = orders_with_events(1, 2, &event_type);
+    db.execute(
+        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+             aggregate_sequence, event_type, schema_version, payload, traceparent, tracestate)
+         VALUES ($1, $2, 'order', $3, 1, $4, 1, $5,
+                 '00-' || $6 || '-00f067aa0ba902b7-01', 'vendor=' || repeat('a', 200000))",
+        &[
+            &traced[0].event_id,
+            &tenant,
+            &traced[0].aggregate_id,
+            &traced[0].event_type,
+            &traced[0].payload,
+            &TRACE_ID,
+        ],
+    )
+    .await
+    .expect("the traced row");
+    insert(&db, &tenant, &traced[1..]).await;
     let mut relay = Relay::start(
         &tenant,
         &[
@@ -1758,7 +1779,7 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
         Duration::from_secs(60),
         "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND quarantined_at IS NOT NULL",
         &tenant,
-        3,
+        4,
     )
     .await;
     let reasons = [
@@ -1770,6 +1791,10 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
         (
             events[2].event_id,
             "the broker takes at most 4000 (relay.max_message_bytes)",
+        ),
+        (
+            traced[0].event_id,
+            "the connection's frames are at most 131072 bytes (frame_max)",
         ),
     ];
     for (event_id, reason) in reasons {
@@ -1791,7 +1816,7 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
         assert!(unpublished);
     }
     // Their orders' second events are held behind them, not skipped.
-    for held in &events[4..7] {
+    for held in events[4..7].iter().chain(&traced[1..]) {
         let row = db
             .query_one(
                 "SELECT published_at IS NULL AND quarantined_at IS NULL AND attempt_count = 0
@@ -1817,7 +1842,7 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
         "only the healthy order, in order"
     );
     // Still the same process: it never exited, and it counted the failures.
-    assert!(relay.metric("outbox_publish_failures_total").await >= 6);
+    assert!(relay.metric("outbox_publish_failures_total").await >= 8);
     relay.stop();
 
     // A requeue that dies before its commit (`relay.requeue.before_commit`)
@@ -1840,14 +1865,14 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
     );
     let quarantined = "SELECT count(*) FROM outbox_events \
                        WHERE tenant_id = $1 AND quarantined_at IS NOT NULL";
-    assert_eq!(count(&db, quarantined, &tenant).await, 3, "{output}");
+    assert_eq!(count(&db, quarantined, &tenant).await, 4, "{output}");
 
     // `requeue --all` releases every quarantined row of the relay's tenant
-    // (only the three: other tests' rows share the table).
+    // (only the four: other tests' rows share the table).
     let (ok, output) = admin(&["requeue", "--all"], &[only_tenant]).await;
     assert!(ok, "{output}");
     assert!(
-        output.contains("released 3 event(s); 3 later event(s)"),
+        output.contains("released 4 event(s); 4 later event(s)"),
         "{output}"
     );
     assert_eq!(
@@ -1859,7 +1884,7 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
             &tenant,
         )
         .await,
-        6
+        8
     );
 
     // The unreadable row in flight (leased by a relay that died before

@@ -113,9 +113,13 @@ const SHORT_STRING_MAX: usize = 255;
 /// Refuse a body above `max_body` bytes (the broker's `max_message_size`)
 /// before it is sent: the broker would close the channel, failing every
 /// message in flight on it as an infrastructure failure and never
-/// quarantining the one at fault. (An event type too long for AMQP is
-/// refused by [`message`].)
-pub fn check_limits(message: &Message, max_body: usize) -> Result<(), String> {
+/// quarantining the one at fault. Likewise a content header frame above
+/// `frame_max` (the connection's negotiated frame size): lapin sends the
+/// properties and headers as one frame, and the broker closes the whole
+/// connection on a larger one (501 FRAME_ERROR). The headers carry the
+/// row's aggregate id, tenant and trace context, which no column bounds.
+/// (An event type too long for AMQP is refused by [`message`].)
+pub fn check_limits(message: &Message, max_body: usize, frame_max: u32) -> Result<(), String> {
     if message.body.len() > max_body {
         return Err(format!(
             "the message is {} bytes; the broker takes at most {max_body} \
@@ -123,7 +127,45 @@ pub fn check_limits(message: &Message, max_body: usize) -> Result<(), String> {
             message.body.len()
         ));
     }
+    let header = header_frame_bound(&message.properties);
+    if header > usize::try_from(frame_max).unwrap_or(usize::MAX) {
+        return Err(format!(
+            "the message's properties and headers take up to {header} bytes in one \
+             frame; the connection's frames are at most {frame_max} bytes (frame_max)"
+        ));
+    }
     Ok(())
+}
+
+/// An upper bound of the content header frame of `properties` (AMQP 0-9-1
+/// sections 2.3.5 and 4.2.6): exact for the property and header types
+/// [`message`] sets, 1 KiB for any other header value.
+pub fn header_frame_bound(properties: &BasicProperties) -> usize {
+    // Frame type, channel, size; class, weight, body size, property flags;
+    // frame end.
+    const FIXED: usize = 7 + 2 + 2 + 8 + 2 + 1;
+    let short =
+        |s: &Option<lapin::types::ShortString>| s.as_ref().map_or(0, |s| 1 + s.as_str().len());
+    let mut size = FIXED
+        + short(properties.content_type())
+        + short(properties.message_id())
+        + short(properties.kind())
+        + properties.delivery_mode().map_or(0, |_| 1)
+        + properties.timestamp().map_or(0, |_| 8);
+    if let Some(table) = properties.headers() {
+        size += 4;
+        for (name, value) in table.inner() {
+            size += 1 + name.as_str().len() + 1;
+            size += match value {
+                AMQPValue::LongString(text) => 4 + text.as_bytes().len(),
+                AMQPValue::LongLongInt(_) => 8,
+                AMQPValue::LongInt(_) => 4,
+                AMQPValue::Boolean(_) => 1,
+                _ => 1024,
+            };
+        }
+    }
+    size
 }
 
 /// The start of `last_error` for a row the relay could not make a message
@@ -635,9 +677,30 @@ mod tests {
     fn a_message_over_the_broker_s_limits_is_refused_before_it_is_sent() {
         let (message, _) = prepare(&row(), false).expect("encodes");
         let size = message.body.len();
-        assert_eq!(check_limits(&message, size), Ok(()));
-        let error = check_limits(&message, size - 1).expect_err("one byte over");
+        assert_eq!(check_limits(&message, size, 131_072), Ok(()));
+        let error = check_limits(&message, size - 1, 131_072).expect_err("one byte over");
         assert!(error.contains("relay.max_message_bytes"), "{error}");
+        // The header frame: exactly what lapin writes, within the bound.
+        let frame = exact_header_frame(&message);
+        let bound = header_frame_bound(&message.properties);
+        assert_eq!(bound, frame, "the bound is exact for these types");
+        let frame_max = u32::try_from(frame).expect("small");
+        assert_eq!(check_limits(&message, size, frame_max), Ok(()));
+        let error = check_limits(&message, size, frame_max - 1).expect_err("one byte over");
+        assert!(error.contains("frame_max"), "{error}");
+        // A trace state no frame takes (the column has no bound).
+        let mut traced = row();
+        traced.tracestate = Some(format!("vendor={}", "a".repeat(200_000)));
+        let (message, _) = prepare(&traced, false).expect("encodes");
+        assert_eq!(
+            header_frame_bound(&message.properties),
+            exact_header_frame(&message)
+        );
+        let error = check_limits(&message, usize::MAX, 131_072).expect_err("too big a frame");
+        assert!(
+            error.contains("at most 131072 bytes (frame_max)"),
+            "{error}"
+        );
         let mut long = row();
         long.event_type = "E".repeat(256);
         let error = prepare(&long, false).expect_err("256 bytes");
@@ -645,6 +708,18 @@ mod tests {
         long.event_type.pop();
         let (message, _) = prepare(&long, false).expect("255 bytes encode");
         assert_eq!(message.routing_key.len(), 255);
+    }
+
+    /// The content header frame of `message` as lapin's protocol library
+    /// writes it: frame type, channel, size (7), class, weight, body size
+    /// (12), the properties with their flags, the frame end (1).
+    fn exact_header_frame(message: &Message) -> usize {
+        let properties = cookie_factory::gen_simple(
+            lapin::protocol::basic::gen_properties(&message.properties),
+            Vec::new(),
+        )
+        .expect("serialises");
+        7 + 12 + properties.len() + 1
     }
 
     #[test]

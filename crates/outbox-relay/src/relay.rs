@@ -173,6 +173,7 @@ impl Relay {
             if self
                 .publish_and_settle(
                     channel,
+                    connection.configuration().frame_max(),
                     claimed.rows,
                     claimed.undecodable,
                     (lease_until, lease_deadline),
@@ -227,6 +228,7 @@ impl Relay {
     async fn publish_and_settle(
         &self,
         channel: &Channel,
+        frame_max: u32,
         rows: Vec<OutboxRow>,
         undecodable: Vec<(Uuid, i32, String)>,
         (lease_until, lease_deadline): (time::OffsetDateTime, tokio::time::Instant),
@@ -244,7 +246,7 @@ impl Relay {
             .collect();
         for row in &rows {
             let prepared = publish::prepare(row, false).and_then(|prepared| {
-                publish::check_limits(&prepared.0, self.settings.max_message_bytes)
+                publish::check_limits(&prepared.0, self.settings.max_message_bytes, frame_max)
                     .map(|()| prepared)
             });
             match prepared {

@@ -183,6 +183,7 @@ pub async fn replay(
         request.consumer
     );
     let channel = connection.create_channel().await?;
+    let frame_max = connection.configuration().frame_max();
     let mut summary = ReplaySummary {
         partitions: partitions.clone(),
         ..ReplaySummary::default()
@@ -265,7 +266,7 @@ pub async fn replay(
                 .map_err(|error| crate::claim::unreadable(&error))
                 .and_then(|decoded| {
                     let prepared = publish::prepare(&decoded, true)?;
-                    publish::check_limits(&prepared.0, request.max_message_bytes)?;
+                    publish::check_limits(&prepared.0, request.max_message_bytes, frame_max)?;
                     Ok((decoded.aggregate_id, prepared))
                 });
             match prepared {
