@@ -991,6 +991,101 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     fixed.wait_metric_eq("consumer_dlq_messages", "", 0.0).await;
 }
 
+/// Live events dead-lettered behind a park while a redrive runs (after its
+/// drain, before it un-parks the order: fail point
+/// `consumer.redrive.after_drain` holds it there) are moved by the same
+/// run, after the letter it drained. Before, they stayed in the DLQ with
+/// the order un-parked, waiting at its gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
+    let tenant = unique("t5-redrive-race");
+    let bad = story(&tenant);
+    let name = unique("t5-redrive-race-loy");
+    let mut broken = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &bad.placed).await;
+    broken
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            1.0,
+        )
+        .await;
+    broken.service.signal("TERM");
+    assert!(broken.service.wait_exit(WAIT).is_some(), "stops on SIGTERM");
+    let fixed = Consumer::start(Kind::Loyalty, &name, Options::default()).await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((0, true))
+    );
+    let dlq = format!("{name}.dlq");
+    assert_eq!(queue_depth(&dlq).await, 1);
+
+    let mut command = consumer_command(
+        Kind::Loyalty,
+        &name,
+        &Options {
+            failpoints: Some("consumer.redrive.after_drain=1*sleep(20000)".to_owned()),
+            ..Options::default()
+        },
+    );
+    command.arg("redrive");
+    let mut redrive = tokio::process::Command::from(command)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn redrive");
+    // Drained: the letter is held by the run, none is ready.
+    eventually("the redrive's drain", WAIT, || async {
+        (queue_depth(&dlq).await == 0).then_some(())
+    })
+    .await;
+    // The order is still parked: its next events go to the DLQ behind it.
+    publisher.to_consumer(&name, &bad.paid).await;
+    publisher.to_consumer(&name, &bad.delivered).await;
+    fixed
+        .wait_metric("consumer_dead_lettered_total", "reason=\"parked\"", 2.0)
+        .await;
+    assert!(
+        redrive.try_wait().expect("redrive status").is_none(),
+        "the redrive is still held after its drain (else this test proves nothing)"
+    );
+    let output = tokio::time::timeout(Duration::from_secs(120), redrive.wait_with_output())
+        .await
+        .expect("the redrive finishes")
+        .expect("redrive output");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{stdout}");
+    let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
+    assert_eq!(moved.len(), 3, "{stdout}");
+    for (line, m) in moved.iter().zip([&bad.placed, &bad.paid, &bad.delivered]) {
+        assert!(
+            line.contains(&m.event_id.to_string()) && line.contains(&format!("seq {}", m.sequence)),
+            "moved in sequence order: {stdout}"
+        );
+    }
+    wait_sequence(Database::Loyalty, &name, bad.order, 3).await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((3, false))
+    );
+    assert_eq!(queue_depth(&dlq).await, 0, "{stdout}");
+    let entries = loyalty(&tenant).await;
+    assert_eq!(
+        entries,
+        vec![("77".to_owned(), 80, bad.order, bad.delivered.event_id)]
+    );
+    assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
+}
+
 /// A crash after a failed attempt's copy is confirmed in the retry tier and
 /// before the message is acknowledged: the broker redelivers the message
 /// too. The restarted consumer applies one copy and takes the other as a

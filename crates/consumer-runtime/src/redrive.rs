@@ -5,7 +5,7 @@
 //! other orders (with `--order`) stay in the dead-letter queue, as new
 //! copies of themselves (see [`keep`]).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kit::{db::PgPool, CancellationToken};
 use lapin::{
@@ -352,19 +352,70 @@ pub async fn redrive(
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        move_letters(pool, &channel, topology, only_order, max, &mut report).await
+        move_in_passes(pool, &channel, topology, only_order, max, &mut report).await
     }
     .await;
     let _ = connection.close(200, "redrive done".into()).await;
     (report, result)
 }
 
+/// At most this many passes of [`move_letters`] in one run.
+const PASSES: usize = 3;
+
+/// [`move_letters`] again after a pass that un-parked an order, up to
+/// [`PASSES`]. A live event of that order which arrived between the pass's
+/// drain and its un-park went to the DLQ behind the park: the next pass
+/// moves it, after the letters the pass before moved (which precede it in
+/// the order's partition), instead of leaving it there with the order
+/// un-parked and waiting at its gap. A pass that un-parks nothing ends the
+/// run. Each pass reads again the letters the one before kept, so only the
+/// last pass's `kept` are reported.
+async fn move_in_passes(
+    pool: &PgPool,
+    channel: &Channel,
+    topology: &Topology,
+    only_order: Option<&str>,
+    max: usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let mut moved_through: HashMap<String, i64> = HashMap::new();
+    for pass in 1..=PASSES {
+        if pass > 1 {
+            report.kept.clear();
+        }
+        let unparked = report.unparked.len();
+        move_letters(
+            pool,
+            channel,
+            topology,
+            only_order,
+            max,
+            &moved_through,
+            report,
+        )
+        .await?;
+        for moved in &report.moved {
+            let through = moved_through.entry(moved.order.clone()).or_default();
+            *through = (*through).max(moved.sequence);
+        }
+        if report.unparked.len() == unparked {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// One pass: drain the DLQ, move and keep. An order's letters continue
+/// from its last applied sequence, or from the highest one an earlier pass
+/// moved (`moved_through`: in its partition ahead of them, maybe not
+/// applied yet).
 async fn move_letters(
     pool: &PgPool,
     channel: &Channel,
     topology: &Topology,
     only_order: Option<&str>,
     max: usize,
+    moved_through: &HashMap<String, i64>,
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let mut letters = Vec::new();
@@ -398,6 +449,9 @@ async fn move_letters(
         }
     }
 
+    // Where a test holds the run after its drain, to dead-letter live
+    // events behind a park the run is about to lift.
+    kit::failpoint::hold_point("consumer.redrive.after_drain");
     let (letters, past_max) = drop_exact_copies(report, letters, past_max).await?;
 
     let mut selected: BTreeMap<String, Vec<Letter>> = BTreeMap::new();
@@ -447,6 +501,7 @@ async fn move_letters(
         // of the order's letters may lie past `--max`, or its earliest was
         // lowered into the DLQ behind later ones.
         let (last, owner) = last_applied(pool, &topology.name, &order).await?;
+        let last = last.max(moved_through.get(&order).copied().unwrap_or(0));
         // A malformed letter (its order named by its metadata) never
         // applies: moved, it would only park the order again. It is not a
         // letter of its sequence, so it leaves a hole there until a
