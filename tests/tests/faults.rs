@@ -408,15 +408,17 @@ async fn consumer_crash_after_commit_before_ack() {
     );
 }
 
-/// The checker itself: a clean system, then one tampering per invariant,
-/// each of which it must report (a checker that cannot fail proves nothing).
+/// The checker itself: a clean system, then tamperings that break each
+/// invariant, and each of the checker's findings within an invariant, each
+/// of which it must report on its own order, by the check meant for it (a
+/// checker that cannot fail proves nothing).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_checker_reports_each_broken_invariant() {
     let _serial = SERIAL.lock().await;
     let system = System::start("fault-checker", SystemOptions::default()).await;
     system.stock_up().await;
-    system.drive(0..4, 4).await;
-    assert_invariants(&system, 4).await;
+    system.drive(0..10, 4).await;
+    assert_invariants(&system, 10).await;
     let t = system.tenant.clone();
     let orders = pg(Database::Orders).await;
     let ids: Vec<String> = orders
@@ -451,12 +453,13 @@ async fn the_checker_reports_each_broken_invariant() {
     )
     .await;
     // (2) an outbox row (published) without any order.
+    let orphan = Uuid::now_v7().to_string();
     orders
         .execute(
             "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
                aggregate_sequence, event_type, schema_version, payload, published_at) \
              VALUES ($1, $2, 'order', $3, 1, 'OrderPlaced', 1, '{}', now())",
-            &[&Uuid::now_v7(), &t, &Uuid::now_v7().to_string()],
+            &[&Uuid::now_v7(), &t, &orphan],
         )
         .await
         .expect("orphan");
@@ -509,6 +512,91 @@ async fn the_checker_reports_each_broken_invariant() {
         .await
         .expect("lose inbox");
 
+    let inventory_name = system
+        .consumer(system_tests::consumers::Kind::Inventory)
+        .name
+        .clone();
+    // (4) order 4's placement applied by inventory without its inbox row.
+    let placed4 = event(&ids[4], 1).await;
+    inventory
+        .execute(
+            "DELETE FROM processed_events WHERE consumer_name = $1 AND event_id = $2",
+            &[&inventory_name, &placed4],
+        )
+        .await
+        .expect("drop inbox row");
+    // (4) order 5's delivery in inventory's inbox without its sale.
+    inventory
+        .execute(
+            "DELETE FROM stock_movements WHERE tenant_id = $1 AND order_id = $2::text::uuid \
+               AND movement_type = 'sale'",
+            &[&t, &ids[5]],
+        )
+        .await
+        .expect("drop sale");
+    // (1, 2) order 6 set back to paid, its delivery and event left.
+    orders
+        .execute(
+            "UPDATE orders SET status = 'paid' WHERE tenant_id = $1 AND order_id = $2::text::uuid",
+            &[&t, &ids[6]],
+        )
+        .await
+        .expect("status back");
+    // (2) order 7's payment event replaced by a delivery at its position.
+    system_tests::delete_outbox_rows(
+        &orders,
+        "DELETE FROM outbox_events WHERE aggregate_id = $1 AND aggregate_sequence = 2",
+        &[&ids[7]],
+    )
+    .await;
+    orders
+        .execute(
+            "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+               aggregate_sequence, event_type, schema_version, payload, published_at) \
+             VALUES ($1, $2, 'order', $3, 2, 'ParcelDelivered', 1, '{}', now())",
+            &[&Uuid::now_v7(), &t, &ids[7]],
+        )
+        .await
+        .expect("wrong type");
+    // (5) order 8's reservation rewritten after its sale (a newer movement id).
+    let renumbered = inventory
+        .execute(
+            "UPDATE stock_movements SET movement_id = DEFAULT \
+             WHERE tenant_id = $1 AND order_id = $2::text::uuid AND movement_type = 'reserve'",
+            &[&t, &ids[8]],
+        )
+        .await
+        .expect("renumber");
+    assert!(renumbered > 0);
+    // (4) order 9's reservation booked twice for its event (at another
+    // location: one per event, sku and location is all the schema stops).
+    inventory
+        .batch_execute(&format!(
+            "INSERT INTO stock_levels (tenant_id, sku, location) \
+               SELECT tenant_id, sku, 'elsewhere' FROM stock_movements \
+                WHERE tenant_id = '{t}' AND order_id = '{o}' AND movement_type = 'reserve' \
+             ON CONFLICT DO NOTHING; \
+             INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, \
+                on_hand_delta, reserved_delta, shortage, order_id, event_id) \
+               SELECT tenant_id, sku, 'elsewhere', movement_type, qty, on_hand_delta, \
+                      reserved_delta, shortage, order_id, event_id FROM stock_movements \
+                WHERE tenant_id = '{t}' AND order_id = '{o}' AND movement_type = 'reserve' \
+                ORDER BY movement_id LIMIT 1;",
+            o = ids[9]
+        ))
+        .await
+        .expect("double");
+    // (2) inventory's progress row for an order with no event at all.
+    let stray = Uuid::now_v7().to_string();
+    inventory
+        .execute(
+            "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id, last_sequence) \
+             VALUES ($1, $2, $3, 1)",
+            &[&inventory_name, &stray, &t],
+        )
+        .await
+        .expect("stray progress");
+
     let report = system.check(Duration::ZERO).await;
     println!("{}", report.render());
     for n in 1..=5 {
@@ -530,22 +618,90 @@ async fn the_checker_reports_each_broken_invariant() {
                 && v.what.contains(what)
         })
     };
-    let inventory_name = system
-        .consumer(system_tests::consumers::Kind::Inventory)
-        .name
-        .clone();
     let loyalty_name = system
         .consumer(system_tests::consumers::Kind::Loyalty)
         .name
         .clone();
+    let (inventory_name, loyalty_name) =
+        (Some(inventory_name.as_str()), Some(loyalty_name.as_str()));
+    for (invariant, consumer, order, what) in [
+        (
+            1,
+            None,
+            ids[0].as_str(),
+            "outbox sequences [1, 2], expected [1, 2, 3]",
+        ),
+        (2, None, orphan.as_str(), "without a committed order"),
+        (
+            4,
+            loyalty_name,
+            ids[1].as_str(),
+            "which is not in the outbox",
+        ),
+        (
+            4,
+            inventory_name,
+            ids[4].as_str(),
+            "(without its inbox row)",
+        ),
+        (
+            4,
+            inventory_name,
+            ids[5].as_str(),
+            "(missing although the inbox records the event)",
+        ),
+        (
+            1,
+            None,
+            ids[6].as_str(),
+            "with 1 payment(s) and 1 deliver(ies)",
+        ),
+        (
+            1,
+            None,
+            ids[6].as_str(),
+            "status paid but last_event_sequence 3",
+        ),
+        (
+            2,
+            None,
+            ids[6].as_str(),
+            "beyond the order's last sequence 3 / status paid",
+        ),
+        (
+            2,
+            None,
+            ids[7].as_str(),
+            "is ParcelDelivered at sequence 2, expected PaymentReceived",
+        ),
+        (
+            5,
+            inventory_name,
+            ids[8].as_str(),
+            "sale (sequence 3) written before reserve (sequence 1)",
+        ),
+        (4, inventory_name, ids[9].as_str(), "(doubled)"),
+        (
+            2,
+            inventory_name,
+            stray.as_str(),
+            "progress for an order without outbox events",
+        ),
+    ] {
+        assert!(
+            reported(invariant, consumer, order, what),
+            "({invariant}) {what:?} on {order}:\n{}",
+            report.render()
+        );
+    }
     assert!(
-        reported(5, Some(&inventory_name), &ids[2], "processed out of order"),
+        reported(5, inventory_name, &ids[2], "processed out of order"),
         "(5) the reordered delivery:\n{}",
         report.render()
     );
     assert!(
         report.violations.iter().any(|v| v.invariant == 3
-            && v.consumer.as_deref() == Some(loyalty_name.as_str())
+            && v.consumer.as_deref() == loyalty_name
             && v.order.as_deref() == Some(ids[3].as_str())),
         "(3) the lost delivery:\n{}",
         report.render()
