@@ -50,7 +50,9 @@ pub type Floor = Timestamp<OffsetDateTime>;
 /// probe is the claim's own `NOT EXISTS`, word for word: a unit test keeps
 /// the two the same).
 pub const FLOOR_SQL: &str = "
-SELECT least(
+SELECT claim_floor,
+       CASE WHEN isfinite(claim_floor) THEN EXTRACT(EPOCH FROM now() - claim_floor)::float8 END
+FROM (SELECT least(
     (SELECT o.available_at FROM outbox_events o
       WHERE o.published_at IS NULL AND o.quarantined_at IS NULL
         AND ($1 = '' OR o.tenant_id = $1)
@@ -62,10 +64,16 @@ SELECT least(
               AND earlier.published_at IS NULL))
       ORDER BY o.available_at
       LIMIT 1),
-    now() - $2::bigint * interval '1 millisecond')";
+    now() - $2::bigint * interval '1 millisecond') AS claim_floor) AS computed";
 
-/// Compute the floor now.
-pub async fn compute(pool: &PgPool, only_tenant: &str, margin: Duration) -> anyhow::Result<Floor> {
+/// Compute the floor now, with how far it trails the database's clock in
+/// seconds (`None` for an infinite floor): both on the database's clock, so
+/// a relay host whose clock is off does not show as lag.
+pub async fn compute(
+    pool: &PgPool,
+    only_tenant: &str,
+    margin: Duration,
+) -> anyhow::Result<(Floor, Option<f64>)> {
     let margin = i64::try_from(margin.as_millis()).unwrap_or(i64::MAX);
     let client = pool.get().await?;
     let row = client
@@ -74,7 +82,7 @@ pub async fn compute(pool: &PgPool, only_tenant: &str, margin: Duration) -> anyh
             &[(&only_tenant, Type::TEXT), (&margin, Type::INT8)],
         )
         .await?;
-    Ok(row.get(0))
+    Ok((row.get(0), row.get(1)))
 }
 
 /// Whether claims with floor `new` can see rows that claims with `old` could
@@ -114,17 +122,17 @@ pub async fn refresh_periodically(
         };
         // Like the gauges: at most 2 % of the time on the walk itself.
         let pause = crate::metrics::gauge_pause(interval, started.elapsed());
-        let floor = match computed {
-            Ok(floor) => floor,
+        let (floor, lag) = match computed {
+            Ok(computed) => computed,
             Err(error) => {
                 tracing::warn!(
                     error = format!("{error:#}"),
                     "computing the claim floor failed: claims walk the whole dispatch index until it works"
                 );
-                Timestamp::NegInfinity
+                (Timestamp::NegInfinity, None)
             }
         };
-        metrics.claim_floor_lag.set(lag_seconds(floor));
+        metrics.claim_floor_lag.set(lag.unwrap_or(-1.0));
         let old = sender.send_replace(floor);
         if lowered(old, floor) {
             crate::listen::wake(&wake);
@@ -133,14 +141,6 @@ pub async fn refresh_periodically(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(pause) => {}
         }
-    }
-}
-
-/// Seconds from `floor` to now (`-1` for `NegInfinity`).
-fn lag_seconds(floor: Floor) -> f64 {
-    match floor {
-        Timestamp::Value(at) => (OffsetDateTime::now_utc() - at).as_seconds_f64(),
-        _ => -1.0,
     }
 }
 

@@ -121,7 +121,7 @@ impl Metrics {
         kit::metrics::register(registry, &confirm_latency);
         let claim_floor_lag = Gauge::with_opts(opts(
             "outbox_claim_floor_lag_seconds",
-            "How far the claim's floor trails the clock (-1: no floor, claims walk from the start)",
+            "How far the claim's floor trailed the database's clock at its last refresh (-1: no floor, claims walk from the start)",
         ))
         .expect("valid gauge");
         kit::metrics::register(registry, &claim_floor_lag);
