@@ -26,6 +26,33 @@ pub const TEST_TOKEN: &str = "consumer-test-token";
 /// Retry tiers of the tests (milliseconds).
 pub const TEST_TIERS_MS: &str = "100,200,300,400,500";
 
+/// Wait until every transaction in progress in `db` when called is over:
+/// the rows written before the call are then on the read endpoints' pages,
+/// which end at the oldest transaction still running
+/// ([`consumer_runtime::auth::SETTLED_HORIZON`]; another test may hold one
+/// open for seconds).
+pub async fn settled(db: Database) {
+    let client = crate::pg(db).await;
+    let start: time::OffsetDateTime = client
+        .query_one("SELECT now()", &[])
+        .await
+        .expect("now")
+        .get(0);
+    eventually(
+        &format!("the transactions running in {} to end", db.name()),
+        Duration::from_secs(60),
+        || async {
+            let horizon: time::OffsetDateTime = client
+                .query_one(consumer_runtime::auth::SETTLED_HORIZON, &[])
+                .await
+                .expect("horizon")
+                .get(0);
+            (horizon >= start).then_some(())
+        },
+    )
+    .await;
+}
+
 /// A short random id for names and tenants.
 pub fn unique(prefix: &str) -> String {
     let id = Uuid::new_v4().simple().to_string();

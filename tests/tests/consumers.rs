@@ -438,6 +438,8 @@ async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
     );
     assert_eq!(stock["movements"].as_array().map(Vec::len), Some(3));
 
+    system_tests::consumers::settled(Database::Ledger).await;
+    system_tests::consumers::settled(Database::Loyalty).await;
     let (status, j) = ledger
         .get(&format!("/journal?tenant={tenant}&order_id={}", s.order))
         .await;
@@ -1236,6 +1238,130 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
     assert_levels_equal_movements(&tenant).await;
 }
 
+/// Read a list endpoint on from `cursor` the way an incremental reader
+/// does (`after` = the last id seen), appending the ids of `key` to `seen`.
+async fn read_on(
+    consumer: &Consumer,
+    path: &str,
+    key: &str,
+    cursor: &mut Option<String>,
+    seen: &mut Vec<String>,
+) {
+    let after = cursor
+        .as_ref()
+        .map(|c| format!("&after={c}"))
+        .unwrap_or_default();
+    let (status, page) = consumer.get(&format!("{path}{after}")).await;
+    assert_eq!(status, 200, "{page}");
+    for item in page[key].as_array().expect("a list") {
+        let id = match &item["entry_id"] {
+            Value::String(id) => id.clone(),
+            other => other.to_string(),
+        };
+        seen.push(id.clone());
+        *cursor = Some(id);
+    }
+}
+
+/// [`read_on`] until `want` ids are seen (or [`WAIT`] has passed).
+async fn read_on_until(
+    consumer: &Consumer,
+    path: &str,
+    key: &str,
+    cursor: &mut Option<String>,
+    seen: &mut Vec<String>,
+    want: usize,
+) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while seen.len() < want && std::time::Instant::now() < deadline {
+        read_on(consumer, path, key, cursor, seen).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A reader paging the journal with `after` misses no entry, whatever
+/// order entries commit in. Entry A's transaction starts first (its
+/// `posted_at`) and commits last, after entry B: every page holds B back
+/// until A is over, then both come in posted order. (Paged by posted_at
+/// alone, the reader got B, moved its cursor past A's place, and never saw
+/// A.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_reader_paging_on_misses_no_entry_that_commits_late() {
+    let tenant = unique("t5-late");
+    let ledger = Consumer::start(Kind::Ledger, &unique("t5-late-led"), Options::default()).await;
+    let mut client = pg(Database::Ledger).await;
+    client
+        .execute(
+            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES \
+             ($1, 'cash', 'Cash', 'asset'), ($1, 'sales', 'Sales', 'revenue')",
+            &[&tenant],
+        )
+        .await
+        .expect("accounts");
+    let mut slow = pg(Database::Ledger).await;
+    let a = Uuid::now_v7();
+    let tx = slow.transaction().await.expect("begin A");
+    system_tests::insert_journal_entry(&tx, a, &tenant, a, "Test").await;
+    for (line_no, account, debit, credit) in [(1_i32, "cash", 500_i64, 0_i64), (2, "sales", 0, 500)]
+    {
+        tx.execute(
+            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            &[&a, &line_no, &tenant, &account, &debit, &credit],
+        )
+        .await
+        .expect("line of A");
+    }
+    let b = post_entry(&mut client, &tenant, 700, 700).await.expect("B");
+    let path = format!("/journal?tenant={tenant}");
+    let (mut cursor, mut seen) = (None, Vec::new());
+    read_on(&ledger, &path, "entries", &mut cursor, &mut seen).await;
+    assert_eq!(seen, Vec::<String>::new(), "B waits for A's transaction");
+    tx.commit().await.expect("commit A");
+    read_on_until(&ledger, &path, "entries", &mut cursor, &mut seen, 2).await;
+    assert_eq!(seen, vec![a.to_string(), b.to_string()]);
+}
+
+/// The same for a customer's loyalty entries, whose ids are drawn at
+/// insert: A's insert draws the lower id and commits after B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loyalty_reader_paging_on_misses_no_entry_that_commits_late() {
+    let tenant = unique("t5-late");
+    let loyalty = Consumer::start(Kind::Loyalty, &unique("t5-late-loy"), Options::default()).await;
+    let insert =
+        "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
+                    event_type, reason, occurred_at) \
+                  VALUES ($1, '77', $2, $3, $2, 'Test', 'test', now()) RETURNING entry_id";
+    let mut slow = pg(Database::Loyalty).await;
+    let tx = slow.transaction().await.expect("begin A");
+    let a: i64 = tx
+        .query_one(insert, &[&tenant, &Uuid::now_v7(), &10_i64])
+        .await
+        .expect("A")
+        .get(0);
+    let b: i64 = pg(Database::Loyalty)
+        .await
+        .query_one(insert, &[&tenant, &Uuid::now_v7(), &20_i64])
+        .await
+        .expect("B")
+        .get(0);
+    assert!(a < b, "A drew the lower id");
+    let path = format!("/customers/77/loyalty?tenant={tenant}");
+    let (mut cursor, mut seen) = (None, Vec::new());
+    read_on(&loyalty, &path, "entries", &mut cursor, &mut seen).await;
+    assert_eq!(seen, Vec::<String>::new(), "B waits for A's transaction");
+    tx.commit().await.expect("commit A");
+    read_on_until(&loyalty, &path, "entries", &mut cursor, &mut seen, 2).await;
+    assert_eq!(seen, vec![a.to_string(), b.to_string()]);
+    // An id that is none of the customer's entries: a 400, not an empty
+    // page that would read as the end.
+    let (status, problem) = loyalty
+        .get(&format!("{path}&after={}", b + 1_000_000))
+        .await;
+    assert_eq!(status, 400, "{problem}");
+    assert_eq!(problem["field"], json!("after"), "{problem}");
+}
+
 /// (6) The ledger's invariants are the database's: an unbalanced entry is
 /// rejected at commit, posted lines cannot be changed, deleted or added to,
 /// and a line names its entry's tenant.
@@ -1573,6 +1699,7 @@ async fn a_journal_entry_takes_effect_at_the_event_s_business_time() {
         publisher.to_consumer(&name, m).await;
     }
     wait_sequence(Database::Ledger, &name, s.order, 3).await;
+    system_tests::consumers::settled(Database::Ledger).await;
     let (status, journal) = ledger
         .get(&format!("/journal?tenant={tenant}&order_id={}", s.order))
         .await;
@@ -1892,6 +2019,7 @@ async fn totals_beyond_one_amount_are_reported_exactly() {
     .expect("lines");
     db.batch_execute("COMMIT").await.expect("balanced");
 
+    system_tests::consumers::settled(Database::Ledger).await;
     let (status, journal) = ledger
         .get(&format!("/journal?tenant={tenant}&order_id={order}"))
         .await;
@@ -1926,6 +2054,7 @@ async fn totals_beyond_one_amount_are_reported_exactly() {
         .await
         .expect("loyalty entry");
     }
+    system_tests::consumers::settled(Database::Loyalty).await;
     let (status, points) = loyalty
         .get(&format!("/customers/77/loyalty?tenant={tenant}"))
         .await;

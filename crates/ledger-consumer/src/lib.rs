@@ -327,7 +327,10 @@ struct EntryView {
 }
 
 /// `GET /journal?tenant=&order_id=&after=&limit=`: entries with their lines,
-/// oldest first, `limit` entries a page from the one after entry `after`.
+/// oldest first, `limit` entries a page from the one after entry `after`;
+/// an entry shows once every transaction that started before it is over
+/// ([`consumer_runtime::auth::SETTLED_HORIZON`]), so a reader paging on
+/// with `after` misses none.
 async fn get_journal(
     scope: TenantScope,
     pool: web::Data<kit::db::PgPool>,
@@ -359,6 +362,10 @@ async fn get_journal(
             ));
         }
     }
+    // Only entries whose transactions are all over: one still being
+    // written may have started (its posted_at) before an entry a reader
+    // has paged past.
+    let horizon = consumer_runtime::auth::settled_horizon(&client).await?;
     let rows = client
         .query(
             "WITH page AS ( \
@@ -367,6 +374,7 @@ async fn get_journal(
                    AND ($3::uuid IS NULL OR (e.posted_at, e.entry_id) > \
                         (SELECT c.posted_at, c.entry_id FROM journal_entries c \
                          WHERE c.tenant_id = $1 AND c.entry_id = $3)) \
+                   AND e.posted_at < $5 \
                  ORDER BY e.posted_at, e.entry_id LIMIT $4) \
              SELECT e.entry_id, e.order_id, e.event_id, e.event_type, e.description, e.currency, \
                     e.posted_at, l.line_no, l.account_code, a.name, l.debit, l.credit, \
@@ -376,7 +384,7 @@ async fn get_journal(
              JOIN journal_lines l ON l.entry_id = e.entry_id \
              JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
              ORDER BY p.posted_at, p.entry_id, l.line_no",
-            &[&scope.tenant, &order_id, &after, &limit],
+            &[&scope.tenant, &order_id, &after, &limit, &horizon],
         )
         .await
         .map_err(database_problem)?;

@@ -13,7 +13,7 @@
 
 use actix_web::{web, HttpResponse};
 use consumer_runtime::{
-    auth::{database_problem, next_after, PageQuery},
+    auth::{bad_request, database_problem, next_after, PageQuery},
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, Money, RawEnvelope};
@@ -157,7 +157,11 @@ struct EntryView {
 
 /// `GET /customers/{id}/loyalty?tenant=&after=&limit=`: the balance (of
 /// every entry) and the entries with the event that caused each, oldest
-/// first, `limit` a page from the one after entry `after`.
+/// first (by `recorded_at`, then id), `limit` a page from the one after
+/// entry `after`; an entry shows once every transaction that started
+/// before it is over ([`consumer_runtime::auth::SETTLED_HORIZON`]), so a
+/// reader paging on with `after` misses none. (By id alone it could: ids
+/// are drawn at insert and committed in any order.)
 async fn get_loyalty(
     scope: TenantScope,
     pool: web::Data<kit::db::PgPool>,
@@ -169,14 +173,36 @@ async fn get_loyalty(
     let limit = page.limit()?;
     let after: Option<i64> = page.after("an entry_id (an integer)")?;
     let client = pool.get().await.map_err(database_problem)?;
+    if let Some(after) = after {
+        // An unknown cursor is an error, not an empty page (which would
+        // read as the end of the list).
+        let known = client
+            .query_opt(
+                "SELECT 1 FROM loyalty_entries \
+                 WHERE tenant_id = $1 AND customer_id = $2 AND entry_id = $3",
+                &[&scope.tenant, &customer, &after],
+            )
+            .await
+            .map_err(database_problem)?;
+        if known.is_none() {
+            return Err(bad_request(
+                "after",
+                format!("after: no loyalty entry {after} of this customer in this tenant"),
+            ));
+        }
+    }
+    let horizon = consumer_runtime::auth::settled_horizon(&client).await?;
     let rows = client
         .query(
             "SELECT entry_id, points, order_id, event_id, event_type, reason, occurred_at, \
                     recorded_at \
              FROM loyalty_entries WHERE tenant_id = $1 AND customer_id = $2 \
-               AND ($3::bigint IS NULL OR entry_id > $3) \
-             ORDER BY entry_id LIMIT $4",
-            &[&scope.tenant, &customer, &after, &limit],
+               AND ($3::bigint IS NULL OR (recorded_at, entry_id) > \
+                    (SELECT c.recorded_at, c.entry_id FROM loyalty_entries c \
+                     WHERE c.tenant_id = $1 AND c.entry_id = $3)) \
+               AND recorded_at < $5 \
+             ORDER BY recorded_at, entry_id LIMIT $4",
+            &[&scope.tenant, &customer, &after, &limit, &horizon],
         )
         .await
         .map_err(database_problem)?;
