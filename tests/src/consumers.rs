@@ -26,28 +26,35 @@ pub const TEST_TOKEN: &str = "consumer-test-token";
 /// Retry tiers of the tests (milliseconds).
 pub const TEST_TIERS_MS: &str = "100,200,300,400,500";
 
-/// Wait until every transaction in progress in `db` when called is over:
-/// the rows written before the call are then on the read endpoints' pages,
-/// which end at the oldest transaction still running
-/// ([`consumer_runtime::auth::SETTLED_HORIZON`]; another test may hold one
+/// Wait until every transaction that had written in `db` when called is
+/// over: the rows written before the call are then on the read endpoints'
+/// pages, which end at the oldest transaction still running
+/// (`consumer_runtime::auth::SETTLED_HORIZON`; another test may hold one
 /// open for seconds).
 pub async fn settled(db: Database) {
     let client = crate::pg(db).await;
-    let start: time::OffsetDateTime = client
-        .query_one("SELECT now()", &[])
+    // The next transaction id: every one drawn so far is below it.
+    let next: i64 = client
+        .query_one(
+            "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint",
+            &[],
+        )
         .await
-        .expect("now")
+        .expect("xmax")
         .get(0);
     eventually(
         &format!("the transactions running in {} to end", db.name()),
         Duration::from_secs(60),
         || async {
-            let horizon: time::OffsetDateTime = client
-                .query_one(consumer_runtime::auth::SETTLED_HORIZON, &[])
+            let oldest: i64 = client
+                .query_one(
+                    "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
+                    &[],
+                )
                 .await
-                .expect("horizon")
+                .expect("xmin")
                 .get(0);
-            (horizon >= start).then_some(())
+            (oldest >= next).then_some(())
         },
     )
     .await;

@@ -1280,9 +1280,9 @@ async fn read_on_until(
 }
 
 /// A reader paging the journal with `after` misses no entry, whatever
-/// order entries commit in. Entry A's transaction starts first (its
-/// `posted_at`) and commits last, after entry B: every page holds B back
-/// until A is over, then both come in posted order. (Paged by posted_at
+/// order entries commit in. Entry A is written first and commits last,
+/// after entry B: every page holds B back until A's transaction is over,
+/// then both come in the order they were written. (Paged by posted_at
 /// alone, the reader got B, moved its cursor past A's place, and never saw
 /// A.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

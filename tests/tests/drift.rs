@@ -236,11 +236,7 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
         .kill_on_drop(true)
         .spawn()
         .expect("spawn drift-check");
-    let name = format!(
-        "drift-check/{}{}",
-        check.id().expect("pid"),
-        kit::db::READ_ONLY_SUFFIX
-    );
+    let name = format!("drift-check/{}", check.id().expect("pid"));
 
     // Wait until the check holds its three consumer snapshots and has not
     // opened the orders one.

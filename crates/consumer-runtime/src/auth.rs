@@ -197,43 +197,23 @@ impl PageQuery {
     }
 }
 
-/// Where a page of a list kept in transaction-start order may end (the
-/// ledger's journal by `posted_at`, loyalty entries by `recorded_at`: both
-/// `now()`, the writing transaction's start): the start of the oldest
-/// transaction now in progress in this database, or now.
+/// Where a page of a list in writing order ends: the journal's entries and
+/// loyalty entries carry `written_by`, the id of the transaction that wrote
+/// them (`pg_current_xact_id()`, ledger V5 / loyalty V3; rows from before
+/// the column count as 0), are listed by it, and a page stops at this
+/// expression, the oldest transaction id still running in the page
+/// statement's own snapshot.
 ///
-/// Such rows commit in any order: a transaction that started first and
-/// commits last would put its row behind a cursor that a reader had already
+/// Such rows commit in any order: a transaction that wrote first and
+/// commits last would put its row behind a cursor a reader had already
 /// moved past a later one, and no page would ever show it. Below the
-/// horizon every row is final: a transaction that started before it had
-/// ended when the horizon was read, so the page's statement, run after this
-/// one (read committed: a snapshot of its own), sees its row. Rows at or
-/// above it show on a later page once the transactions before them end.
-///
-/// A long transaction anywhere in the database holds the pages back while
-/// it runs (the sessions' `idle_in_transaction_session_timeout` bounds an
-/// idle one), except sessions named `.../read-only`
-/// ([`kit::db::READ_ONLY_SUFFIX`]): drift-check's and check-invariants'
-/// snapshots, which never write.
-///
-/// Sessions of another database role show no `xact_start` without
-/// `pg_read_all_stats`: the endpoint must read as the role its consumer
-/// writes with (as the services do), or with that privilege.
-pub const SETTLED_HORIZON: &str = "SELECT coalesce(min(xact_start), now()) FROM pg_stat_activity \
-     WHERE datname = current_database() AND pid <> pg_backend_pid() \
-       AND backend_type = 'client backend' AND xact_start IS NOT NULL \
-       AND application_name NOT LIKE '%/read-only'";
-
-/// [`SETTLED_HORIZON`], read on `client` (before the page's statement).
-pub async fn settled_horizon(
-    client: &tokio_postgres::Client,
-) -> Result<time::OffsetDateTime, Problem> {
-    client
-        .query_one(SETTLED_HORIZON, &[])
-        .await
-        .map(|row| row.get(0))
-        .map_err(database_problem)
-}
+/// horizon every row is final: every transaction with a lower id had ended
+/// when the statement's snapshot was taken, so the snapshot sees its rows.
+/// A transaction that writes later draws a higher id than any drawn so far,
+/// so its row comes after every cursor given out. A long writer holds the
+/// pages back while it runs; readers (a drift check, pg_dump) draw no id and
+/// do not.
+pub const SETTLED_HORIZON: &str = "pg_snapshot_xmin(pg_current_snapshot())";
 
 /// The cursor of the page after one of `len` items of at most `limit`
 /// whose last item has id `last`: none once a page is short.
@@ -246,14 +226,6 @@ pub fn next_after<T>(len: usize, limit: i64, last: Option<T>) -> Option<T> {
 #[cfg(test)]
 mod page_tests {
     use super::*;
-
-    #[test]
-    fn the_horizon_skips_the_sessions_named_read_only() {
-        assert!(SETTLED_HORIZON.contains(&format!(
-            "application_name NOT LIKE '%{}'",
-            kit::db::READ_ONLY_SUFFIX
-        )));
-    }
 
     fn page(after: Option<&str>, limit: Option<&str>) -> PageQuery {
         PageQuery {

@@ -28,12 +28,6 @@ pub enum DbError {
 /// lost its network mid-transaction) is ended by the server, releasing its
 /// row locks (claimed outbox rows, an order's progress row, stock levels)
 /// for the other instances.
-/// The end of the `application_name` of a session that never writes (its
-/// transactions are READ ONLY, like drift-check's snapshots): the consumers'
-/// read endpoints do not wait for its transactions to end
-/// (`consumer_runtime::auth::SETTLED_HORIZON`).
-pub const READ_ONLY_SUFFIX: &str = "/read-only";
-
 pub const SESSION_LIMITS: &str =
     "-c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000";
 

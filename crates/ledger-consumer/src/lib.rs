@@ -327,8 +327,9 @@ struct EntryView {
 }
 
 /// `GET /journal?tenant=&order_id=&after=&limit=`: entries with their lines,
-/// oldest first, `limit` entries a page from the one after entry `after`;
-/// an entry shows once every transaction that started before it is over
+/// in the order they were written (by their transactions' ids, then
+/// posted_at), `limit` entries a page from the one after entry `after`; an
+/// entry shows once every transaction that wrote before it is over
 /// ([`consumer_runtime::auth::SETTLED_HORIZON`]), so a reader paging on
 /// with `after` misses none.
 async fn get_journal(
@@ -362,29 +363,34 @@ async fn get_journal(
             ));
         }
     }
-    // Only entries whose transactions are all over: one still being
-    // written may have started (its posted_at) before an entry a reader
-    // has paged past.
-    let horizon = consumer_runtime::auth::settled_horizon(&client).await?;
+    // In writing order, up to the oldest transaction still running: an
+    // entry still being written may come before one a reader has paged
+    // past ([`consumer_runtime::auth::SETTLED_HORIZON`]).
     let rows = client
         .query(
-            "WITH page AS ( \
-                 SELECT e.entry_id, e.posted_at FROM journal_entries e \
-                 WHERE e.tenant_id = $1 AND ($2::uuid IS NULL OR e.order_id = $2) \
-                   AND ($3::uuid IS NULL OR (e.posted_at, e.entry_id) > \
-                        (SELECT c.posted_at, c.entry_id FROM journal_entries c \
-                         WHERE c.tenant_id = $1 AND c.entry_id = $3)) \
-                   AND e.posted_at < $5 \
-                 ORDER BY e.posted_at, e.entry_id LIMIT $4) \
-             SELECT e.entry_id, e.order_id, e.event_id, e.event_type, e.description, e.currency, \
-                    e.posted_at, l.line_no, l.account_code, a.name, l.debit, l.credit, \
-                    coalesce(e.effective_at, e.posted_at) \
-             FROM page p \
-             JOIN journal_entries e ON e.entry_id = p.entry_id \
-             JOIN journal_lines l ON l.entry_id = e.entry_id \
-             JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
-             ORDER BY p.posted_at, p.entry_id, l.line_no",
-            &[&scope.tenant, &order_id, &after, &limit, &horizon],
+            &format!(
+                "WITH page AS ( \
+                     SELECT e.entry_id, e.posted_at, coalesce(e.written_by, '0'::xid8) AS written \
+                     FROM journal_entries e \
+                     WHERE e.tenant_id = $1 AND ($2::uuid IS NULL OR e.order_id = $2) \
+                       AND ($3::uuid IS NULL OR \
+                            (coalesce(e.written_by, '0'::xid8), e.posted_at, e.entry_id) > \
+                            (SELECT coalesce(c.written_by, '0'::xid8), c.posted_at, c.entry_id \
+                             FROM journal_entries c WHERE c.tenant_id = $1 AND c.entry_id = $3)) \
+                       AND coalesce(e.written_by, '0'::xid8) < {horizon} \
+                     ORDER BY coalesce(e.written_by, '0'::xid8), e.posted_at, e.entry_id \
+                     LIMIT $4) \
+                 SELECT e.entry_id, e.order_id, e.event_id, e.event_type, e.description, \
+                        e.currency, e.posted_at, l.line_no, l.account_code, a.name, l.debit, \
+                        l.credit, coalesce(e.effective_at, e.posted_at) \
+                 FROM page p \
+                 JOIN journal_entries e ON e.entry_id = p.entry_id \
+                 JOIN journal_lines l ON l.entry_id = e.entry_id \
+                 JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
+                 ORDER BY p.written, p.posted_at, p.entry_id, l.line_no",
+                horizon = consumer_runtime::auth::SETTLED_HORIZON
+            ),
+            &[&scope.tenant, &order_id, &after, &limit],
         )
         .await
         .map_err(database_problem)?;

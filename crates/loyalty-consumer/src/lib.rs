@@ -157,11 +157,12 @@ struct EntryView {
 
 /// `GET /customers/{id}/loyalty?tenant=&after=&limit=`: the balance (of
 /// every entry) and the entries with the event that caused each, oldest
-/// first (by `recorded_at`, then id), `limit` a page from the one after
-/// entry `after`; an entry shows once every transaction that started
-/// before it is over ([`consumer_runtime::auth::SETTLED_HORIZON`]), so a
-/// reader paging on with `after` misses none. (By id alone it could: ids
-/// are drawn at insert and committed in any order.)
+/// first (in the order they were written: by their transactions' ids, then
+/// their own), `limit` a page from the one after entry `after`; an entry
+/// shows once every transaction that wrote before it is over
+/// ([`consumer_runtime::auth::SETTLED_HORIZON`]), so a reader paging on
+/// with `after` misses none. (By id alone it could: ids are drawn at insert
+/// and committed in any order.)
 async fn get_loyalty(
     scope: TenantScope,
     pool: web::Data<kit::db::PgPool>,
@@ -191,18 +192,23 @@ async fn get_loyalty(
             ));
         }
     }
-    let horizon = consumer_runtime::auth::settled_horizon(&client).await?;
+    // In writing order, up to the oldest transaction still running
+    // ([`consumer_runtime::auth::SETTLED_HORIZON`]).
     let rows = client
         .query(
-            "SELECT entry_id, points, order_id, event_id, event_type, reason, occurred_at, \
-                    recorded_at \
-             FROM loyalty_entries WHERE tenant_id = $1 AND customer_id = $2 \
-               AND ($3::bigint IS NULL OR (recorded_at, entry_id) > \
-                    (SELECT c.recorded_at, c.entry_id FROM loyalty_entries c \
-                     WHERE c.tenant_id = $1 AND c.entry_id = $3)) \
-               AND recorded_at < $5 \
-             ORDER BY recorded_at, entry_id LIMIT $4",
-            &[&scope.tenant, &customer, &after, &limit, &horizon],
+            &format!(
+                "SELECT entry_id, points, order_id, event_id, event_type, reason, occurred_at, \
+                        recorded_at \
+                 FROM loyalty_entries WHERE tenant_id = $1 AND customer_id = $2 \
+                   AND ($3::bigint IS NULL OR (coalesce(written_by, '0'::xid8), entry_id) > \
+                        (SELECT coalesce(c.written_by, '0'::xid8), c.entry_id \
+                         FROM loyalty_entries c \
+                         WHERE c.tenant_id = $1 AND c.customer_id = $2 AND c.entry_id = $3)) \
+                   AND coalesce(written_by, '0'::xid8) < {horizon} \
+                 ORDER BY coalesce(written_by, '0'::xid8), entry_id LIMIT $4",
+                horizon = consumer_runtime::auth::SETTLED_HORIZON
+            ),
+            &[&scope.tenant, &customer, &after, &limit],
         )
         .await
         .map_err(database_problem)?;

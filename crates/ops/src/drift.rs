@@ -92,11 +92,10 @@ async fn connect(url: &str) -> anyhow::Result<Client> {
     // order) can tell its sessions in pg_stat_activity.
     client
         .batch_execute(&format!(
-            "SET application_name = 'drift-check/{}{}'; \
+            "SET application_name = 'drift-check/{}'; \
              SET default_transaction_read_only = on; \
              BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1",
-            std::process::id(),
-            kit::db::READ_ONLY_SUFFIX
+            std::process::id()
         ))
         .await?;
     Ok(client)

@@ -296,16 +296,11 @@ impl Report {
 async fn snapshot(url: &str) -> anyhow::Result<Client> {
     let (client, connection) = kit::db::connect(url).await?;
     tokio::spawn(connection);
-    // Named like drift-check's: read-only, so the consumers' read
-    // endpoints do not wait for it.
     client
-        .batch_execute(&format!(
-            "SET application_name = 'check-invariants/{}{}'; \
-             SET default_transaction_read_only = on; \
+        .batch_execute(
+            "SET default_transaction_read_only = on; \
              BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1",
-            std::process::id(),
-            kit::db::READ_ONLY_SUFFIX
-        ))
+        )
         .await?;
     Ok(client)
 }
