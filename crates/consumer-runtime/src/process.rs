@@ -464,16 +464,19 @@ impl<D: Domain> Processor<D> {
             return Ok(Outcome::Stale);
         }
         if let Some((parked_event, parked_reason)) = opened.parked {
-            tx.rollback().await?;
-            // Publishing needs no database connection: give it back first (the
-            // park path takes one of its own).
-            drop(client);
             let reason = format!(
                 "order parked behind dead-lettered event {}: {}",
                 parked_event.map(|e| e.to_string()).unwrap_or_default(),
                 parked_reason.unwrap_or_default()
             );
+            // The order's progress row stays locked until the letter is
+            // confirmed in the DLQ: a redrive's un-park, which waits for
+            // that lock, then finds in the DLQ every event dead-lettered
+            // behind the park (its follow-up pass moves them). Released
+            // first, a letter could land after the follow-up's drain.
             self.dead_letter(publisher, incoming, &reason).await?;
+            tx.rollback().await?;
+            drop(client);
             self.metrics
                 .dead_lettered
                 .with_label_values(&["parked"])

@@ -359,17 +359,20 @@ pub async fn redrive(
     (report, result)
 }
 
-/// At most this many passes of [`move_letters`] in one run.
-const PASSES: usize = 3;
+/// The orders a follow-up pass handles: those the first pass un-parked,
+/// each with the highest sequence it moved (0: none).
+type FollowUp = HashMap<String, i64>;
 
-/// [`move_letters`] again after a pass that un-parked an order, up to
-/// [`PASSES`]. A live event of that order which arrived between the pass's
-/// drain and its un-park went to the DLQ behind the park: the next pass
-/// moves it, after the letters the pass before moved (which precede it in
-/// the order's partition), instead of leaving it there with the order
-/// un-parked and waiting at its gap. A pass that un-parks nothing ends the
-/// run. Each pass reads again the letters the one before kept, so only the
-/// last pass's `kept` are reported.
+/// [`move_letters`], then, if it un-parked orders, one follow-up pass over
+/// the DLQ for them. A live event of such an order that reached the
+/// consumer between the first pass's drain and the un-park went to the DLQ
+/// behind the park; the consumer holds the order's progress row locked
+/// until that letter is confirmed there, and the un-park waits for the
+/// lock, so the follow-up's drain finds every one of them. It moves them
+/// after the letters the first pass moved (ahead of them in the order's
+/// partition), instead of leaving them with the order un-parked and
+/// waiting at its gap. Other letters it reads go back as they are, without
+/// a report line (the first pass reported them, or a later run will).
 async fn move_in_passes(
     pool: &PgPool,
     channel: &Channel,
@@ -378,44 +381,53 @@ async fn move_in_passes(
     max: usize,
     report: &mut Report,
 ) -> anyhow::Result<()> {
-    let mut moved_through: HashMap<String, i64> = HashMap::new();
-    for pass in 1..=PASSES {
-        if pass > 1 {
-            report.kept.clear();
-        }
-        let unparked = report.unparked.len();
-        move_letters(
-            pool,
-            channel,
-            topology,
-            only_order,
-            max,
-            &moved_through,
-            report,
-        )
-        .await?;
-        for moved in &report.moved {
-            let through = moved_through.entry(moved.order.clone()).or_default();
-            *through = (*through).max(moved.sequence);
-        }
-        if report.unparked.len() == unparked {
-            break;
-        }
+    move_letters(pool, channel, topology, only_order, max, None, report).await?;
+    if report.unparked.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    let follow_up: FollowUp = report
+        .unparked
+        .iter()
+        .map(|order| {
+            let through = report
+                .moved
+                .iter()
+                .filter(|m| &m.order == order)
+                .map(|m| m.sequence)
+                .max()
+                .unwrap_or(0);
+            (order.clone(), through)
+        })
+        .collect();
+    move_letters(pool, channel, topology, None, max, Some(&follow_up), report).await
 }
 
-/// One pass: drain the DLQ, move and keep. An order's letters continue
-/// from its last applied sequence, or from the highest one an earlier pass
-/// moved (`moved_through`: in its partition ahead of them, maybe not
-/// applied yet).
+/// Whether `order` is parked (again) now.
+async fn parked(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
+    let client = pool.get().await?;
+    let row = client
+        .query_opt(
+            "SELECT parked_at IS NOT NULL FROM order_progress \
+             WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&consumer, &order],
+        )
+        .await?;
+    Ok(row.is_some_and(|row| row.get(0)))
+}
+
+/// One pass: drain the DLQ, move and keep. In a `follow_up` pass only the
+/// letters of its orders are considered (the rest go back, unreported), an
+/// order parked again meanwhile is left alone, none is un-parked, and an
+/// order's letters continue from its last applied sequence or from the
+/// highest one the first pass moved (in its partition ahead of them, maybe
+/// not applied yet), whichever is higher.
 async fn move_letters(
     pool: &PgPool,
     channel: &Channel,
     topology: &Topology,
     only_order: Option<&str>,
     max: usize,
-    moved_through: &HashMap<String, i64>,
+    follow_up: Option<&FollowUp>,
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let mut letters = Vec::new();
@@ -449,15 +461,19 @@ async fn move_letters(
         }
     }
 
-    // Where a test holds the run after its drain, to dead-letter live
-    // events behind a park the run is about to lift.
-    kit::failpoint::hold_point("consumer.redrive.after_drain");
+    // Where a test holds the run after its (first) drain, to dead-letter
+    // live events behind a park the run is about to lift.
+    if follow_up.is_none() {
+        kit::failpoint::hold_point("consumer.redrive.after_drain");
+    }
     let (letters, past_max) = drop_exact_copies(report, letters, past_max).await?;
 
     let mut selected: BTreeMap<String, Vec<Letter>> = BTreeMap::new();
     let mut others: Vec<Letter> = past_max.into_iter().collect();
     for letter in letters {
         match &letter.order {
+            Some(order) if follow_up.is_some_and(|f| !f.contains_key(order)) => others.push(letter),
+            None if follow_up.is_some() => others.push(letter),
             Some(order) if only_order.is_some_and(|o| o != order) => others.push(letter),
             None => {
                 report.kept.push(format!(
@@ -500,8 +516,17 @@ async fn move_letters(
         // Every letter from the next sequence on, without a hole: the rest
         // of the order's letters may lie past `--max`, or its earliest was
         // lowered into the DLQ behind later ones.
+        if follow_up.is_some() && parked(pool, &topology.name, &order).await? {
+            report.kept.push(format!(
+                "order {order}: parked again during the redrive: its {} letter(s) read after \
+                 the un-park stay (redrive again after the fix)",
+                letters.len()
+            ));
+            others.extend(letters);
+            continue;
+        }
         let (last, owner) = last_applied(pool, &topology.name, &order).await?;
-        let last = last.max(moved_through.get(&order).copied().unwrap_or(0));
+        let last = last.max(follow_up.and_then(|f| f.get(&order)).copied().unwrap_or(0));
         // A malformed letter (its order named by its metadata) never
         // applies: moved, it would only park the order again. It is not a
         // letter of its sequence, so it leaves a hole there until a
@@ -576,8 +601,10 @@ async fn move_letters(
             others.extend(twins);
             continue;
         }
-        // Un-park first, or the moved events would go straight back to the DLQ.
-        if unpark(pool, &topology.name, &order).await? {
+        // Un-park first, or the moved events would go straight back to the
+        // DLQ. (A follow-up's orders are un-parked already; one parked again
+        // since stays parked.)
+        if follow_up.is_none() && unpark(pool, &topology.name, &order).await? {
             report.unparked.push(order.clone());
         }
         // Crash window: the order is un-parked, its letters unacknowledged
