@@ -137,9 +137,10 @@ pub fn check_limits(message: &Message, max_body: usize, frame_max: u32) -> Resul
     Ok(())
 }
 
-/// An upper bound of the content header frame of `properties` (AMQP 0-9-1
-/// sections 2.3.5 and 4.2.6): exact for the property and header types
-/// [`message`] sets, 1 KiB for any other header value.
+/// The size of the content header frame of `properties` (AMQP 0-9-1
+/// sections 2.3.5 and 4.2.6), exact for every property and for the header
+/// value types [`message`] sets; `usize::MAX` (refused) for a header value
+/// of any other type, which no message here carries.
 pub fn header_frame_bound(properties: &BasicProperties) -> usize {
     // Frame type, channel, size; class, weight, body size, property flags;
     // frame end.
@@ -147,10 +148,23 @@ pub fn header_frame_bound(properties: &BasicProperties) -> usize {
     let short =
         |s: &Option<lapin::types::ShortString>| s.as_ref().map_or(0, |s| 1 + s.as_str().len());
     let mut size = FIXED
-        + short(properties.content_type())
-        + short(properties.message_id())
-        + short(properties.kind())
+        + [
+            properties.content_type(),
+            properties.content_encoding(),
+            properties.correlation_id(),
+            properties.reply_to(),
+            properties.expiration(),
+            properties.message_id(),
+            properties.kind(),
+            properties.user_id(),
+            properties.app_id(),
+            properties.cluster_id(),
+        ]
+        .into_iter()
+        .map(short)
+        .sum::<usize>()
         + properties.delivery_mode().map_or(0, |_| 1)
+        + properties.priority().map_or(0, |_| 1)
         + properties.timestamp().map_or(0, |_| 8);
     if let Some(table) = properties.headers() {
         size += 4;
@@ -161,7 +175,7 @@ pub fn header_frame_bound(properties: &BasicProperties) -> usize {
                 AMQPValue::LongLongInt(_) => 8,
                 AMQPValue::LongInt(_) => 4,
                 AMQPValue::Boolean(_) => 1,
-                _ => 1024,
+                _ => return usize::MAX,
             };
         }
     }
@@ -688,6 +702,22 @@ mod tests {
         assert_eq!(check_limits(&message, size, frame_max), Ok(()));
         let error = check_limits(&message, size, frame_max - 1).expect_err("one byte over");
         assert!(error.contains("frame_max"), "{error}");
+        // Every other property too (none of them set by `message`).
+        let mut every = message.clone();
+        every.properties = every
+            .properties
+            .with_content_encoding("identity".into())
+            .with_correlation_id("c".into())
+            .with_reply_to("r".into())
+            .with_expiration("60000".into())
+            .with_user_id("app".into())
+            .with_app_id("outbox-relay".into())
+            .with_cluster_id("x".into())
+            .with_priority(1);
+        assert_eq!(
+            header_frame_bound(&every.properties),
+            exact_header_frame(&every)
+        );
         // A trace state no frame takes (the column has no bound).
         let mut traced = row();
         traced.tracestate = Some(format!("vendor={}", "a".repeat(200_000)));
