@@ -48,6 +48,6 @@ if [ "$purge" = 1 ]; then
     done
     # The demo credentials name an API key of the purged database.
     rm -f -- "$PG_LOG" "$RUN_DIR/infra.env" "$RUN_DIR/initdb.log" "$RUN_DIR/credentials.env"
-    # The data's own directory in /var/tmp, when .run was out of reach.
+    # The data's own directory in /var/lib/outbox-infra, when .run was out of reach.
     [ "$INFRA_DATA_DIR" = "$RUN_DIR" ] || rmdir -- "$INFRA_DATA_DIR" 2>/dev/null || true
 fi

@@ -44,23 +44,32 @@ export DEBIAN_FRONTEND="${DEBIAN_FRONTEND:-noninteractive}"
 # Where PostgreSQL's and RabbitMQ's data live: $RUN_DIR, unless their OS users
 # could not reach it or PostgreSQL's socket path would be too long there. A
 # checkout under a 0700 directory (root's home) or a deep path then keeps its
-# data in /var/tmp instead, one directory per checkout (named by its path's
-# checksum), which scripts/infra-down.sh --purge removes like .run's.
-_infra_data_dir_ok() {   # dir: every existing ancestor searchable by others, socket path < 108 bytes
+# data in /var/lib/outbox-infra/<checksum of the checkout's path> (root's,
+# outside any temporary-file cleaning), which scripts/infra-down.sh --purge
+# removes like .run's. A cluster already in one of the two places keeps it
+# there; otherwise the parent directories' permission bits decide (group and
+# ACL access is not looked at: such a checkout uses /var/lib).
+_infra_data_dir_ok() {   # dir: its parents searchable by others, socket path < 108 bytes
     [ "$(printf '%s' "$1/pgsock/.s.PGSQL.${PGPORT:-5432}" | wc -c)" -lt 108 ] || return 1
-    _p=$1
-    while [ -n "$_p" ] && [ "$_p" != / ]; do
+    _p=$(dirname -- "$1")
+    while :; do
         if [ -e "$_p" ]; then
-            case $(stat -c %A -- "$_p" 2>/dev/null) in ?????????[xt]) ;; *) return 1 ;; esac
+            case $(stat -L -c %A -- "$_p" 2>/dev/null) in ?????????[xt]) ;; *) return 1 ;; esac
         fi
-        _p=$(dirname -- "$_p")
+        _up=$(dirname -- "$_p")
+        [ "$_up" = "$_p" ] && break
+        _p=$_up
     done
 }
 if [ -z "${INFRA_DATA_DIR:-}" ]; then
-    if _infra_data_dir_ok "$RUN_DIR"; then INFRA_DATA_DIR=$RUN_DIR
-    else INFRA_DATA_DIR=/var/tmp/outbox-infra-$(printf '%s' "$REPO" | cksum | cut -d' ' -f1); fi
+    case $RUN_DIR in /*) ;; *) RUN_DIR=$(pwd -P)/$RUN_DIR; export RUN_DIR ;; esac
+    _elsewhere=/var/lib/outbox-infra/$(printf '%s' "$REPO" | cksum | cut -d' ' -f1)
+    if [ -s "$RUN_DIR/pg/PG_VERSION" ]; then INFRA_DATA_DIR=$RUN_DIR
+    elif [ -s "$_elsewhere/pg/PG_VERSION" ]; then INFRA_DATA_DIR=$_elsewhere
+    elif _infra_data_dir_ok "$RUN_DIR"; then INFRA_DATA_DIR=$RUN_DIR
+    else INFRA_DATA_DIR=$_elsewhere; fi
 fi
-unset _p
+unset _p _up _elsewhere
 export INFRA_DATA_DIR
 
 # --- PostgreSQL ----------------------------------------------------------------

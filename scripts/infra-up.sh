@@ -49,6 +49,8 @@ fi
 
 # --- 2. PostgreSQL ---------------------------------------------------------------------
 mkdir -p "$RUN_DIR" "$INFRA_DATA_DIR" "$PG_SOCKET_DIR"
+[ -d "$INFRA_DATA_DIR" ] && [ ! -L "$INFRA_DATA_DIR" ] && [ "$(stat -c %u "$INFRA_DATA_DIR")" = 0 ] \
+    || die "$INFRA_DATA_DIR must be a directory of root's (not a symbolic link)"
 chmod 0755 "$RUN_DIR" "$INFRA_DATA_DIR"
 [ "$INFRA_DATA_DIR" = "$RUN_DIR" ] || log "data in $INFRA_DATA_DIR ($RUN_DIR is out of reach of the services' OS users, or too deep for PostgreSQL's socket)"
 chown postgres:postgres "$PG_SOCKET_DIR"
