@@ -360,7 +360,21 @@ pub async fn post_journal(
 ) -> Result<uuid::Uuid, tokio_postgres::Error> {
     let entry = uuid::Uuid::now_v7();
     let tx = ledger.transaction().await.expect("tx");
-    insert_journal_entry(&tx, entry, tenant, order, event_type).await;
+    write_journal(&tx, entry, tenant, order, event_type, lines).await;
+    tx.commit().await.map(|()| entry)
+}
+
+/// Write journal entry `entry` of `event_type` for `order` with `lines`
+/// (account, debit, credit) in `tx`, not committed.
+pub async fn write_journal(
+    tx: &tokio_postgres::Transaction<'_>,
+    entry: uuid::Uuid,
+    tenant: &str,
+    order: uuid::Uuid,
+    event_type: &str,
+    lines: &[(&str, i64, i64)],
+) {
+    insert_journal_entry(tx, entry, tenant, order, event_type).await;
     for (i, (account, debit, credit)) in lines.iter().enumerate() {
         let line_no = i32::try_from(i + 1).expect("line number");
         tx.execute(
@@ -371,7 +385,6 @@ pub async fn post_journal(
         .await
         .expect("journal line");
     }
-    tx.commit().await.map(|()| entry)
 }
 
 /// Delete an order [`insert_seed_order`] made (its lines, then the order).

@@ -299,6 +299,18 @@ async fn insert_entry(tx: &tokio_postgres::Transaction<'_>, entry: Uuid, tenant:
     system_tests::insert_journal_entry(tx, entry, tenant, entry, "Test").await;
 }
 
+/// Accounts `cash` and `sales` of `tenant`.
+async fn cash_and_sales(client: &tokio_postgres::Client, tenant: &str) {
+    client
+        .execute(
+            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES \
+             ($1, 'cash', 'Cash', 'asset'), ($1, 'sales', 'Sales', 'revenue')",
+            &[&tenant],
+        )
+        .await
+        .expect("accounts");
+}
+
 /// Post a two-line entry (Dr cash, Cr sales) in one transaction.
 async fn post_entry(
     client: &mut tokio_postgres::Client,
@@ -1290,28 +1302,19 @@ async fn a_journal_reader_paging_on_misses_no_entry_that_commits_late() {
     let tenant = unique("t5-late");
     let ledger = Consumer::start(Kind::Ledger, &unique("t5-late-led"), Options::default()).await;
     let mut client = pg(Database::Ledger).await;
-    client
-        .execute(
-            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES \
-             ($1, 'cash', 'Cash', 'asset'), ($1, 'sales', 'Sales', 'revenue')",
-            &[&tenant],
-        )
-        .await
-        .expect("accounts");
+    cash_and_sales(&client, &tenant).await;
     let mut slow = pg(Database::Ledger).await;
     let a = Uuid::now_v7();
     let tx = slow.transaction().await.expect("begin A");
-    system_tests::insert_journal_entry(&tx, a, &tenant, a, "Test").await;
-    for (line_no, account, debit, credit) in [(1_i32, "cash", 500_i64, 0_i64), (2, "sales", 0, 500)]
-    {
-        tx.execute(
-            "INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-            &[&a, &line_no, &tenant, &account, &debit, &credit],
-        )
-        .await
-        .expect("line of A");
-    }
+    system_tests::write_journal(
+        &tx,
+        a,
+        &tenant,
+        a,
+        "Test",
+        &[("cash", 500, 0), ("sales", 0, 500)],
+    )
+    .await;
     let b = post_entry(&mut client, &tenant, 700, 700).await.expect("B");
     let path = format!("/journal?tenant={tenant}");
     let (mut cursor, mut seen) = (None, Vec::new());
@@ -1372,14 +1375,7 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
         .expect("migrate");
     let tenant = unique("t5-sql");
     let mut client = pg(Database::Ledger).await;
-    client
-        .execute(
-            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES \
-             ($1, 'cash', 'Cash', 'asset'), ($1, 'sales', 'Sales', 'revenue')",
-            &[&tenant],
-        )
-        .await
-        .expect("accounts");
+    cash_and_sales(&client, &tenant).await;
     let unbalanced = post_entry(&mut client, &tenant, 10_000, 9_000)
         .await
         .expect_err("an unbalanced entry must not commit");
@@ -1435,14 +1431,7 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
     }
     // A line of a new entry names its entry's tenant.
     let other = unique("t5-sql-other");
-    client
-        .execute(
-            "INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES \
-             ($1, 'cash', 'Cash', 'asset'), ($1, 'sales', 'Sales', 'revenue')",
-            &[&other],
-        )
-        .await
-        .expect("the other tenant's accounts");
+    cash_and_sales(&client, &other).await;
     let foreign = {
         let mixed = Uuid::now_v7();
         let tx = client.transaction().await.expect("tx");
