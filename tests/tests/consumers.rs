@@ -601,6 +601,60 @@ async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
         assert_eq!((status, &problem["field"]), (400, &json!(field)), "{query}");
     }
 
+    // Every read endpoint answers HEAD as it answers GET, without the body
+    // (RFC 9110 section 9.1); so do the health and metrics endpoints.
+    for (consumer, path, stable) in [
+        (
+            &inventory,
+            format!("/stock/JKT-M?tenant={tenant}&location=WH-1"),
+            true,
+        ),
+        (
+            &inventory,
+            format!("/stock/JKT-M/movements?tenant={tenant}&location=WH-1"),
+            true,
+        ),
+        (&ledger, format!("/journal?tenant={tenant}"), true),
+        (&ledger, format!("/trial-balance?tenant={tenant}"), true),
+        (
+            &loyalty_c,
+            format!("/customers/77/loyalty?tenant={tenant}"),
+            true,
+        ),
+        (&loyalty_c, "/healthz".to_owned(), true),
+        (&loyalty_c, "/readyz".to_owned(), true),
+        (&loyalty_c, "/metrics".to_owned(), false),
+    ] {
+        let url = format!("{}{path}", consumer.base_url());
+        let get = http
+            .get(&url)
+            .bearer_auth(TEST_TOKEN)
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(get.status().as_u16(), 200, "GET {path}");
+        let length = get.bytes().await.expect("GET body").len();
+        let head = http
+            .head(&url)
+            .bearer_auth(TEST_TOKEN)
+            .send()
+            .await
+            .expect("HEAD");
+        assert_eq!(head.status().as_u16(), 200, "HEAD {path}");
+        if stable {
+            let announced = head
+                .headers()
+                .get("content-length")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok());
+            assert_eq!(announced, Some(length), "HEAD {path}");
+        }
+        assert!(
+            head.bytes().await.expect("HEAD body").is_empty(),
+            "HEAD {path}"
+        );
+    }
+
     // Read endpoints are internal: token and tenant required, problem+json.
     let anonymous = reqwest::get(format!(
         "{}/customers/77/loyalty?tenant={tenant}",

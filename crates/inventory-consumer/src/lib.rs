@@ -131,7 +131,9 @@ impl consumer_runtime::Domain for Inventory {
     fn routes(cfg: &mut web::ServiceConfig) {
         cfg.route("/stock/receipts", web::post().to(post_receipt))
             .route("/stock/{sku}", web::get().to(get_stock))
-            .route("/stock/{sku}/movements", web::get().to(get_movements));
+            .route("/stock/{sku}", web::head().to(get_stock))
+            .route("/stock/{sku}/movements", web::get().to(get_movements))
+            .route("/stock/{sku}/movements", web::head().to(get_movements));
     }
 }
 

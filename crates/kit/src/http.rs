@@ -127,13 +127,17 @@ pub struct Health {
 }
 
 /// Mount `/healthz` (liveness: the process serves HTTP), `/readyz` (the
-/// database answers and the broker connection is up) and `/metrics`.
+/// database answers and the broker connection is up) and `/metrics`, for
+/// GET and HEAD (RFC 9110 section 9.1: the GET's headers, no body).
 pub fn health_routes(health: Health) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
         cfg.app_data(web::Data::new(health))
             .route("/healthz", web::get().to(healthz))
+            .route("/healthz", web::head().to(healthz))
             .route("/readyz", web::get().to(readyz))
-            .route("/metrics", web::get().to(metrics));
+            .route("/readyz", web::head().to(readyz))
+            .route("/metrics", web::get().to(metrics))
+            .route("/metrics", web::head().to(metrics));
     }
 }
 

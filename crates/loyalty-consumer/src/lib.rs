@@ -137,7 +137,8 @@ impl consumer_runtime::Domain for Loyalty {
     }
 
     fn routes(cfg: &mut web::ServiceConfig) {
-        cfg.route("/customers/{id}/loyalty", web::get().to(get_loyalty));
+        cfg.route("/customers/{id}/loyalty", web::get().to(get_loyalty))
+            .route("/customers/{id}/loyalty", web::head().to(get_loyalty));
     }
 }
 
