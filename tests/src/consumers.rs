@@ -33,7 +33,8 @@ pub const TEST_TIERS_MS: &str = "100,200,300,400,500";
 /// open for seconds).
 pub async fn settled(db: Database) {
     let client = crate::pg(db).await;
-    // The next transaction id: every one drawn so far is below it.
+    // One past the highest transaction id completed so far: every
+    // transaction that had committed its rows by now is below it.
     let next: i64 = client
         .query_one(
             "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint",

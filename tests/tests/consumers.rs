@@ -1154,6 +1154,91 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
     assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
 }
 
+/// A live event dead-lettered behind a park holds the order's progress row
+/// until its letter is confirmed, so a redrive's un-park waits for it and
+/// the redrive's follow-up pass finds the letter and moves it. The consumer
+/// is held (fail point `consumer.parked.before_dead_letter`) between
+/// seeing the park and publishing the letter while the redrive runs. (With
+/// the row released first, the un-park went ahead, the follow-up drained
+/// before the letter landed, and it stayed in the DLQ.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park() {
+    let tenant = unique("t5-redrive-lock");
+    let bad = story(&tenant);
+    let name = unique("t5-redrive-lock-loy");
+    let mut broken = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &bad.placed).await;
+    broken
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            1.0,
+        )
+        .await;
+    broken.service.signal("TERM");
+    assert!(broken.service.wait_exit(WAIT).is_some(), "stops on SIGTERM");
+    let held = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            failpoints: Some("consumer.parked.before_dead_letter=1*sleep(5000)".to_owned()),
+            ..Options::default()
+        },
+    )
+    .await;
+    publisher.to_consumer(&name, &bad.paid).await;
+    // The consumer holds the order's progress row (it has seen the park and
+    // not yet published the letter).
+    let probe = pg(Database::Loyalty).await;
+    let order = bad.order.to_string();
+    eventually(
+        "the consumer holding the parked order's row",
+        WAIT,
+        || async {
+            probe
+                .query(
+                    "SELECT 1 FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2 \
+                 FOR UPDATE NOWAIT",
+                    &[&name, &order],
+                )
+                .await
+                .err()
+                .filter(|e| e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE))
+                .map(|_| ())
+        },
+    )
+    .await;
+    let stdout = redrive(Kind::Loyalty, &name, &[]).await;
+    let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
+    assert_eq!(moved.len(), 2, "{stdout}");
+    for (line, m) in moved.iter().zip([&bad.placed, &bad.paid]) {
+        assert!(
+            line.contains(&m.event_id.to_string()) && line.contains(&format!("seq {}", m.sequence)),
+            "moved in sequence order: {stdout}"
+        );
+    }
+    wait_sequence(Database::Loyalty, &name, bad.order, 2).await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((2, false))
+    );
+    assert_eq!(queue_depth(&format!("{name}.dlq")).await, 0, "{stdout}");
+    assert_eq!(
+        held.metric("consumer_dead_lettered_total", "reason=\"parked\"")
+            .await,
+        1.0
+    );
+}
+
 /// A crash after a failed attempt's copy is confirmed in the retry tier and
 /// before the message is acknowledged: the broker redelivers the message
 /// too. The restarted consumer applies one copy and takes the other as a
@@ -1377,6 +1462,32 @@ async fn a_journal_reader_paging_on_misses_no_entry_that_commits_late() {
     tx.commit().await.expect("commit A");
     read_on_until(&ledger, &path, "entries", &mut cursor, &mut seen, 2).await;
     assert_eq!(seen, vec![a.to_string(), b.to_string()]);
+
+    // C's transaction begins first (its posted_at is the earliest of the
+    // two) but writes after D has committed: D comes first, then C, and the
+    // reader paging on from D still gets C.
+    let c = Uuid::now_v7();
+    let tx = slow.transaction().await.expect("begin C");
+    tx.query_one("SELECT now()", &[]).await.expect("C's start");
+    let d = post_entry(&mut client, &tenant, 900, 900).await.expect("D");
+    // C has written nothing yet: D is on the page, and the cursor moves to it.
+    read_on_until(&ledger, &path, "entries", &mut cursor, &mut seen, 3).await;
+    assert_eq!(seen[2..], [d.to_string()]);
+    system_tests::write_journal(
+        &tx,
+        c,
+        &tenant,
+        c,
+        "Test",
+        &[("cash", 300, 0), ("sales", 0, 300)],
+    )
+    .await;
+    tx.commit().await.expect("commit C");
+    read_on_until(&ledger, &path, "entries", &mut cursor, &mut seen, 4).await;
+    assert_eq!(
+        seen,
+        vec![a.to_string(), b.to_string(), d.to_string(), c.to_string()]
+    );
 }
 
 /// The same for a customer's loyalty entries, whose ids are drawn at

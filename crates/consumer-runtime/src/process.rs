@@ -473,9 +473,15 @@ impl<D: Domain> Processor<D> {
             // confirmed in the DLQ: a redrive's un-park, which waits for
             // that lock, then finds in the DLQ every event dead-lettered
             // behind the park (its follow-up pass moves them). Released
-            // first, a letter could land after the follow-up's drain.
+            // first, a letter could land after the follow-up's drain. (The
+            // publish is bounded by the confirm timeout, 30 s, within the
+            // session's idle-in-transaction limit, 60 s.)
+            kit::failpoint::hold_point("consumer.parked.before_dead_letter");
             self.dead_letter(publisher, incoming, &reason).await?;
-            tx.rollback().await?;
+            // The letter is confirmed: a rollback that fails (the session
+            // ended meanwhile, which ended the transaction too) changes
+            // nothing, and must not send the message round again.
+            rollback(tx).await;
             drop(client);
             self.metrics
                 .dead_lettered

@@ -372,7 +372,10 @@ type FollowUp = HashMap<String, i64>;
 /// after the letters the first pass moved (ahead of them in the order's
 /// partition), instead of leaving them with the order un-parked and
 /// waiting at its gap. Other letters it reads go back as they are, without
-/// a report line (the first pass reported them, or a later run will).
+/// a report line (the first pass reported them, or a later run will). Its
+/// drain reads at most `max` letters too, oldest first: on a DLQ holding
+/// more, letters behind the park may lie past them (a later run moves
+/// them).
 async fn move_in_passes(
     pool: &PgPool,
     channel: &Channel,
@@ -399,7 +402,12 @@ async fn move_in_passes(
             (order.clone(), through)
         })
         .collect();
-    move_letters(pool, channel, topology, None, max, Some(&follow_up), report).await
+    let result = move_letters(pool, channel, topology, None, max, Some(&follow_up), report).await;
+    // A letter of these orders that the first pass kept is read again and
+    // may be kept for the same reason: said once.
+    let mut said = HashSet::new();
+    report.kept.retain(|line| said.insert(line.clone()));
+    result
 }
 
 /// Whether `order` is parked (again) now.
