@@ -1020,14 +1020,7 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     .await;
     // Run again: all three move (sequence 1 a second time, a duplicate).
     let stdout = redrive(Kind::Loyalty, &name, &[]).await;
-    let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
-    assert_eq!(moved.len(), 3, "{stdout}");
-    for (line, m) in moved.iter().zip([&bad.placed, &bad.paid, &bad.delivered]) {
-        assert!(
-            line.contains(&m.event_id.to_string()) && line.contains(&format!("seq {}", m.sequence)),
-            "moved in sequence order: {stdout}"
-        );
-    }
+    assert_moved_in_order(&stdout, &[&bad.placed, &bad.paid, &bad.delivered]);
     assert!(
         !stdout.contains("unparked order"),
         "un-parked by the first run already: {stdout}"
@@ -1059,6 +1052,51 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     fixed.wait_metric_eq("consumer_dlq_messages", "", 0.0).await;
 }
 
+/// A redrive's report moved exactly `events`, in this order.
+fn assert_moved_in_order(stdout: &str, events: &[&Message]) {
+    let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
+    assert_eq!(moved.len(), events.len(), "{stdout}");
+    for (line, m) in moved.iter().zip(events) {
+        assert!(
+            line.contains(&m.event_id.to_string()) && line.contains(&format!("seq {}", m.sequence)),
+            "moved in sequence order: {stdout}"
+        );
+    }
+}
+
+/// Loyalty consumer `name` with `bad`'s order parked at its first event
+/// (a handler failing 5 times, fail point `consumer.handler_error`, then
+/// the DLQ), restarted with `options` (the fix deployed); its publisher,
+/// and the stopped first run (keep it: its topology outlives the test).
+async fn parked_at_its_first_event(
+    name: &str,
+    bad: &Story,
+    options: Options,
+) -> (Consumer, Publisher, Consumer) {
+    let mut broken = Consumer::start(
+        Kind::Loyalty,
+        name,
+        Options {
+            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(name, &bad.placed).await;
+    broken
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            1.0,
+        )
+        .await;
+    broken.service.signal("TERM");
+    assert!(broken.service.wait_exit(WAIT).is_some(), "stops on SIGTERM");
+    let fixed = Consumer::start(Kind::Loyalty, name, options).await;
+    (fixed, publisher, broken)
+}
+
 /// Live events dead-lettered behind a park while a redrive runs (after its
 /// drain, before it un-parks the order: fail point
 /// `consumer.redrive.after_drain` holds it there) are moved by the same
@@ -1069,27 +1107,8 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
     let tenant = unique("t5-redrive-race");
     let bad = story(&tenant);
     let name = unique("t5-redrive-race-loy");
-    let mut broken = Consumer::start(
-        Kind::Loyalty,
-        &name,
-        Options {
-            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
-            ..Options::default()
-        },
-    )
-    .await;
-    let publisher = Publisher::connect().await;
-    publisher.to_consumer(&name, &bad.placed).await;
-    broken
-        .wait_metric(
-            "consumer_dead_lettered_total",
-            "reason=\"max_attempts\"",
-            1.0,
-        )
-        .await;
-    broken.service.signal("TERM");
-    assert!(broken.service.wait_exit(WAIT).is_some(), "stops on SIGTERM");
-    let fixed = Consumer::start(Kind::Loyalty, &name, Options::default()).await;
+    let (fixed, publisher, _stopped) =
+        parked_at_its_first_event(&name, &bad, Options::default()).await;
     assert_eq!(
         progress(Database::Loyalty, &name, bad.order).await,
         Some((0, true))
@@ -1132,14 +1151,7 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
         .expect("redrive output");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(output.status.success(), "{stdout}");
-    let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
-    assert_eq!(moved.len(), 3, "{stdout}");
-    for (line, m) in moved.iter().zip([&bad.placed, &bad.paid, &bad.delivered]) {
-        assert!(
-            line.contains(&m.event_id.to_string()) && line.contains(&format!("seq {}", m.sequence)),
-            "moved in sequence order: {stdout}"
-        );
-    }
+    assert_moved_in_order(&stdout, &[&bad.placed, &bad.paid, &bad.delivered]);
     wait_sequence(Database::Loyalty, &name, bad.order, 3).await;
     assert_eq!(
         progress(Database::Loyalty, &name, bad.order).await,
@@ -1166,29 +1178,9 @@ async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park(
     let tenant = unique("t5-redrive-lock");
     let bad = story(&tenant);
     let name = unique("t5-redrive-lock-loy");
-    let mut broken = Consumer::start(
-        Kind::Loyalty,
+    let (held, publisher, _stopped) = parked_at_its_first_event(
         &name,
-        Options {
-            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
-            ..Options::default()
-        },
-    )
-    .await;
-    let publisher = Publisher::connect().await;
-    publisher.to_consumer(&name, &bad.placed).await;
-    broken
-        .wait_metric(
-            "consumer_dead_lettered_total",
-            "reason=\"max_attempts\"",
-            1.0,
-        )
-        .await;
-    broken.service.signal("TERM");
-    assert!(broken.service.wait_exit(WAIT).is_some(), "stops on SIGTERM");
-    let held = Consumer::start(
-        Kind::Loyalty,
-        &name,
+        &bad,
         Options {
             failpoints: Some("consumer.parked.before_dead_letter=1*sleep(5000)".to_owned()),
             ..Options::default()
@@ -1218,14 +1210,7 @@ async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park(
     )
     .await;
     let stdout = redrive(Kind::Loyalty, &name, &[]).await;
-    let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
-    assert_eq!(moved.len(), 2, "{stdout}");
-    for (line, m) in moved.iter().zip([&bad.placed, &bad.paid]) {
-        assert!(
-            line.contains(&m.event_id.to_string()) && line.contains(&format!("seq {}", m.sequence)),
-            "moved in sequence order: {stdout}"
-        );
-    }
+    assert_moved_in_order(&stdout, &[&bad.placed, &bad.paid]);
     wait_sequence(Database::Loyalty, &name, bad.order, 2).await;
     assert_eq!(
         progress(Database::Loyalty, &name, bad.order).await,
