@@ -521,9 +521,6 @@ async fn move_letters(
             others.extend(letters);
             continue;
         }
-        // Every letter from the next sequence on, without a hole: the rest
-        // of the order's letters may lie past `--max`, or its earliest was
-        // lowered into the DLQ behind later ones.
         if follow_up.is_some() && parked(pool, &topology.name, &order).await? {
             report.kept.push(format!(
                 "order {order}: parked again during the redrive: its {} letter(s) read after \
@@ -533,6 +530,9 @@ async fn move_letters(
             others.extend(letters);
             continue;
         }
+        // Every letter from the next sequence on, without a hole: the rest
+        // of the order's letters may lie past `--max`, or its earliest was
+        // lowered into the DLQ behind later ones.
         let (last, owner) = last_applied(pool, &topology.name, &order).await?;
         let last = last.max(follow_up.and_then(|f| f.get(&order)).copied().unwrap_or(0));
         // A malformed letter (its order named by its metadata) never
