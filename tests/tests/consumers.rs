@@ -1052,6 +1052,43 @@ async fn a_handler_failing_five_times_dead_letters_parks_the_order_and_redrive_r
     fixed.wait_metric_eq("consumer_dlq_messages", "", 0.0).await;
 }
 
+/// `redrive` of loyalty consumer `name` started with fail points
+/// `failpoints` that hold it, once it has drained the DLQ (its letters held
+/// by the run, none ready).
+async fn held_redrive(name: &str, failpoints: &str) -> tokio::process::Child {
+    let mut command = consumer_command(
+        Kind::Loyalty,
+        name,
+        &Options {
+            failpoints: Some(failpoints.to_owned()),
+            ..Options::default()
+        },
+    );
+    command.arg("redrive");
+    let redrive = tokio::process::Command::from(command)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn redrive");
+    let dlq = format!("{name}.dlq");
+    eventually("the redrive's drain", WAIT, || async {
+        (queue_depth(&dlq).await == 0).then_some(())
+    })
+    .await;
+    redrive
+}
+
+/// The report of a [`held_redrive`] once it has ended, successfully.
+async fn held_redrive_output(redrive: tokio::process::Child) -> String {
+    let output = tokio::time::timeout(Duration::from_secs(120), redrive.wait_with_output())
+        .await
+        .expect("the redrive finishes")
+        .expect("redrive output");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "{stdout}");
+    stdout
+}
+
 /// A redrive's report moved exactly `events`, in this order.
 fn assert_moved_in_order(stdout: &str, events: &[&Message]) {
     let moved: Vec<&str> = stdout.lines().filter(|l| l.starts_with("moved ")).collect();
@@ -1116,25 +1153,7 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
     let dlq = format!("{name}.dlq");
     assert_eq!(queue_depth(&dlq).await, 1);
 
-    let mut command = consumer_command(
-        Kind::Loyalty,
-        &name,
-        &Options {
-            failpoints: Some("consumer.redrive.after_drain=1*sleep(20000)".to_owned()),
-            ..Options::default()
-        },
-    );
-    command.arg("redrive");
-    let mut redrive = tokio::process::Command::from(command)
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn redrive");
-    // Drained: the letter is held by the run, none is ready.
-    eventually("the redrive's drain", WAIT, || async {
-        (queue_depth(&dlq).await == 0).then_some(())
-    })
-    .await;
+    let mut redrive = held_redrive(&name, "consumer.redrive.after_drain=1*sleep(20000)").await;
     // The order is still parked: its next events go to the DLQ behind it.
     publisher.to_consumer(&name, &bad.paid).await;
     publisher.to_consumer(&name, &bad.delivered).await;
@@ -1145,12 +1164,7 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
         redrive.try_wait().expect("redrive status").is_none(),
         "the redrive is still held after its drain (else this test proves nothing)"
     );
-    let output = tokio::time::timeout(Duration::from_secs(120), redrive.wait_with_output())
-        .await
-        .expect("the redrive finishes")
-        .expect("redrive output");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(output.status.success(), "{stdout}");
+    let stdout = held_redrive_output(redrive).await;
     assert_moved_in_order(&stdout, &[&bad.placed, &bad.paid, &bad.delivered]);
     wait_sequence(Database::Loyalty, &name, bad.order, 3).await;
     assert_eq!(
@@ -1164,6 +1178,76 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
         vec![("77".to_owned(), 80, bad.order, bad.delivered.event_id)]
     );
     assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
+}
+
+/// An order a redrive un-parked and that is parked again before the
+/// redrive's follow-up pass (its first letter fails again: the fix is not
+/// deployed) keeps the letters the follow-up reads: the follow-up says so
+/// and moves none of them. The redrive is held after its drain (a live
+/// event is dead-lettered behind the park meanwhile) and again before its
+/// follow-up (fail points `consumer.redrive.after_drain`,
+/// `consumer.redrive.before_follow_up`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_up_leaves_an_order_parked_again_alone() {
+    let tenant = unique("t5-redrive-again");
+    let bad = story(&tenant);
+    let name = unique("t5-redrive-again-loy");
+    let broken = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            failpoints: Some(format!("consumer.handler_error=return({})", bad.order)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &bad.placed).await;
+    let max_attempts = "reason=\"max_attempts\"";
+    broken
+        .wait_metric("consumer_dead_lettered_total", max_attempts, 1.0)
+        .await;
+    let dlq = format!("{name}.dlq");
+    let mut redrive = held_redrive(
+        &name,
+        "consumer.redrive.after_drain=1*sleep(15000);\
+         consumer.redrive.before_follow_up=1*sleep(20000)",
+    )
+    .await;
+    publisher.to_consumer(&name, &bad.paid).await;
+    broken
+        .wait_metric("consumer_dead_lettered_total", "reason=\"parked\"", 1.0)
+        .await;
+    // The redrive un-parks the order and moves its first letter, which
+    // fails again: parked again, while the redrive waits before its
+    // follow-up.
+    broken
+        .wait_metric("consumer_dead_lettered_total", max_attempts, 2.0)
+        .await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((0, true))
+    );
+    assert!(
+        redrive.try_wait().expect("redrive status").is_none(),
+        "the redrive is still held before its follow-up (else this test proves nothing)"
+    );
+    let stdout = held_redrive_output(redrive).await;
+    assert_moved_in_order(&stdout, &[&bad.placed]);
+    assert!(
+        stdout.contains(&format!(
+            "order {}: parked again during the redrive: its 2 letter(s) read after the un-park stay",
+            bad.order
+        )),
+        "{stdout}"
+    );
+    // Both letters the follow-up read wait in the DLQ for the fix: the
+    // first event's second failure and the live event behind it.
+    assert_eq!(queue_depth(&dlq).await, 2, "{stdout}");
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((0, true))
+    );
 }
 
 /// A live event dead-lettered behind a park holds the order's progress row

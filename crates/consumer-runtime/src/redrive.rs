@@ -402,6 +402,9 @@ async fn move_in_passes(
             (order.clone(), through)
         })
         .collect();
+    // Where a test holds the run between its passes, for an order it
+    // un-parked to be parked again.
+    kit::failpoint::hold_point("consumer.redrive.before_follow_up");
     let result = move_letters(pool, channel, topology, None, max, Some(&follow_up), report).await;
     // A letter of these orders that the first pass kept is read again and
     // may be kept for the same reason: said once.
