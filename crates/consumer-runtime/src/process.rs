@@ -475,7 +475,11 @@ impl<D: Domain> Processor<D> {
             // behind the park (its follow-up pass moves them). Released
             // first, a letter could land after the follow-up's drain. (The
             // publish is bounded by the confirm timeout, 30 s, within the
-            // session's idle-in-transaction limit, 60 s.)
+            // session's idle-in-transaction limit, 60 s.) Crash window: a
+            // death before the confirm ends the session and its transaction
+            // and the message is redelivered and dead-lettered then; after
+            // it, `consumer.after_dead_letter_before_ack` (in
+            // `dead_letter`): a second copy of the letter, nothing lost.
             kit::failpoint::hold_point("consumer.parked.before_dead_letter");
             self.dead_letter(publisher, incoming, &reason).await?;
             // The letter is confirmed: a rollback that fails (the session

@@ -101,17 +101,20 @@ fn letter(delivery: Delivery) -> Letter {
     }
 }
 
-/// The order's last applied sequence (0: none, or no progress row) and,
-/// once an event is applied, its tenant (the first applied event's).
-async fn last_applied(
-    pool: &PgPool,
-    consumer: &str,
-    order: &str,
-) -> anyhow::Result<(i64, Option<String>)> {
+/// The order's progress: its last applied sequence (0: none, or no
+/// progress row), once an event is applied its tenant (the first applied
+/// event's), and whether it is parked now.
+struct Progress {
+    last: i64,
+    owner: Option<String>,
+    parked: bool,
+}
+
+async fn progress(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<Progress> {
     let client = pool.get().await?;
     let row = match client
         .query_opt(
-            "SELECT last_sequence, tenant_id FROM order_progress \
+            "SELECT last_sequence, tenant_id, parked_at IS NOT NULL FROM order_progress \
              WHERE consumer_name = $1 AND aggregate_id = $2",
             &[&consumer, &order],
         )
@@ -123,10 +126,21 @@ async fn last_applied(
         Err(error) if the_event_s_own(&error).is_some() => None,
         Err(error) => return Err(error.into()),
     };
-    Ok(row.map_or((0, None), |row| {
-        let last: i64 = row.get(0);
-        (last, (last > 0).then(|| row.get(1)))
-    }))
+    Ok(row.map_or(
+        Progress {
+            last: 0,
+            owner: None,
+            parked: false,
+        },
+        |row| {
+            let last: i64 = row.get(0);
+            Progress {
+                last,
+                owner: (last > 0).then(|| row.get(1)),
+                parked: row.get(2),
+            }
+        },
+    ))
 }
 
 /// Which of an order's letters (their `sequences`, sorted) to move: how
@@ -413,19 +427,6 @@ async fn move_in_passes(
     result
 }
 
-/// Whether `order` is parked (again) now.
-async fn parked(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
-    let client = pool.get().await?;
-    let row = client
-        .query_opt(
-            "SELECT parked_at IS NOT NULL FROM order_progress \
-             WHERE consumer_name = $1 AND aggregate_id = $2",
-            &[&consumer, &order],
-        )
-        .await?;
-    Ok(row.is_some_and(|row| row.get(0)))
-}
-
 /// One pass: drain the DLQ, move and keep. In a `follow_up` pass only the
 /// letters of its orders are considered (the rest go back, unreported), an
 /// order parked again meanwhile is left alone, none is un-parked, and an
@@ -524,7 +525,12 @@ async fn move_letters(
             others.extend(letters);
             continue;
         }
-        if follow_up.is_some() && parked(pool, &topology.name, &order).await? {
+        let Progress {
+            last,
+            owner,
+            parked,
+        } = progress(pool, &topology.name, &order).await?;
+        if follow_up.is_some() && parked {
             report.kept.push(format!(
                 "order {order}: parked again during the redrive: its {} letter(s) read after \
                  the un-park stay (redrive again after the fix)",
@@ -536,7 +542,6 @@ async fn move_letters(
         // Every letter from the next sequence on, without a hole: the rest
         // of the order's letters may lie past `--max`, or its earliest was
         // lowered into the DLQ behind later ones.
-        let (last, owner) = last_applied(pool, &topology.name, &order).await?;
         let last = last.max(follow_up.and_then(|f| f.get(&order)).copied().unwrap_or(0));
         // A malformed letter (its order named by its metadata) never
         // applies: moved, it would only park the order again. It is not a
