@@ -215,6 +215,25 @@ impl PageQuery {
 /// do not.
 pub const SETTLED_HORIZON: &str = "pg_snapshot_xmin(pg_current_snapshot())";
 
+/// Refuse a cursor `sql` (with `params`) finds no row of: an unknown cursor
+/// is a 400 naming `after` (saying `unknown`), not an empty page, which
+/// would read as the end of the list.
+pub async fn known_cursor(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    unknown: impl FnOnce() -> String,
+) -> Result<(), Problem> {
+    let known = client
+        .query_opt(sql, params)
+        .await
+        .map_err(database_problem)?;
+    match known {
+        Some(_) => Ok(()),
+        None => Err(bad_request("after", unknown())),
+    }
+}
+
 /// The cursor of the page after one of `len` items of at most `limit`
 /// whose last item has id `last`: none once a page is short.
 pub fn next_after<T>(len: usize, limit: i64, last: Option<T>) -> Option<T> {

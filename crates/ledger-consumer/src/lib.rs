@@ -349,21 +349,13 @@ async fn get_journal(
     let after: Option<Uuid> = query.page.after("an entry_id (a UUID)")?;
     let client = pool.get().await.map_err(database_problem)?;
     if let Some(after) = after {
-        // An unknown cursor is an error, not an empty page (which would
-        // read as the end of the journal).
-        let known = client
-            .query_opt(
-                "SELECT 1 FROM journal_entries WHERE tenant_id = $1 AND entry_id = $2",
-                &[&scope.tenant, &after],
-            )
-            .await
-            .map_err(database_problem)?;
-        if known.is_none() {
-            return Err(bad_request(
-                "after",
-                format!("after: no journal entry {after} in this tenant"),
-            ));
-        }
+        consumer_runtime::auth::known_cursor(
+            &client,
+            "SELECT 1 FROM journal_entries WHERE tenant_id = $1 AND entry_id = $2",
+            &[&scope.tenant, &after],
+            || format!("after: no journal entry {after} in this tenant"),
+        )
+        .await?;
     }
     // In writing order, up to the oldest transaction still running: an
     // entry still being written may come before one a reader has paged

@@ -13,7 +13,7 @@
 
 use actix_web::{web, HttpResponse};
 use consumer_runtime::{
-    auth::{bad_request, database_problem, next_after, PageQuery},
+    auth::{database_problem, next_after, PageQuery},
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, Money, RawEnvelope};
@@ -176,22 +176,14 @@ async fn get_loyalty(
     let after: Option<i64> = page.after("an entry_id (an integer)")?;
     let client = pool.get().await.map_err(database_problem)?;
     if let Some(after) = after {
-        // An unknown cursor is an error, not an empty page (which would
-        // read as the end of the list).
-        let known = client
-            .query_opt(
-                "SELECT 1 FROM loyalty_entries \
-                 WHERE tenant_id = $1 AND customer_id = $2 AND entry_id = $3",
-                &[&scope.tenant, &customer, &after],
-            )
-            .await
-            .map_err(database_problem)?;
-        if known.is_none() {
-            return Err(bad_request(
-                "after",
-                format!("after: no loyalty entry {after} of this customer in this tenant"),
-            ));
-        }
+        consumer_runtime::auth::known_cursor(
+            &client,
+            "SELECT 1 FROM loyalty_entries \
+             WHERE tenant_id = $1 AND customer_id = $2 AND entry_id = $3",
+            &[&scope.tenant, &customer, &after],
+            || format!("after: no loyalty entry {after} of this customer in this tenant"),
+        )
+        .await?;
     }
     // In writing order, up to the oldest transaction still running
     // ([`consumer_runtime::auth::SETTLED_HORIZON`]).
