@@ -1133,6 +1133,167 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// An outbox row as the takeover test reads it: order, sequence, attempts,
+/// own failures, quarantined, published, lease released, last error.
+type RowState = (String, i64, i32, i32, bool, bool, bool, String);
+
+/// A row the relay dies on each time it handles it (fail point
+/// `relay.preparing_row`, armed for that row's order only: a payload that
+/// exhausts the relay's memory, a bug it triggers) is quarantined after
+/// `max_attempts` deaths of the relays holding it, with the reason; the
+/// healthy rows of the batch the first death took down are taken over one
+/// by one and published, each once and in order, and so are their orders'
+/// later events. Before, every takeover claimed the whole batch again:
+/// every relay crash-looped on it, uncounted, and nothing of the batch was
+/// ever published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_on() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestDeadly").await;
+    let events = orders_with_events(4, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+    // The oldest row (the first of the batch to be taken over).
+    let deadly = events[0].aggregate_id.clone();
+    let env = [
+        (
+            "FAILPOINTS",
+            format!("relay.preparing_row=return({deadly})"),
+        ),
+        ("OUTBOX_RELAY__RELAY__LEASE_MS", "1000".to_owned()),
+        ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "500".to_owned()),
+        ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+        ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "3".to_owned()),
+    ];
+
+    // Its first death takes the whole batch (the four first events) down;
+    // the next claims take them over one by one, counting each once. Its
+    // second and third deaths, the row alone; each is counted when the next
+    // claim takes it over, and the third count (max_attempts) quarantines
+    // it: exactly three deaths.
+    let quarantined =
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND quarantined_at IS NOT NULL";
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut relay = Relay::start(&tenant, &env);
+    let mut deaths = 0;
+    while count(&db, quarantined, &tenant).await == 0 {
+        if let Some(status) = relay.service.wait_exit(Duration::ZERO) {
+            assert!(!status.success(), "an abort: {status:?}");
+            deaths += 1;
+            assert!(
+                deaths <= 3,
+                "the relay died {deaths} times on one row: it is never stopped"
+            );
+            relay = Relay::start(&tenant, &env);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not quarantined after 120 s ({deaths} deaths)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        deaths, 3,
+        "three deaths, then the claim quarantined the row"
+    );
+    relay.ready().await;
+
+    collector.wait_distinct(6, Duration::from_secs(60)).await;
+    wait_db(
+        &db,
+        "rows of the healthy orders unpublished",
+        Duration::from_secs(30),
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",
+        &tenant,
+        2,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let received = collector.snapshot();
+    assert_eq!(
+        duplicates(&received),
+        0,
+        "nothing was published before a death"
+    );
+    let expect: HashMap<String, i64> = events[1..4]
+        .iter()
+        .map(|e| (e.aggregate_id.clone(), 2))
+        .collect();
+    assert_in_sequence_order(&received, &expect);
+    assert_eq!(
+        received.len(),
+        6,
+        "nothing of the deadly order was published"
+    );
+    assert_eq!(relay.metric("outbox_quarantined_total").await, 1);
+
+    let rows = db
+        .query(
+            "SELECT aggregate_id, aggregate_sequence, attempt_count, own_failure_count,
+                    quarantined_at IS NOT NULL, published_at IS NOT NULL, claimed_by IS NULL,
+                    coalesce(last_error, '')
+             FROM outbox_events
+             WHERE tenant_id = $1 AND (aggregate_sequence = 1 OR aggregate_id = $2)
+             ORDER BY aggregate_id = $2 DESC, aggregate_id, aggregate_sequence",
+            &[&tenant, &deadly],
+        )
+        .await
+        .expect("rows");
+    let rows: Vec<RowState> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.get(0),
+                r.get(1),
+                r.get(2),
+                r.get(3),
+                r.get(4),
+                r.get(5),
+                r.get(6),
+                r.get(7),
+            )
+        })
+        .collect();
+    assert_eq!(rows.len(), 5);
+    let (order, sequence, attempts, own, is_quarantined, published, released, error) = &rows[0];
+    assert_eq!(
+        (
+            order,
+            *sequence,
+            *attempts,
+            *own,
+            *is_quarantined,
+            *published,
+            *released
+        ),
+        (&deadly, 1, 3, 3, true, false, true),
+        "the deadly row: three takeovers counted, quarantined, no lease"
+    );
+    assert!(
+        error.contains("ran out with the event unsettled: that relay died or stalled"),
+        "{error}"
+    );
+    assert_eq!(
+        rows[1],
+        (deadly.clone(), 2, 0, 0, false, false, true, String::new()),
+        "its order's next event is held, untouched"
+    );
+    for (order, sequence, attempts, own, is_quarantined, published, _, error) in &rows[2..] {
+        assert_eq!(
+            (*sequence, *attempts, *own, *is_quarantined, *published),
+            (1, 1, 1, false, true),
+            "{order}: counted once (the first death), then published"
+        );
+        assert!(
+            error.contains("ran out with the event unsettled"),
+            "{error}"
+        );
+    }
+
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Graceful shutdown: SIGTERM while a claimed batch is on its way (held
 /// before publishing by a fail point's sleep) stops claiming, but the batch
 /// is still published, confirmed and marked before the clean exit; no lease
@@ -3007,7 +3168,8 @@ async fn explain_analyze(db: &impl tokio_postgres::GenericClient, sql: &str) -> 
 const GAUGES_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src/gauges.sql");
 
 /// The claim statement for `EXPLAIN`: instance `explain`, a 30 s lease,
-/// `batch` rows, every tenant, from `floor` (a timestamp literal).
+/// `batch` rows, every tenant, from `floor` (a timestamp literal), the
+/// default byte bound (4 MiB) and `max_attempts` (10).
 fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
     CLAIM_SQL_FOR_EXPLAIN
         .replace("$1", "'explain'")
@@ -3015,6 +3177,8 @@ fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
         .replace("$3", &batch.to_string())
         .replace("$4", "''")
         .replace("$5", &format!("'{floor}'"))
+        .replace("$6", "4194304")
+        .replace("$7", "10")
 }
 
 /// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and

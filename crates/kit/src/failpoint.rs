@@ -59,3 +59,22 @@ pub fn crash_point(name: &'static str) {
         std::process::abort();
     }
 }
+
+/// A crash boundary for one item among many: aborts as [`crash_point`] does
+/// when the point is armed with `return` (every item) or `return(<key>)`
+/// (the item whose key is `key` only), e.g.
+/// `FAILPOINTS="relay.preparing_row=return(<aggregate id>)"` for a row the
+/// relay dies on each time it handles it. A no-op without the `failpoints`
+/// feature.
+#[inline]
+pub fn crash_point_for(name: &'static str, key: &str) {
+    #[cfg(feature = "failpoints")]
+    if let Some(only) = fail::eval(name, |only| only) {
+        if only.as_deref().is_none_or(|only| only == key) {
+            eprintln!("fail point {name} fired for {key}: aborting the process");
+            std::process::abort();
+        }
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = (name, key);
+}

@@ -18,6 +18,7 @@ use tokio_postgres::types::{FromSql, ToSql, Type};
 use uuid::Uuid;
 
 pub use crate::floor::Floor;
+use crate::settings::RelaySettings;
 
 /// One claimed outbox row, with everything needed to publish it.
 #[derive(Clone, Debug)]
@@ -150,8 +151,12 @@ pub struct Claimed {
     /// Claimed rows that cannot be read ([`OutboxRow::try_from_row`]): event
     /// id, failed attempts so far, and why.
     pub undecodable: Vec<(Uuid, i32, String)>,
-    /// How many of them had an expired lease of another instance.
+    /// How many of them had an expired lease of another instance (quarantined
+    /// ones included).
     pub taken_over: u64,
+    /// Rows taken over whose count reached `max_attempts`: quarantined by
+    /// the claim instead of leased (see [`CLAIM_SQL`]), with the reason.
+    pub quarantined: Vec<(Uuid, String)>,
     /// The lease's end as written (one value for the whole claim: `now()`
     /// is the transaction's start). It names this claim: a later claim of
     /// the same rows, by another worker of the same instance, writes
@@ -162,7 +167,8 @@ pub struct Claimed {
 /// The claim statement. `$1` instance id, `$2` lease in ms, `$3` batch
 /// size, `$4` only this tenant (empty: all), `$5` the floor: the walk starts
 /// there ([`crate::floor`]: a row below it waits for the next refresh;
-/// `-infinity`: walk from the start).
+/// `-infinity`: walk from the start), `$6` the batch's byte bound, `$7` the
+/// quarantine threshold (`max_attempts`).
 ///
 /// A row is claimable when it is unpublished, not quarantined, due
 /// (`available_at`), not under a live lease, and the lowest unpublished
@@ -175,20 +181,41 @@ pub struct Claimed {
 /// `published_at IS NULL`, so published rows cost nothing once vacuum has
 /// removed their entries (until then the walk steps over them: hence the
 /// floor).
+///
+/// Of the rows it locks, the claim takes, in that order, those whose
+/// payloads before them stay under the byte bound (`relay.batch_max_bytes`;
+/// the first row always). The rows it locked and did not take are free
+/// again at its commit.
+///
+/// A row whose lease ran out unsettled (`claimed_by` set, unpublished: the
+/// mark and the failure write settle a row, a shutdown settles its batch
+/// first) was held by a relay that died or stalled, possibly *because* of
+/// the row (a payload that exhausts its memory, a bug it triggers). Taking
+/// such a row over counts as a failure of its own (`attempt_count`,
+/// `own_failure_count`, `last_error` naming the dead lease's owner), and
+/// the claim takes it **alone**: one taken-over row and nothing else, so a
+/// row that kills its relay again is counted alone and does not drag a
+/// batch of healthy rows through every crash (the batch it first died with
+/// is counted once each, then taken over one by one). Once its count
+/// reaches `max_attempts` the claim quarantines it instead of leasing it
+/// (no payload returned): it and its order's later events stop, with the
+/// reason, until `outbox-relay requeue`, and every other order goes on.
+/// Without this a row that crashed every relay publishing it was taken
+/// over after each lease expiry for ever, never counted, with every relay
+/// of the fleet crash-looping on it.
 pub const CLAIM_SQL: &str = include_str!("claim.sql");
 
 fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Claim up to `batch_size` rows for `instance` with a lease of `lease`,
-/// walking the pending rows from `floor` on.
+/// Claim up to `settings.batch_size` rows (and `batch_max_bytes` of
+/// payload) for `instance` with a lease of `settings.lease_ms`, walking the
+/// pending rows (of `settings.only_tenant`, if set) from `floor` on.
 pub async fn claim(
     pool: &PgPool,
     instance: &str,
-    lease: Duration,
-    batch_size: i64,
-    only_tenant: &str,
+    settings: &RelaySettings,
     floor: Floor,
 ) -> anyhow::Result<Claimed> {
     let mut client = pool.get().await?;
@@ -200,10 +227,12 @@ pub async fn claim(
             CLAIM_SQL,
             &[
                 (&instance, Type::TEXT),
-                (&millis(lease), Type::INT8),
-                (&batch_size, Type::INT8),
-                (&only_tenant, Type::TEXT),
+                (&millis(settings.lease()), Type::INT8),
+                (&settings.batch_size, Type::INT8),
+                (&settings.only_tenant, Type::TEXT),
                 (&floor, Type::TIMESTAMPTZ),
+                (&settings.batch_max_bytes, Type::INT8),
+                (&settings.max_attempts, Type::INT4),
             ],
         )
         .await?;
@@ -211,21 +240,25 @@ pub async fn claim(
     tx.commit().await?;
     let mut claimed = Claimed::default();
     for row in rows {
+        let event_id: Uuid = row.get(0); // uuid NOT NULL: always readable
+        let previous_owner: Option<String> = row.get(12);
+        if let Some(previous_owner) = &previous_owner {
+            claimed.taken_over += 1;
+            tracing::warn!(%event_id, previous_owner, "took over an expired claim");
+        }
+        if row.get::<_, bool>(14) {
+            // Quarantined by the claim: the reason is its last_error.
+            let reason: Option<String> = row.get(15);
+            claimed
+                .quarantined
+                .push((event_id, reason.unwrap_or_default()));
+            continue;
+        }
         // now() + a lease in ms: always finite, always readable.
         claimed.lease_until = Some(row.get(13));
-        let previous_owner: Option<String> = row.get(12);
-        if previous_owner.is_some() {
-            claimed.taken_over += 1;
-            tracing::warn!(
-                event_id = %row.get::<_, Uuid>(0),
-                previous_owner = previous_owner.as_deref().unwrap_or_default(),
-                "took over an expired claim"
-            );
-        }
         match OutboxRow::try_from_row(&row) {
             Ok(decoded) => claimed.rows.push(decoded),
             Err(error) => {
-                let event_id: Uuid = row.get(0); // uuid NOT NULL: always readable
                 let attempts: i32 = row.get(11); // integer NOT NULL
                 tracing::error!(%event_id, error = %error, "claimed an outbox row that cannot be read");
                 claimed

@@ -1,5 +1,6 @@
 WITH due AS (
-    SELECT o.event_id, o.claimed_by AS previous_owner
+    SELECT o.event_id, o.claimed_by AS previous_owner, o.available_at, o.own_failure_count,
+           pg_column_size(o.payload) AS stored_bytes
     FROM outbox_events o
     WHERE o.published_at IS NULL
       AND o.quarantined_at IS NULL
@@ -16,11 +17,37 @@ WITH due AS (
     ORDER BY o.available_at
     LIMIT $3
     FOR UPDATE OF o SKIP LOCKED
+),
+ranked AS (
+    SELECT event_id, previous_owner, own_failure_count,
+           sum(stored_bytes) OVER in_order - stored_bytes AS bytes_before,
+           count(previous_owner) OVER in_order AS taken_over_so_far,
+           count(previous_owner) OVER () AS taken_over
+    FROM due
+    WINDOW in_order AS (ORDER BY available_at, event_id ROWS UNBOUNDED PRECEDING)
+),
+picked AS (
+    SELECT event_id, previous_owner,
+           previous_owner IS NOT NULL AND own_failure_count + 1 >= $7 AS quarantine
+    FROM ranked
+    WHERE CASE WHEN taken_over = 0 THEN bytes_before < $6
+               ELSE previous_owner IS NOT NULL AND taken_over_so_far = 1 END
 )
 UPDATE outbox_events t
-SET claimed_by = $1, claim_until = now() + $2::bigint * interval '1 millisecond'
-FROM due
-WHERE t.event_id = due.event_id
+SET claimed_by = CASE WHEN picked.quarantine THEN NULL ELSE $1 END,
+    claim_until = CASE WHEN picked.quarantine THEN NULL
+                       ELSE now() + $2::bigint * interval '1 millisecond' END,
+    attempt_count = t.attempt_count + (picked.previous_owner IS NOT NULL)::int,
+    own_failure_count = t.own_failure_count + (picked.previous_owner IS NOT NULL)::int,
+    last_error = CASE WHEN picked.previous_owner IS NULL THEN t.last_error
+                      ELSE 'the lease of ' || picked.previous_owner
+                           || ' ran out with the event unsettled: that relay died or stalled while holding it'
+                 END,
+    quarantined_at = CASE WHEN picked.quarantine THEN now() END
+FROM picked
+WHERE t.event_id = picked.event_id
 RETURNING t.event_id, t.tenant_id, t.aggregate_type, t.aggregate_id, t.aggregate_sequence,
-          t.event_type, t.schema_version, t.payload, t.traceparent, t.tracestate,
-          t.occurred_at, t.attempt_count, due.previous_owner, t.claim_until
+          t.event_type, t.schema_version,
+          CASE WHEN picked.quarantine THEN NULL ELSE t.payload END, t.traceparent, t.tracestate,
+          t.occurred_at, t.attempt_count, picked.previous_owner, t.claim_until, picked.quarantine,
+          t.last_error

@@ -137,38 +137,33 @@ impl Relay {
             // slow commit) is already spent: the deadline starts here.
             let lease_deadline = tokio::time::Instant::now() + self.settings.lease();
             let floor = crate::floor::current(&self.floor);
-            let claimed = match claim::claim(
-                &self.pool,
-                &self.instance,
-                self.settings.lease(),
-                self.settings.batch_size,
-                &self.settings.only_tenant,
-                floor,
-            )
-            .await
-            {
-                Ok(claimed) => {
-                    db_delay = Duration::from_millis(100);
-                    claimed
-                }
-                Err(error) => {
-                    tracing::warn!(error = format!("{error:#}"), "claim failed");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(ChannelEnd::Shutdown),
-                        _ = tokio::time::sleep(db_delay) => {}
+            let claimed =
+                match claim::claim(&self.pool, &self.instance, &self.settings, floor).await {
+                    Ok(claimed) => {
+                        db_delay = Duration::from_millis(100);
+                        claimed
                     }
-                    db_delay = (db_delay * 2).min(Duration::from_secs(5));
-                    continue;
-                }
-            };
+                    Err(error) => {
+                        tracing::warn!(error = format!("{error:#}"), "claim failed");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return Ok(ChannelEnd::Shutdown),
+                            _ = tokio::time::sleep(db_delay) => {}
+                        }
+                        db_delay = (db_delay * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                };
+            self.metrics.expired_claims.inc_by(claimed.taken_over);
+            self.quarantined(&claimed.quarantined);
             let Some(lease_until) = claimed.lease_until else {
-                self.idle(connection, shutdown).await?;
+                if claimed.quarantined.is_empty() {
+                    self.idle(connection, shutdown).await?;
+                }
                 continue;
             };
             self.metrics
                 .claimed
                 .inc_by((claimed.rows.len() + claimed.undecodable.len()) as u64);
-            self.metrics.expired_claims.inc_by(claimed.taken_over);
             kit::failpoint::crash_point("relay.before_publish");
             if self
                 .publish_and_settle(
@@ -245,6 +240,10 @@ impl Relay {
             .map(|(id, _, why)| (id, PublishFailure::Encode(why)))
             .collect();
         for row in &rows {
+            // A row the relay dies on (modelled: a payload that exhausts its
+            // memory, a bug it triggers): the batch is leased, nothing of it
+            // published yet (see the claim's takeover rule).
+            kit::failpoint::crash_point_for("relay.preparing_row", &row.aggregate_id);
             let prepared = publish::prepare(row, false).and_then(|prepared| {
                 publish::check_limits(&prepared.0, self.settings.max_message_bytes, frame_max)
                     .map(|()| prepared)
@@ -367,22 +366,33 @@ impl Relay {
             })
             .await
             {
-                for event_id in &quarantined {
-                    tracing::error!(
-                        %event_id,
-                        max_attempts,
-                        "event quarantined: it and the later events of its order are held until `outbox-relay requeue`"
-                    );
-                }
-                self.metrics
-                    .quarantined_total
-                    .inc_by(quarantined.len() as u64);
-                self.metrics
-                    .quarantined
-                    .add(i64::try_from(quarantined.len()).unwrap_or(0));
+                let quarantined: Vec<(Uuid, String)> = quarantined
+                    .into_iter()
+                    .map(|id| (id, "its own publishing failures, logged above".to_owned()))
+                    .collect();
+                self.quarantined(&quarantined);
             }
         }
         reopen
+    }
+
+    /// Log and count rows just quarantined (by the failure write, or by a
+    /// claim taking over a row that outlived `max_attempts` relays).
+    fn quarantined(&self, quarantined: &[(Uuid, String)]) {
+        for (event_id, reason) in quarantined {
+            tracing::error!(
+                %event_id,
+                max_attempts = self.settings.max_attempts,
+                reason,
+                "event quarantined: it and the later events of its order are held until `outbox-relay requeue`"
+            );
+        }
+        self.metrics
+            .quarantined_total
+            .inc_by(quarantined.len() as u64);
+        self.metrics
+            .quarantined
+            .add(i64::try_from(quarantined.len()).unwrap_or(0));
     }
 }
 

@@ -38,6 +38,13 @@ pub struct RelaySettings {
     pub exchange: String,
     /// Rows claimed (and messages in flight) per batch.
     pub batch_size: i64,
+    /// Bound on a batch's payloads, in the bytes PostgreSQL stores them in
+    /// (`pg_column_size`, after its compression): a claim stops before the
+    /// row that would pass it, but always takes its first row. The relay
+    /// holds a batch's payloads two or three times over (the rows, the
+    /// envelopes, the frames), so this bounds its memory where
+    /// `batch_size` alone would let 500 large rows in at once.
+    pub batch_max_bytes: i64,
     /// Batches worked on at once by this instance (each on its own channel).
     pub workers: usize,
     /// How long a claim is owned before another instance may take it over.
@@ -51,7 +58,10 @@ pub struct RelaySettings {
     /// row is quarantined (it and the later events of its order stop until
     /// `outbox-relay requeue`). Infrastructure failures (timeouts, a broken
     /// channel, a nack: a queue refusing for its state) back off like them
-    /// but never count.
+    /// but never count. A lease that ran out with the row unsettled (its
+    /// relay died or stalled holding it) counts as one of its own: a row
+    /// that kills every relay publishing it is stopped after this many
+    /// deaths instead of crash-looping them all (see [`crate::claim`]).
     pub max_attempts: i32,
     /// Retry delay after the first failure; doubles per attempt, with jitter.
     pub backoff_base_ms: u64,
@@ -111,6 +121,7 @@ impl Default for RelaySettings {
             only_tenant: String::new(),
             exchange: events::EXCHANGE.to_owned(),
             batch_size: 500,
+            batch_max_bytes: 4_194_304,
             workers: 2,
             lease_ms: 30_000,
             poll_interval_ms: 1_000,
@@ -179,6 +190,10 @@ impl Settings {
             "relay.exchange must be 1 to 255 bytes long"
         );
         anyhow::ensure!(r.batch_size >= 1, "relay.batch_size must be at least 1");
+        anyhow::ensure!(
+            r.batch_max_bytes >= 1,
+            "relay.batch_max_bytes must be at least 1"
+        );
         anyhow::ensure!(r.workers >= 1, "relay.workers must be at least 1");
         anyhow::ensure!(r.max_attempts >= 1, "relay.max_attempts must be at least 1");
         anyhow::ensure!(

@@ -1,17 +1,31 @@
-//! The failure write of a claim against the real PostgreSQL (`PG_URL_ORDERS`,
-//! started by `make test`): it only touches rows still under that claim's
-//! lease. A worker whose write comes after its lease ran out and another
-//! worker of the same instance claimed the rows again must not release,
-//! back off or count a failure against that newer claim.
+//! The claim and the failure write against the real PostgreSQL
+//! (`PG_URL_ORDERS`, started by `make test`):
+//! - the failure write only touches rows still under that claim's lease. A
+//!   worker whose write comes after its lease ran out and another worker of
+//!   the same instance claimed the rows again must not release, back off or
+//!   count a failure against that newer claim;
+//! - a claim takes a row whose lease ran out unsettled alone, counts the
+//!   takeover as the row's own failure, and quarantines it once the count
+//!   reaches `max_attempts`;
+//! - a claim stops before the row whose payload would take the batch past
+//!   `batch_max_bytes`, and always takes its first row.
 
 use std::time::Duration;
 
+use kit::db::PgPool as Pool;
 use kit::migrations::Database;
-use outbox_relay::claim::{self, Failure};
+use outbox_relay::claim::{self, Claimed, Failure};
+use outbox_relay::settings::RelaySettings;
 use uuid::Uuid;
 
-#[tokio::test]
-async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() {
+const INSTANCE: &str = "lease-test-instance";
+
+/// event_id, attempt_count, own_failure_count, quarantined, claimed_by,
+/// last_error.
+type RowState = (Uuid, i32, i32, bool, Option<String>, Option<String>);
+
+/// A migrated pool and a tenant of the test's own.
+async fn setup() -> (Pool, String) {
     let mut settings = kit::settings::DatabaseSettings::local("orders");
     if let Ok(url) = std::env::var("PG_URL_ORDERS") {
         settings.url = url;
@@ -21,36 +35,78 @@ async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() 
         .await
         .expect("migrate");
     let tenant = format!("lease-{}", &Uuid::new_v4().simple().to_string()[..12]);
-    let event = Uuid::now_v7();
-    let db = pool.get().await.expect("connection");
-    db.execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
+    pool.get()
+        .await
+        .expect("connection")
+        .execute("INSERT INTO tenants (tenant_id) VALUES ($1)", &[&tenant])
         .await
         .expect("tenant");
-    db.execute(
-        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
-             aggregate_sequence, event_type, schema_version, payload) \
-         VALUES ($1, $2, 'order', $3, 1, 'LeaseTest', 1, '{}')",
-        &[&event, &tenant, &event.to_string()],
+    (pool, tenant)
+}
+
+/// An order's first event with `payload`, in a transaction of its own (so
+/// the rows' `available_at` follow the insertion order).
+async fn insert(pool: &Pool, tenant: &str, payload: &str) -> Uuid {
+    let event = Uuid::now_v7();
+    pool.get()
+        .await
+        .expect("connection")
+        .execute(
+            "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+                 aggregate_sequence, event_type, schema_version, payload) \
+             VALUES ($1, $2, 'order', $3, 1, 'LeaseTest', 1, $4::text::jsonb)",
+            &[&event, &tenant, &event.to_string(), &payload],
+        )
+        .await
+        .expect("outbox row");
+    event
+}
+
+async fn claim_with(pool: &Pool, settings: RelaySettings) -> Claimed {
+    claim::claim(
+        pool,
+        INSTANCE,
+        &settings,
+        tokio_postgres::types::Timestamp::NegInfinity,
     )
     .await
-    .expect("outbox row");
-    let instance = "lease-test-instance";
-    let claim = |lease_ms: u64| {
-        let pool = pool.clone();
-        let tenant = tenant.clone();
-        async move {
-            claim::claim(
-                &pool,
-                instance,
-                Duration::from_millis(lease_ms),
-                10,
-                &tenant,
-                tokio_postgres::types::Timestamp::NegInfinity,
-            )
-            .await
-            .expect("claim")
-        }
-    };
+    .expect("claim")
+}
+
+fn settings(tenant: &str, lease_ms: u64) -> RelaySettings {
+    RelaySettings {
+        lease_ms,
+        batch_size: 10,
+        only_tenant: tenant.to_owned(),
+        ..RelaySettings::default()
+    }
+}
+
+fn ids(claimed: &Claimed) -> Vec<Uuid> {
+    claimed.rows.iter().map(|row| row.event_id).collect()
+}
+
+/// A test's own rows, unpublished ones too (orders V13's guard lifted).
+async fn clean_up(pool: &Pool, tenant: &str) {
+    let db = pool.get().await.expect("connection");
+    db.batch_execute("SET outbox.allow_unpublished_delete = on")
+        .await
+        .expect("lift the guard");
+    db.execute("DELETE FROM outbox_events WHERE tenant_id = $1", &[&tenant])
+        .await
+        .expect("clean up");
+    db.execute("DELETE FROM tenants WHERE tenant_id = $1", &[&tenant])
+        .await
+        .expect("clean up the tenant");
+}
+
+#[tokio::test]
+async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() {
+    let (pool, tenant) = setup().await;
+    let event = insert(&pool, &tenant, "{}").await;
+    let db = pool.get().await.expect("connection");
+    let instance = INSTANCE;
+    let claim = |lease_ms: u64| claim_with(&pool, settings(&tenant, lease_ms));
     let failure = Failure {
         event_id: event,
         error: "late".to_owned(),
@@ -99,23 +155,149 @@ async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() 
     assert!(quarantined.is_empty());
     assert_eq!(
         state().await,
-        (Some(instance.to_owned()), 0, false),
-        "B's lease stands, nothing counted"
+        (Some(instance.to_owned()), 1, false),
+        "B's lease stands; only B's takeover of A's run-out lease is counted"
     );
 
     // B's own failure write is recorded (and quarantines).
     let quarantined = fail_under(&second).await.expect("own write");
     assert_eq!(quarantined, vec![event]);
-    assert_eq!(state().await, (None, 1, true));
+    assert_eq!(state().await, (None, 2, true));
 
-    // A test's own rows, unpublished ones too (orders V13's guard lifted).
-    db.batch_execute("SET outbox.allow_unpublished_delete = on")
+    drop(db);
+    clean_up(&pool, &tenant).await;
+}
+
+/// A row whose lease ran out unsettled (its relay died or stalled holding
+/// it) is taken over alone, and each takeover counts as its own failure:
+/// the healthy rows it was first claimed with are each counted once and
+/// leased one by one, and the row is quarantined (not leased, no payload)
+/// once its count reaches `max_attempts`.
+#[tokio::test]
+async fn a_row_whose_lease_ran_out_is_taken_over_alone_and_quarantined_after_max_attempts() {
+    let (pool, tenant) = setup().await;
+    let first = insert(&pool, &tenant, "{}").await;
+    let second = insert(&pool, &tenant, "{}").await;
+    let third = insert(&pool, &tenant, "{}").await;
+    let run_out = Duration::from_millis(20);
+    let claim = |lease_ms| {
+        claim_with(
+            &pool,
+            RelaySettings {
+                max_attempts: 2,
+                ..settings(&tenant, lease_ms)
+            },
+        )
+    };
+
+    // A relay claims the three and dies (its 1 ms lease runs out).
+    let batch = claim(1).await;
+    assert_eq!(ids(&batch), vec![first, second, third]);
+    assert_eq!(batch.taken_over, 0);
+    tokio::time::sleep(run_out).await;
+
+    // The next claim takes the oldest of them alone, and counts it.
+    let alone = claim(1).await;
+    assert_eq!(ids(&alone), vec![first], "one taken-over row, nothing else");
+    assert_eq!((alone.taken_over, alone.quarantined.len()), (1, 0));
+    tokio::time::sleep(run_out).await;
+
+    // It runs out again: its second failure reaches max_attempts (2), and
+    // the claim quarantines it instead of leasing it.
+    let stopped = claim(1).await;
+    assert!(stopped.rows.is_empty() && stopped.lease_until.is_none());
+    assert_eq!(stopped.taken_over, 1);
+    assert_eq!(stopped.quarantined.len(), 1);
+    assert_eq!(stopped.quarantined[0].0, first);
+    let reason = &stopped.quarantined[0].1;
+    assert!(
+        reason.contains(&format!("the lease of {INSTANCE} ran out")),
+        "{reason}"
+    );
+
+    // The other two: taken over one by one, each counted once.
+    let next = claim(60_000).await;
+    assert_eq!(ids(&next), vec![second]);
+    let last = claim(60_000).await;
+    assert_eq!(ids(&last), vec![third]);
+    assert!(claim(60_000).await.rows.is_empty(), "nothing else is due");
+
+    let db = pool.get().await.expect("connection");
+    let state = db
+        .query(
+            "SELECT event_id, attempt_count, own_failure_count, quarantined_at IS NOT NULL, \
+                    claimed_by, last_error \
+             FROM outbox_events WHERE tenant_id = $1 ORDER BY available_at, event_id",
+            &[&tenant],
+        )
         .await
-        .expect("lift the guard");
-    db.execute("DELETE FROM outbox_events WHERE tenant_id = $1", &[&tenant])
+        .expect("state");
+    let state: Vec<RowState> = state
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
+        .collect();
+    let lease_error = Some(format!(
+        "the lease of {INSTANCE} ran out with the event unsettled: \
+         that relay died or stalled while holding it"
+    ));
+    assert_eq!(
+        state,
+        vec![
+            (first, 2, 2, true, None, lease_error.clone()),
+            (
+                second,
+                1,
+                1,
+                false,
+                Some(INSTANCE.to_owned()),
+                lease_error.clone()
+            ),
+            (third, 1, 1, false, Some(INSTANCE.to_owned()), lease_error),
+        ]
+    );
+    clean_up(&pool, &tenant).await;
+}
+
+/// A claim takes rows while the payloads before them stay under
+/// `batch_max_bytes` (as stored: `pg_column_size`), and always its first.
+#[tokio::test]
+async fn a_claim_stops_at_its_byte_bound_and_always_takes_its_first_row() {
+    let (pool, tenant) = setup().await;
+    let pad = "x".repeat(1_000);
+    let mut events = Vec::new();
+    for _ in 0..5 {
+        events.push(insert(&pool, &tenant, &format!("{{\"pad\": \"{pad}\"}}")).await);
+    }
+    let stored: i32 = pool
+        .get()
         .await
-        .expect("clean up");
-    db.execute("DELETE FROM tenants WHERE tenant_id = $1", &[&tenant])
+        .expect("connection")
+        .query_one(
+            "SELECT max(pg_column_size(payload)) FROM outbox_events WHERE tenant_id = $1",
+            &[&tenant],
+        )
         .await
-        .expect("clean up the tenant");
+        .expect("size")
+        .get(0);
+    assert!(stored > 1_000, "{stored}");
+    let bounded = |batch_max_bytes: i64| {
+        claim_with(
+            &pool,
+            RelaySettings {
+                batch_max_bytes,
+                ..settings(&tenant, 600_000)
+            },
+        )
+    };
+
+    // Two and a half payloads: the third starts below the bound, the
+    // fourth would start above it.
+    let claimed = bounded(i64::from(stored) * 5 / 2).await;
+    assert_eq!(ids(&claimed), events[..3]);
+    // A bound below one payload still takes one row.
+    let claimed = bounded(1).await;
+    assert_eq!(ids(&claimed), events[3..4]);
+    let claimed = bounded(i64::MAX).await;
+    assert_eq!(ids(&claimed), events[4..]);
+    clean_up(&pool, &tenant).await;
 }
