@@ -723,9 +723,18 @@ pub async fn backlog_sample(
     // From the start of the index (no floor): the walk a claim makes when
     // the floor is at the oldest pending row, as under a backlog.
     let floor = outbox_relay::claim::Floor::NegInfinity;
+    let defaults = outbox_relay::settings::RelaySettings::default();
     tx.query(
         outbox_relay::claim::CLAIM_SQL,
-        &[&"bench-probe", &30_000_i64, &500_i64, &tenant, &floor],
+        &[
+            &"bench-probe",
+            &30_000_i64,
+            &500_i64,
+            &tenant,
+            &floor,
+            &defaults.batch_max_bytes,
+            &defaults.max_attempts,
+        ],
     )
     .await
     .expect("claim probe");

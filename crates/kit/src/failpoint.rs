@@ -64,8 +64,9 @@ pub fn crash_point(name: &'static str) {
 /// when the point is armed with `return` (every item) or `return(<key>)`
 /// (the item whose key is `key` only), e.g.
 /// `FAILPOINTS="relay.preparing_row=return(<aggregate id>)"` for a row the
-/// relay dies on each time it handles it. A no-op without the `failpoints`
-/// feature.
+/// relay dies on each time it handles it. A count (`N*return(<key>)`) is
+/// spent by every item evaluated, not only the key's. A no-op without the
+/// `failpoints` feature.
 #[inline]
 pub fn crash_point_for(name: &'static str, key: &str) {
     #[cfg(feature = "failpoints")]

@@ -151,11 +151,11 @@ pub struct Claimed {
     /// Claimed rows that cannot be read ([`OutboxRow::try_from_row`]): event
     /// id, failed attempts so far, and why.
     pub undecodable: Vec<(Uuid, i32, String)>,
-    /// How many of them had an expired lease of another instance (quarantined
-    /// ones included).
+    /// How many of them had a lease that ran out (of any instance, this one
+    /// included; quarantined ones too).
     pub taken_over: u64,
-    /// Rows taken over whose count reached `max_attempts`: quarantined by
-    /// the claim instead of leased (see [`CLAIM_SQL`]), with the reason.
+    /// Rows taken over whose own failures reached `max_attempts`: quarantined
+    /// by the claim instead of leased (see [`CLAIM_SQL`]), with the reason.
     pub quarantined: Vec<(Uuid, String)>,
     /// The lease's end as written (one value for the whole claim: `now()`
     /// is the transaction's start). It names this claim: a later claim of
@@ -183,26 +183,38 @@ pub struct Claimed {
 /// floor).
 ///
 /// Of the rows it locks, the claim takes, in that order, those whose
-/// payloads before them stay under the byte bound (`relay.batch_max_bytes`;
-/// the first row always). The rows it locked and did not take are free
-/// again at its commit.
+/// payloads before them stay under the byte bound (`relay.batch_max_bytes`,
+/// in the bytes PostgreSQL stores, after its compression; the first row
+/// always). The rows it locked and did not take are free again at its
+/// commit.
 ///
 /// A row whose lease ran out unsettled (`claimed_by` set, unpublished: the
 /// mark and the failure write settle a row, a shutdown settles its batch
-/// first) was held by a relay that died or stalled, possibly *because* of
-/// the row (a payload that exhausts its memory, a bug it triggers). Taking
-/// such a row over counts as a failure of its own (`attempt_count`,
-/// `own_failure_count`, `last_error` naming the dead lease's owner), and
-/// the claim takes it **alone**: one taken-over row and nothing else, so a
-/// row that kills its relay again is counted alone and does not drag a
-/// batch of healthy rows through every crash (the batch it first died with
-/// is counted once each, then taken over one by one). Once its count
-/// reaches `max_attempts` the claim quarantines it instead of leasing it
-/// (no payload returned): it and its order's later events stop, with the
-/// reason, until `outbox-relay requeue`, and every other order goes on.
-/// Without this a row that crashed every relay publishing it was taken
-/// over after each lease expiry for ever, never counted, with every relay
-/// of the fleet crash-looping on it.
+/// first) was held by a relay that died or stalled, usually not because of
+/// the row (a relay killed with its batch, a node lost, a database outage
+/// longer than the lease), possibly because of it (a payload that exhausts
+/// its memory, a bug it triggers). `lease_expiries` counts such expiries
+/// one after the other (orders V15; the failure write and requeue reset
+/// it):
+/// - at the first, the row is taken over like any other, in a batch;
+/// - from the second on it is a suspect, taken **alone**: a claim that
+///   meets one takes that one and nothing else, so a row that kills its
+///   relay again does not drag healthy rows through every crash;
+/// - only the expiry of a lease that held the row alone (the third expiry
+///   on) counts as a failure of its own (`attempt_count`,
+///   `own_failure_count`, `last_error` naming that lease's owner), and when
+///   the count reaches `max_attempts` the claim quarantines the row instead
+///   of leasing it (no payload returned): it and its order's later events
+///   stop, with the reason, until `outbox-relay requeue`.
+///
+/// So a healthy row is never counted for another's crash (it is published
+/// once taken alone), a single crash is recovered at full speed, and a row
+/// that kills every relay holding it is stopped after `max_attempts` + 2
+/// deaths, where it used to be taken over after every lease expiry for
+/// ever, uncounted, with every relay of the fleet crash-looping on it. Not
+/// covered: a relay dying while it *receives* the claim's rows (one
+/// payload too large for its memory) rolls the claim back, so nothing is
+/// leased or counted; only the relays' restarts show it.
 pub const CLAIM_SQL: &str = include_str!("claim.sql");
 
 fn millis(duration: Duration) -> i64 {
@@ -387,7 +399,8 @@ pub async fn mark_failed(
                  quarantined_at = CASE WHEN f.quarantinable AND o.own_failure_count + 1 >= $4
                                        THEN now() END,
                  claimed_by = NULL,
-                 claim_until = NULL
+                 claim_until = NULL,
+                 lease_expiries = 0
              FROM unnest($1::uuid[], $2::text[], $3::bigint[], $6::bool[])
                   AS f(event_id, error, delay_ms, quarantinable)
              WHERE o.event_id = f.event_id AND o.claimed_by = $5 AND o.claim_until = $7

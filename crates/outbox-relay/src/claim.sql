@@ -1,5 +1,6 @@
 WITH due AS (
     SELECT o.event_id, o.claimed_by AS previous_owner, o.available_at, o.own_failure_count,
+           o.lease_expiries + (o.claimed_by IS NOT NULL)::int AS expiries,
            pg_column_size(o.payload) AS stored_bytes
     FROM outbox_events o
     WHERE o.published_at IS NULL
@@ -19,30 +20,32 @@ WITH due AS (
     FOR UPDATE OF o SKIP LOCKED
 ),
 ranked AS (
-    SELECT event_id, previous_owner, own_failure_count,
+    SELECT event_id, previous_owner, own_failure_count, expiries,
            sum(stored_bytes) OVER in_order - stored_bytes AS bytes_before,
-           count(previous_owner) OVER in_order AS taken_over_so_far,
-           count(previous_owner) OVER () AS taken_over
+           count(*) FILTER (WHERE expiries >= 2) OVER in_order AS suspects_so_far,
+           count(*) FILTER (WHERE expiries >= 2) OVER () AS suspects
     FROM due
     WINDOW in_order AS (ORDER BY available_at, event_id ROWS UNBOUNDED PRECEDING)
 ),
 picked AS (
-    SELECT event_id, previous_owner,
-           previous_owner IS NOT NULL AND own_failure_count + 1 >= $7 AS quarantine
+    SELECT event_id, previous_owner, expiries,
+           expiries >= 3 AS counted,
+           expiries >= 3 AND own_failure_count + 1 >= $7 AS quarantine
     FROM ranked
-    WHERE CASE WHEN taken_over = 0 THEN bytes_before < $6
-               ELSE previous_owner IS NOT NULL AND taken_over_so_far = 1 END
+    WHERE CASE WHEN suspects = 0 THEN bytes_before < $6
+               ELSE expiries >= 2 AND suspects_so_far = 1 END
 )
 UPDATE outbox_events t
 SET claimed_by = CASE WHEN picked.quarantine THEN NULL ELSE $1 END,
     claim_until = CASE WHEN picked.quarantine THEN NULL
                        ELSE now() + $2::bigint * interval '1 millisecond' END,
-    attempt_count = t.attempt_count + (picked.previous_owner IS NOT NULL)::int,
-    own_failure_count = t.own_failure_count + (picked.previous_owner IS NOT NULL)::int,
-    last_error = CASE WHEN picked.previous_owner IS NULL THEN t.last_error
-                      ELSE 'the lease of ' || picked.previous_owner
-                           || ' ran out with the event unsettled: that relay died or stalled while holding it'
-                 END,
+    lease_expiries = picked.expiries,
+    attempt_count = t.attempt_count + picked.counted::int,
+    own_failure_count = t.own_failure_count + picked.counted::int,
+    last_error = CASE WHEN picked.counted
+                      THEN 'the lease of ' || picked.previous_owner
+                           || ' ran out while it held this event alone: that relay died or stalled on it'
+                      ELSE t.last_error END,
     quarantined_at = CASE WHEN picked.quarantine THEN now() END
 FROM picked
 WHERE t.event_id = picked.event_id

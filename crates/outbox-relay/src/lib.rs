@@ -5,15 +5,18 @@
 //!
 //! 1. **claim** (one short transaction): the due rows that are the lowest
 //!    unpublished sequence of their order, `FOR UPDATE SKIP LOCKED`, get a
-//!    lease (`claimed_by`, `claim_until`); commit.
+//!    lease (`claimed_by`, `claim_until`), as many as `batch_size` and
+//!    `batch_max_bytes` allow; commit. A row whose leases ran out twice in
+//!    a row is claimed alone (see [`claim::CLAIM_SQL`]).
 //! 2. **publish** outside any transaction: the whole batch in flight on a
 //!    confirm-mode channel, `mandatory`, bounded by the confirm timeout.
 //! 3. **mark** the acked rows `published_at` in one statement (only while
 //!    still leased to this instance); record failures in one statement
 //!    (`attempt_count + 1`, `last_error`, backoff with jitter in
 //!    `available_at`, lease released; quarantine after the maximum attempts
-//!    for failures of the message's own: returned, unencodable; a timeout,
-//!    a broken channel or a nack is the infrastructure's and never counts).
+//!    for failures of the message's own: returned, unencodable, and the
+//!    relay dying while it held the row alone; a timeout, a broken channel
+//!    or a nack is the infrastructure's and never counts).
 //!
 //! A crash between 2 and 3 republishes (a duplicate, never a loss); an
 //! expired lease is taken over. Sequence k+1 is never claimed while k is

@@ -53,7 +53,7 @@ pub async fn requeue(pool: &PgPool, target: &Target) -> anyhow::Result<(Vec<Rele
                  FOR UPDATE)
              UPDATE outbox_events o
              SET quarantined_at = NULL, attempt_count = 0, own_failure_count = 0,
-                 available_at = now(),
+                 lease_expiries = 0, available_at = now(),
                  claimed_by = NULL, claim_until = NULL
              FROM target
              WHERE o.event_id = target.event_id

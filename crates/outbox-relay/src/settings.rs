@@ -39,11 +39,12 @@ pub struct RelaySettings {
     /// Rows claimed (and messages in flight) per batch.
     pub batch_size: i64,
     /// Bound on a batch's payloads, in the bytes PostgreSQL stores them in
-    /// (`pg_column_size`, after its compression): a claim stops before the
-    /// row that would pass it, but always takes its first row. The relay
-    /// holds a batch's payloads two or three times over (the rows, the
-    /// envelopes, the frames), so this bounds its memory where
-    /// `batch_size` alone would let 500 large rows in at once.
+    /// (`pg_column_size`, after its compression, so the text can be several
+    /// times larger): a claim stops before the row that would pass it, but
+    /// always takes its first row, whatever its size. The relay holds a
+    /// batch's payloads two or three times over (the rows, the envelopes,
+    /// the frames); this keeps a run of large rows from coming 500 at a
+    /// time, where `batch_size` alone would let them.
     pub batch_max_bytes: i64,
     /// Batches worked on at once by this instance (each on its own channel).
     pub workers: usize,
@@ -58,10 +59,10 @@ pub struct RelaySettings {
     /// row is quarantined (it and the later events of its order stop until
     /// `outbox-relay requeue`). Infrastructure failures (timeouts, a broken
     /// channel, a nack: a queue refusing for its state) back off like them
-    /// but never count. A lease that ran out with the row unsettled (its
-    /// relay died or stalled holding it) counts as one of its own: a row
-    /// that kills every relay publishing it is stopped after this many
-    /// deaths instead of crash-looping them all (see [`crate::claim`]).
+    /// but never count. A lease that ran out while it held the row alone
+    /// (its relay died or stalled on it) counts as one of its own: a row
+    /// that kills every relay publishing it is stopped instead of
+    /// crash-looping them all (see [`crate::claim::CLAIM_SQL`]).
     pub max_attempts: i32,
     /// Retry delay after the first failure; doubles per attempt, with jitter.
     pub backoff_base_ms: u64,

@@ -4,9 +4,9 @@
 //!   worker whose write comes after its lease ran out and another worker of
 //!   the same instance claimed the rows again must not release, back off or
 //!   count a failure against that newer claim;
-//! - a claim takes a row whose lease ran out unsettled alone, counts the
-//!   takeover as the row's own failure, and quarantines it once the count
-//!   reaches `max_attempts`;
+//! - a row whose leases keep running out unsettled is taken over in a batch
+//!   at first, then alone, then counted as failing on its own, and
+//!   quarantined once the count reaches `max_attempts`;
 //! - a claim stops before the row whose payload would take the batch past
 //!   `batch_max_bytes`, and always takes its first row.
 
@@ -21,8 +21,8 @@ use uuid::Uuid;
 const INSTANCE: &str = "lease-test-instance";
 
 /// event_id, attempt_count, own_failure_count, quarantined, claimed_by,
-/// last_error.
-type RowState = (Uuid, i32, i32, bool, Option<String>, Option<String>);
+/// lease_expiries, last_error.
+type RowState = (Uuid, i32, i32, bool, Option<String>, i32, Option<String>);
 
 /// A migrated pool and a tenant of the test's own.
 async fn setup() -> (Pool, String) {
@@ -82,8 +82,11 @@ fn settings(tenant: &str, lease_ms: u64) -> RelaySettings {
     }
 }
 
+/// The event ids claimed, sorted (`RETURNING` promises no order).
 fn ids(claimed: &Claimed) -> Vec<Uuid> {
-    claimed.rows.iter().map(|row| row.event_id).collect()
+    let mut ids: Vec<Uuid> = claimed.rows.iter().map(|row| row.event_id).collect();
+    ids.sort_unstable();
+    ids
 }
 
 /// A test's own rows, unpublished ones too (orders V13's guard lifted).
@@ -155,31 +158,32 @@ async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() 
     assert!(quarantined.is_empty());
     assert_eq!(
         state().await,
-        (Some(instance.to_owned()), 1, false),
-        "B's lease stands; only B's takeover of A's run-out lease is counted"
+        (Some(instance.to_owned()), 0, false),
+        "B's lease stands, nothing counted (a first expiry is no failure of the row's)"
     );
 
     // B's own failure write is recorded (and quarantines).
     let quarantined = fail_under(&second).await.expect("own write");
     assert_eq!(quarantined, vec![event]);
-    assert_eq!(state().await, (None, 2, true));
+    assert_eq!(state().await, (None, 1, true));
 
     drop(db);
     clean_up(&pool, &tenant).await;
 }
 
-/// A row whose lease ran out unsettled (its relay died or stalled holding
-/// it) is taken over alone, and each takeover counts as its own failure:
-/// the healthy rows it was first claimed with are each counted once and
-/// leased one by one, and the row is quarantined (not leased, no payload)
-/// once its count reaches `max_attempts`.
+/// Leases that run out with their rows unsettled (the relay holding them
+/// died or stalled): at a row's first expiry it is taken over in a batch,
+/// uncounted; from its second on it is claimed alone (a row never leased
+/// waits behind it), and only the expiry of a lease that held it alone
+/// counts as its own failure, until the claim quarantines it at
+/// `max_attempts`. The rows first claimed with it are never counted.
 #[tokio::test]
-async fn a_row_whose_lease_ran_out_is_taken_over_alone_and_quarantined_after_max_attempts() {
+async fn a_row_whose_leases_keep_running_out_is_claimed_alone_then_counted_then_quarantined() {
     let (pool, tenant) = setup().await;
     let first = insert(&pool, &tenant, "{}").await;
     let second = insert(&pool, &tenant, "{}").await;
     let third = insert(&pool, &tenant, "{}").await;
-    let run_out = Duration::from_millis(20);
+    let run_out = || tokio::time::sleep(Duration::from_millis(20));
     let claim = |lease_ms| {
         claim_with(
             &pool,
@@ -194,39 +198,47 @@ async fn a_row_whose_lease_ran_out_is_taken_over_alone_and_quarantined_after_max
     let batch = claim(1).await;
     assert_eq!(ids(&batch), vec![first, second, third]);
     assert_eq!(batch.taken_over, 0);
-    tokio::time::sleep(run_out).await;
+    run_out().await;
+    // Their first expiry: taken over together, uncounted; and again lost.
+    let again = claim(1).await;
+    assert_eq!(ids(&again), vec![first, second, third]);
+    assert_eq!((again.taken_over, again.quarantined.len()), (3, 0));
+    let fresh = insert(&pool, &tenant, "{}").await;
+    run_out().await;
 
-    // The next claim takes the oldest of them alone, and counts it.
+    // Their second expiry: suspects. The oldest alone, nothing else (not
+    // the other two, not the fresh row), uncounted: its lost lease held
+    // three rows.
     let alone = claim(1).await;
-    assert_eq!(ids(&alone), vec![first], "one taken-over row, nothing else");
-    assert_eq!((alone.taken_over, alone.quarantined.len()), (1, 0));
-    tokio::time::sleep(run_out).await;
-
-    // It runs out again: its second failure reaches max_attempts (2), and
-    // the claim quarantines it instead of leasing it.
+    assert_eq!(ids(&alone), vec![first], "one suspect, nothing else");
+    assert_eq!(alone.taken_over, 1);
+    run_out().await;
+    // Its lease held it alone: counted (1 of 2), and it is claimed alone again.
+    let counted = claim(1).await;
+    assert_eq!(ids(&counted), vec![first]);
+    assert!(counted.quarantined.is_empty());
+    run_out().await;
+    // Counted again: 2 of 2. The claim quarantines it instead of leasing it.
     let stopped = claim(1).await;
     assert!(stopped.rows.is_empty() && stopped.lease_until.is_none());
     assert_eq!(stopped.taken_over, 1);
-    assert_eq!(stopped.quarantined.len(), 1);
-    assert_eq!(stopped.quarantined[0].0, first);
-    let reason = &stopped.quarantined[0].1;
-    assert!(
-        reason.contains(&format!("the lease of {INSTANCE} ran out")),
-        "{reason}"
+    let lease_error = format!(
+        "the lease of {INSTANCE} ran out while it held this event alone: \
+         that relay died or stalled on it"
     );
+    assert_eq!(stopped.quarantined, vec![(first, lease_error.clone())]);
 
-    // The other two: taken over one by one, each counted once.
-    let next = claim(60_000).await;
-    assert_eq!(ids(&next), vec![second]);
-    let last = claim(60_000).await;
-    assert_eq!(ids(&last), vec![third]);
+    // The other two suspects, one at a time; the fresh row after them.
+    assert_eq!(ids(&claim(60_000).await), vec![second]);
+    assert_eq!(ids(&claim(60_000).await), vec![third]);
+    assert_eq!(ids(&claim(60_000).await), vec![fresh]);
     assert!(claim(60_000).await.rows.is_empty(), "nothing else is due");
 
     let db = pool.get().await.expect("connection");
     let state = db
         .query(
             "SELECT event_id, attempt_count, own_failure_count, quarantined_at IS NOT NULL, \
-                    claimed_by, last_error \
+                    claimed_by, lease_expiries, last_error \
              FROM outbox_events WHERE tenant_id = $1 ORDER BY available_at, event_id",
             &[&tenant],
         )
@@ -234,25 +246,26 @@ async fn a_row_whose_lease_ran_out_is_taken_over_alone_and_quarantined_after_max
         .expect("state");
     let state: Vec<RowState> = state
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
+        .map(|r| {
+            (
+                r.get(0),
+                r.get(1),
+                r.get(2),
+                r.get(3),
+                r.get(4),
+                r.get(5),
+                r.get(6),
+            )
+        })
         .collect();
-    let lease_error = Some(format!(
-        "the lease of {INSTANCE} ran out with the event unsettled: \
-         that relay died or stalled while holding it"
-    ));
+    let leased = Some(INSTANCE.to_owned());
     assert_eq!(
         state,
         vec![
-            (first, 2, 2, true, None, lease_error.clone()),
-            (
-                second,
-                1,
-                1,
-                false,
-                Some(INSTANCE.to_owned()),
-                lease_error.clone()
-            ),
-            (third, 1, 1, false, Some(INSTANCE.to_owned()), lease_error),
+            (first, 2, 2, true, None, 4, Some(lease_error)),
+            (second, 0, 0, false, leased.clone(), 2, None),
+            (third, 0, 0, false, leased.clone(), 2, None),
+            (fresh, 0, 0, false, leased, 0, None),
         ]
     );
     clean_up(&pool, &tenant).await;
@@ -293,8 +306,8 @@ async fn a_claim_stops_at_its_byte_bound_and_always_takes_its_first_row() {
     // Two and a half payloads: the third starts below the bound, the
     // fourth would start above it.
     let claimed = bounded(i64::from(stored) * 5 / 2).await;
-    assert_eq!(ids(&claimed), events[..3]);
-    // A bound below one payload still takes one row.
+    assert_eq!(ids(&claimed), events[..3]); // v7 ids: sorted as inserted
+                                            // A bound below one payload still takes one row.
     let claimed = bounded(1).await;
     assert_eq!(ids(&claimed), events[3..4]);
     let claimed = bounded(i64::MAX).await;

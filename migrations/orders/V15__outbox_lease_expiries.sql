@@ -1,0 +1,19 @@
+-- outbox-relay: a row that kills its relay is stopped, and only such a row.
+--
+-- A lease that runs out with its row unsettled means the relay holding it
+-- died or stalled. When that is the row's fault (a payload that exhausts
+-- the relay's memory, a bug it triggers), every relay that takes it over
+-- dies the same way, for ever, unless the death is counted; but most such
+-- deaths are not the row's fault (a relay killed with a batch, a node lost,
+-- a database outage longer than the lease), and V5 keeps the count of a
+-- row's own failures for failures that are certainly its own.
+--
+-- lease_expiries counts the leases of the row that ran out one after the
+-- other (reset by the failure write and by requeue). The claim takes over a
+-- row at its first expiry in a batch as usual; from its second on, alone,
+-- one such row per claim; and only the expiry of a lease that held the row
+-- alone counts as its own failure (toward quarantine). So a healthy row is
+-- never counted for another row's crash, and a row that kills every relay
+-- is quarantined after max_attempts deaths of its own. A constant default
+-- and no CHECK: added in the catalog only, no rewrite or scan (as V5).
+ALTER TABLE outbox_events ADD COLUMN lease_expiries integer NOT NULL DEFAULT 0;
