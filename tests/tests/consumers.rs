@@ -3728,6 +3728,60 @@ async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
     );
 }
 
+/// An earlier event of a parked order turning out poison as well parks the
+/// order again, at the lower sequence: still one parked order, and the
+/// `consumer_parked_orders` gauge says 1 at once (it used to count the
+/// re-park as a second order until its next recount from the table).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_park_at_an_earlier_event_counts_one_parked_order() {
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-repark").await;
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
+    let order = Uuid::now_v7();
+    publisher
+        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
+        .await;
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+    let parked_at = || async {
+        pg(Database::Inventory)
+            .await
+            .query_one(
+                "SELECT parked_sequence FROM order_progress \
+                 WHERE consumer_name = $1 AND aggregate_id = $2",
+                &[&name, &order.to_string()],
+            )
+            .await
+            .expect("progress")
+            .get::<_, Option<i64>>(0)
+    };
+
+    publisher
+        .to_consumer(
+            &name,
+            &parcel_delivered(&tenant, order, 3, 2).as_version_99(),
+        )
+        .await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 1.0)
+        .await;
+    assert_eq!(parked_at().await, Some(3));
+    // (A type the inventory consumer decodes: one it ignores is no poison.)
+    publisher
+        .to_consumer(
+            &name,
+            &parcel_delivered(&tenant, order, 2, 2).as_version_99(),
+        )
+        .await;
+    inventory
+        .wait_metric("consumer_dead_lettered_total", "", 2.0)
+        .await;
+    assert_eq!(parked_at().await, Some(2), "parked again, at 2");
+    assert_eq!(
+        inventory.metric("consumer_parked_orders", "").await,
+        1.0,
+        "one parked order"
+    );
+}
+
 /// `redrive --order X --max N` on a dead-letter queue of more than N
 /// letters moves nothing and leaves X parked (X's letters may lie past the
 /// N): an order un-parked with its letters left in the DLQ only waits at

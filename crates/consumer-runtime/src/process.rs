@@ -783,7 +783,7 @@ impl<D: Domain> Processor<D> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let parked = tx
-            .execute(
+            .query_one(
                 PARK,
                 &[
                     &self.name(),
@@ -795,16 +795,19 @@ impl<D: Domain> Processor<D> {
                 ],
             )
             .await;
-        if let Err(error) = parked {
-            // The order cannot even be recorded (its id or tenant is not
-            // storable): dead-letter the event alone. Its order's later
-            // events fail the same way and follow it to the DLQ.
-            let why = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
-            rollback(tx).await;
-            drop(client);
-            tracing::error!(event_id = %order.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
-            return self.dead_letter(publisher, incoming, reason).await;
-        }
+        let newly_parked: bool = match parked {
+            Ok(row) => row.get(0),
+            Err(error) => {
+                // The order cannot even be recorded (its id or tenant is not
+                // storable): dead-letter the event alone. Its order's later
+                // events fail the same way and follow it to the DLQ.
+                let why = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
+                rollback(tx).await;
+                drop(client);
+                tracing::error!(event_id = %order.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
+                return self.dead_letter(publisher, incoming, reason).await;
+            }
+        };
         self.publish_dead_letter(publisher, incoming, reason)
             .await?;
         // Crash window: the dead letter is confirmed, the park not committed
@@ -819,7 +822,11 @@ impl<D: Domain> Processor<D> {
         // lettered again as held behind the park: a second copy of the
         // letter (as above), nothing lost.
         kit::failpoint::crash_point("consumer.after_park_before_ack");
-        self.metrics.parked_orders.inc();
+        // A re-park (an earlier event of an order parked already) is no new
+        // parked order; the gauge is recounted from the table every tick.
+        if newly_parked {
+            self.metrics.parked_orders.inc();
+        }
         Ok(())
     }
 }
@@ -827,7 +834,8 @@ impl<D: Domain> Processor<D> {
 /// Park the order at sequence `$6` (its event `$4`, for reason `$5`), or, if
 /// it is parked already, at the lower of the two sequences, naming the
 /// lower one's event. A row parked before `parked_sequence` existed (NULL)
-/// holds the whole order and stays so.
+/// holds the whole order and stays so. Returns whether this transaction
+/// parked the order (`parked_at` is its `now()`), false for a re-park.
 const PARK: &str = "INSERT INTO order_progress \
        (consumer_name, aggregate_id, tenant_id, parked_at, parked_event_id, parked_reason, \
         parked_sequence) \
@@ -844,7 +852,8 @@ const PARK: &str = "INSERT INTO order_progress \
            THEN EXCLUDED.parked_sequence \
            WHEN order_progress.parked_sequence IS NULL THEN NULL \
            ELSE LEAST(order_progress.parked_sequence, EXCLUDED.parked_sequence) END, \
-       updated_at = now()";
+       updated_at = now() \
+     RETURNING parked_at = now()";
 
 /// Whether a failed runtime statement (inbox, progress, park, COMMIT) is
 /// the event's own fault, and why: SQLSTATE classes 22 (data exception: a
