@@ -1142,8 +1142,8 @@ type RowState = (String, i64, i32, i32, bool, bool, bool, String);
 /// exhausts the relay's memory, a bug it triggers) is quarantined, with the
 /// reason, after its leases ran out twice with a batch and then
 /// `max_attempts` times with it alone; the healthy rows of the batches it
-/// took down are published, each once and in order, never counted, and so
-/// are their orders' later events. Before, every takeover claimed the whole
+/// took down are published, in order, never counted, and so are their
+/// orders' later events. Before, every takeover claimed the whole
 /// batch again: every relay crash-looped on it, uncounted, and nothing of
 /// the batch was ever published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1161,7 +1161,12 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
         ),
         ("OUTBOX_RELAY__RELAY__LEASE_MS", "1000".to_owned()),
         ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "500".to_owned()),
-        ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+        // Two workers (the default). A suspect goes to the first only, so
+        // a healthy suspect is never in flight beside the deadly one: the
+        // claim's side of that is tested in crates/outbox-relay/tests/lease.rs
+        // (a fail point's sleep blocks the runtime's thread, so this test
+        // cannot hold one worker while the other claims).
+        ("OUTBOX_RELAY__RELAY__WORKERS", "2".to_owned()),
         ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "3".to_owned()),
     ];
 
@@ -1205,20 +1210,16 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
     )
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // (The other worker may have published part of a batch before a death,
+    // unmarked: a duplicate, never a loss.)
     let received = collector.snapshot();
-    assert_eq!(
-        duplicates(&received),
-        0,
-        "nothing was published before a death"
-    );
     let expect: HashMap<String, i64> = events[1..4]
         .iter()
         .map(|e| (e.aggregate_id.clone(), 2))
         .collect();
     assert_in_sequence_order(&received, &expect);
-    assert_eq!(
-        received.len(),
-        6,
+    assert!(
+        received.iter().all(|r| r.aggregate_id != deadly),
         "nothing of the deadly order was published"
     );
     assert_eq!(relay.metric("outbox_quarantined_total").await, 1);
@@ -3169,7 +3170,7 @@ const GAUGES_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src
 
 /// The claim statement for `EXPLAIN`: instance `explain`, a 30 s lease,
 /// `batch` rows, every tenant, from `floor` (a timestamp literal), the
-/// default byte bound (4 MiB) and `max_attempts` (10).
+/// default byte bound (4 MiB) and `max_attempts` (10), as a first worker.
 fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
     CLAIM_SQL_FOR_EXPLAIN
         .replace("$1", "'explain'")
@@ -3179,6 +3180,7 @@ fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
         .replace("$5", &format!("'{floor}'"))
         .replace("$6", "4194304")
         .replace("$7", "10")
+        .replace("$8", "true")
 }
 
 /// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and

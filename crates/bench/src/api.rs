@@ -23,6 +23,11 @@ use crate::stats::{ms, rate, Latency};
 /// counts as an error (and the error counts show in the table and verdicts).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A pooled connection idle this long is dropped, below actix-web's 5 s
+/// keep-alive: reusing one the server is closing at that moment fails the
+/// request (`IncompleteMessage`, one error in session 21's paced run).
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Print "`label`: N done after T" every 5 s until the returned guard is
 /// dropped (a run's progress).
 fn progress(
@@ -150,6 +155,7 @@ pub async fn http_run(
 ) -> Run {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(concurrency)
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .timeout(REQUEST_TIMEOUT)
         .build()
         .expect("http client");
@@ -440,6 +446,7 @@ pub async fn paced_load(
     duration: Duration,
 ) -> Load {
     let client = reqwest::Client::builder()
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .timeout(REQUEST_TIMEOUT)
         .build()
         .expect("http client");

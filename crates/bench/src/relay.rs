@@ -734,6 +734,7 @@ pub async fn backlog_sample(
             &floor,
             &defaults.batch_max_bytes,
             &defaults.max_attempts,
+            &true,
         ],
     )
     .await

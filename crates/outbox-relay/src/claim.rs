@@ -168,7 +168,8 @@ pub struct Claimed {
 /// size, `$4` only this tenant (empty: all), `$5` the floor: the walk starts
 /// there ([`crate::floor`]: a row below it waits for the next refresh;
 /// `-infinity`: walk from the start), `$6` the batch's byte bound, `$7` the
-/// quarantine threshold (`max_attempts`).
+/// quarantine threshold (`max_attempts`), `$8` whether this claim may take
+/// a suspect (below).
 ///
 /// A row is claimable when it is unpublished, not quarantined, due
 /// (`available_at`), not under a live lease, and the lowest unpublished
@@ -197,9 +198,12 @@ pub struct Claimed {
 /// one after the other (orders V15; the failure write and requeue reset
 /// it):
 /// - at the first, the row is taken over like any other, in a batch;
-/// - from the second on it is a suspect, taken **alone**: a claim that
-///   meets one takes that one and nothing else, so a row that kills its
-///   relay again does not drag healthy rows through every crash;
+/// - from the second on it is a suspect, taken **alone**, and only by an
+///   instance's first worker (`$8`; the others skip suspects and claim
+///   the rows behind them): a claim that meets one takes that one and
+///   nothing else, so at most one suspect is in flight per process, and a
+///   row that kills its relay again does not drag healthy rows through
+///   every crash;
 /// - only the expiry of a lease that held the row alone (the third expiry
 ///   on) counts as a failure of its own (`attempt_count`,
 ///   `own_failure_count`, `last_error` naming that lease's owner), and when
@@ -207,14 +211,21 @@ pub struct Claimed {
 ///   of leasing it (no payload returned): it and its order's later events
 ///   stop, with the reason, until `outbox-relay requeue`.
 ///
-/// So a healthy row is never counted for another's crash (it is published
-/// once taken alone), a single crash is recovered at full speed, and a row
-/// that kills every relay holding it is stopped after `max_attempts` + 2
-/// deaths, where it used to be taken over after every lease expiry for
-/// ever, uncounted, with every relay of the fleet crash-looping on it. Not
-/// covered: a relay dying while it *receives* the claim's rows (one
-/// payload too large for its memory) rolls the claim back, so nothing is
-/// leased or counted; only the relays' restarts show it.
+/// So a single crash is recovered at full speed, a healthy row is not
+/// counted for another suspect's crash (it is published once taken alone),
+/// and a row that kills every relay holding it is stopped after
+/// `max_attempts` + 2 deaths, where it used to be taken over after every
+/// lease expiry for ever, uncounted, with every relay of the fleet
+/// crash-looping on it. Not covered:
+/// - a process killed by a row of another worker's *batch* while its first
+///   worker holds a suspect counts that suspect (at most twice per such
+///   row: by its third death the row is a suspect itself);
+/// - a relay alive but cut off from the database for longer than its
+///   lease leaves its rows leased: that counts as an expiry, and as a
+///   failure for a suspect it held;
+/// - a relay dying while it *receives* the claim's rows (one payload too
+///   large for its memory) rolls the claim back, so nothing is leased or
+///   counted; only the relays' restarts show it.
 pub const CLAIM_SQL: &str = include_str!("claim.sql");
 
 fn millis(duration: Duration) -> i64 {
@@ -224,11 +235,14 @@ fn millis(duration: Duration) -> i64 {
 /// Claim up to `settings.batch_size` rows (and `batch_max_bytes` of
 /// payload) for `instance` with a lease of `settings.lease_ms`, walking the
 /// pending rows (of `settings.only_tenant`, if set) from `floor` on.
+/// `may_take_suspects`: this is the instance's first worker (see
+/// [`CLAIM_SQL`]).
 pub async fn claim(
     pool: &PgPool,
     instance: &str,
     settings: &RelaySettings,
     floor: Floor,
+    may_take_suspects: bool,
 ) -> anyhow::Result<Claimed> {
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
@@ -245,6 +259,7 @@ pub async fn claim(
                 (&floor, Type::TIMESTAMPTZ),
                 (&settings.batch_max_bytes, Type::INT8),
                 (&settings.max_attempts, Type::INT4),
+                (&may_take_suspects, Type::BOOL),
             ],
         )
         .await?;

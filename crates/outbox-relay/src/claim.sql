@@ -1,6 +1,6 @@
 WITH due AS (
     SELECT o.event_id, o.claimed_by AS previous_owner, o.available_at, o.own_failure_count,
-           o.lease_expiries + (o.claimed_by IS NOT NULL)::int AS expiries,
+           CASE WHEN o.claimed_by IS NULL THEN 0 ELSE o.lease_expiries + 1 END AS expiries,
            pg_column_size(o.payload) AS stored_bytes
     FROM outbox_events o
     WHERE o.published_at IS NULL
@@ -9,6 +9,7 @@ WITH due AS (
       AND o.available_at <= now()
       AND (o.claim_until IS NULL OR o.claim_until <= now())
       AND ($4 = '' OR o.tenant_id = $4)
+      AND ($8 OR o.claimed_by IS NULL OR o.lease_expiries = 0)
       AND (o.aggregate_sequence = 1 OR NOT EXISTS (
           SELECT 1 FROM outbox_events earlier
           WHERE earlier.aggregate_id = o.aggregate_id

@@ -97,7 +97,7 @@ impl Relay {
             };
             tracing::info!(worker, instance = %self.instance, "relay worker ready");
             match self
-                .work_channel(&channel, connection, shutdown, &mut broker_pause)
+                .work_channel(worker, &channel, connection, shutdown, &mut broker_pause)
                 .await?
             {
                 ChannelEnd::Shutdown => {
@@ -114,6 +114,7 @@ impl Relay {
 
     async fn work_channel(
         &mut self,
+        worker: usize,
         channel: &Channel,
         connection: &Connection,
         shutdown: &CancellationToken,
@@ -137,22 +138,31 @@ impl Relay {
             // slow commit) is already spent: the deadline starts here.
             let lease_deadline = tokio::time::Instant::now() + self.settings.lease();
             let floor = crate::floor::current(&self.floor);
-            let claimed =
-                match claim::claim(&self.pool, &self.instance, &self.settings, floor).await {
-                    Ok(claimed) => {
-                        db_delay = Duration::from_millis(100);
-                        claimed
+            // Suspects (rows whose leases ran out twice) go to the first
+            // worker only, one at a time: at most one in flight per process.
+            let claimed = match claim::claim(
+                &self.pool,
+                &self.instance,
+                &self.settings,
+                floor,
+                worker == 0,
+            )
+            .await
+            {
+                Ok(claimed) => {
+                    db_delay = Duration::from_millis(100);
+                    claimed
+                }
+                Err(error) => {
+                    tracing::warn!(error = format!("{error:#}"), "claim failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(ChannelEnd::Shutdown),
+                        _ = tokio::time::sleep(db_delay) => {}
                     }
-                    Err(error) => {
-                        tracing::warn!(error = format!("{error:#}"), "claim failed");
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return Ok(ChannelEnd::Shutdown),
-                            _ = tokio::time::sleep(db_delay) => {}
-                        }
-                        db_delay = (db_delay * 2).min(Duration::from_secs(5));
-                        continue;
-                    }
-                };
+                    db_delay = (db_delay * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
             self.metrics.expired_claims.inc_by(claimed.taken_over);
             self.quarantined(&claimed.quarantined);
             let Some(lease_until) = claimed.lease_until else {

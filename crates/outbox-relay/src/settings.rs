@@ -40,8 +40,9 @@ pub struct RelaySettings {
     pub batch_size: i64,
     /// Bound on a batch's payloads, in the bytes PostgreSQL stores them in
     /// (`pg_column_size`, after its compression, so the text can be several
-    /// times larger): a claim stops before the row that would pass it, but
-    /// always takes its first row, whatever its size. The relay holds a
+    /// times larger): a claim takes rows while the payloads before them stay
+    /// under it (a batch passes it by one payload at most), and always its
+    /// first row, whatever its size. The relay holds a
     /// batch's payloads two or three times over (the rows, the envelopes,
     /// the frames); this keeps a run of large rows from coming 500 at a
     /// time, where `batch_size` alone would let them.

@@ -62,12 +62,18 @@ async fn insert(pool: &Pool, tenant: &str, payload: &str) -> Uuid {
     event
 }
 
+/// A claim as an instance's first worker (the one that takes suspects).
 async fn claim_with(pool: &Pool, settings: RelaySettings) -> Claimed {
+    claim_as(pool, settings, true).await
+}
+
+async fn claim_as(pool: &Pool, settings: RelaySettings, first_worker: bool) -> Claimed {
     claim::claim(
         pool,
         INSTANCE,
         &settings,
         tokio_postgres::types::Timestamp::NegInfinity,
+        first_worker,
     )
     .await
     .expect("claim")
@@ -208,7 +214,7 @@ async fn a_row_whose_leases_keep_running_out_is_claimed_alone_then_counted_then_
 
     // Their second expiry: suspects. The oldest alone, nothing else (not
     // the other two, not the fresh row), uncounted: its lost lease held
-    // three rows.
+    // three rows. (Only a first worker takes suspects.)
     let alone = claim(1).await;
     assert_eq!(ids(&alone), vec![first], "one suspect, nothing else");
     assert_eq!(alone.taken_over, 1);
@@ -228,10 +234,20 @@ async fn a_row_whose_leases_keep_running_out_is_claimed_alone_then_counted_then_
     );
     assert_eq!(stopped.quarantined, vec![(first, lease_error.clone())]);
 
-    // The other two suspects, one at a time; the fresh row after them.
+    // Another worker skips the two suspects left and takes the fresh row
+    // behind them; the first worker takes the suspects, one at a time.
+    let other_worker = claim_as(
+        &pool,
+        RelaySettings {
+            max_attempts: 2,
+            ..settings(&tenant, 60_000)
+        },
+        false,
+    )
+    .await;
+    assert_eq!(ids(&other_worker), vec![fresh]);
     assert_eq!(ids(&claim(60_000).await), vec![second]);
     assert_eq!(ids(&claim(60_000).await), vec![third]);
-    assert_eq!(ids(&claim(60_000).await), vec![fresh]);
     assert!(claim(60_000).await.rows.is_empty(), "nothing else is due");
 
     let db = pool.get().await.expect("connection");
