@@ -144,7 +144,7 @@ async fn the_outbox_keeps_no_statistics_of_its_payload() {
         };
         assert_eq!(*target, expected, "{column}: {targets:?}");
     }
-    assert_eq!(targets.len(), 19, "{targets:?}");
+    assert_eq!(targets.len(), 20, "{targets:?}");
 }
 
 /// A new outbox row of tenant acme, then `SET <set>` on it (none if empty).
