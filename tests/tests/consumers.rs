@@ -3668,13 +3668,7 @@ async fn a_consumer_refuses_a_topology_of_another_shape() {
 /// that cannot decode it) is acknowledged as stale: it parks nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
-    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-park-from").await;
-    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
-    let order = Uuid::now_v7();
-    publisher
-        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
-        .await;
-    wait_sequence(Database::Inventory, &name, order, 1).await;
+    let (tenant, name, inventory, publisher, order) = inventory_order_placed("t5-park-from").await;
 
     for m in [
         // An undecodable copy of sequence 1: stale, nothing parked.
@@ -3734,13 +3728,7 @@ async fn parking_holds_an_order_from_the_dead_lettered_event_on() {
 /// re-park as a second order until its next recount from the table).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_re_park_at_an_earlier_event_counts_one_parked_order() {
-    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-repark").await;
-    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
-    let order = Uuid::now_v7();
-    publisher
-        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
-        .await;
-    wait_sequence(Database::Inventory, &name, order, 1).await;
+    let (tenant, name, inventory, publisher, order) = inventory_order_placed("t5-repark").await;
     let parked_at = || async {
         pg(Database::Inventory)
             .await
@@ -3915,13 +3903,8 @@ async fn a_redrive_crashing_after_unparking_an_order_without_letters_leaves_it_u
 /// parked. Once 2 is applied, the same redrive moves 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_keeps_letters_that_do_not_continue_their_order() {
-    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-redrive-gap").await;
-    let order = Uuid::now_v7();
-    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
-    publisher
-        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
-        .await;
-    wait_sequence(Database::Inventory, &name, order, 1).await;
+    let (tenant, name, inventory, publisher, order) =
+        inventory_order_placed("t5-redrive-gap").await;
     // Sequence 3, undecodable: dead-lettered and the order parked at once.
     let third = parcel_delivered(&tenant, order, 3, 2).as_version_99();
     publisher.to_consumer(&name, &third).await;
@@ -4329,6 +4312,19 @@ async fn one_partition_inventory(prefix: &str) -> (String, String, Consumer, Pub
     let name = unique(&format!("{prefix}-inv"));
     let inventory = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     (tenant, name, inventory, Publisher::connect().await)
+}
+
+/// [`one_partition_inventory`] with stock received (48 of the SKU) and one
+/// order placed and applied (sequence 1): the order's id last.
+async fn inventory_order_placed(prefix: &str) -> (String, String, Consumer, Publisher, Uuid) {
+    let (tenant, name, inventory, publisher) = one_partition_inventory(prefix).await;
+    assert_eq!(receipt(&inventory, &tenant, "R-1", 48).await.0, 201);
+    let order = Uuid::now_v7();
+    publisher
+        .to_consumer(&name, &order_placed(&tenant, order, 1, "77", 2))
+        .await;
+    wait_sequence(Database::Inventory, &name, order, 1).await;
+    (tenant, name, inventory, publisher, order)
 }
 
 /// [`exit_of`], asserting the process died by the fail point's SIGABRT; the
