@@ -1170,8 +1170,9 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
         ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "3".to_owned()),
     ];
 
-    // Its first death takes the whole batch (the four first events) down,
-    // its second the same batch taken over. From then on each of the four
+    // Its first death takes its batch down (the four first events, or the
+    // part of them its worker claimed: the other worker's part may be
+    // published meanwhile), its second the same rows taken over. From then on each of the four
     // is claimed alone, the deadly row first (the oldest): it dies alone
     // three times (max_attempts), each counted when the next claim takes it
     // over, and the third count quarantines it: exactly five deaths.
@@ -1275,19 +1276,15 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
         (deadly.clone(), 2, 0, 0, false, false, true, String::new()),
         "its order's next event is held, untouched"
     );
-    for (order, sequence, attempts, own, is_quarantined, published, _, error) in &rows[2..] {
+    for (order, sequence, _, own, is_quarantined, published, _, error) in &rows[2..] {
+        // (A publish timing out on a slow machine would count an attempt of
+        // the infrastructure's, never an own failure.)
         assert_eq!(
-            (
-                *sequence,
-                *attempts,
-                *own,
-                *is_quarantined,
-                *published,
-                error.as_str()
-            ),
-            (1, 0, 0, false, true, ""),
-            "{order}: taken down twice with the deadly row, never counted, published"
+            (*sequence, *own, *is_quarantined, *published),
+            (1, 0, false, true),
+            "{order}: taken down with the deadly row, never counted, published"
         );
+        assert!(!error.contains("ran out"), "{order}: {error}");
     }
 
     relay.stop();

@@ -160,7 +160,8 @@ pub struct Claimed {
     /// The lease's end as written (one value for the whole claim: `now()`
     /// is the transaction's start). It names this claim: a later claim of
     /// the same rows, by another worker of the same instance, writes
-    /// another. `None` when nothing was claimed.
+    /// another. `None` when nothing was leased (nothing claimed, or only
+    /// rows quarantined).
     pub lease_until: Option<OffsetDateTime>,
 }
 
@@ -223,6 +224,10 @@ pub struct Claimed {
 /// - a relay alive but cut off from the database for longer than its
 ///   lease leaves its rows leased: that counts as an expiry, and as a
 ///   failure for a suspect it held;
+/// - two unrelated crashes (or such outages) in a row make every row then
+///   in flight a suspect, drained one per claim by each instance's first
+///   worker (each such claim locks up to `batch_size` rows to lease one);
+///   the other workers go on with the rows behind them;
 /// - a relay dying while it *receives* the claim's rows (one payload too
 ///   large for its memory) rolls the claim back, so nothing is leased or
 ///   counted; only the relays' restarts show it.
@@ -232,8 +237,8 @@ fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Claim up to `settings.batch_size` rows (and `batch_max_bytes` of
-/// payload) for `instance` with a lease of `settings.lease_ms`, walking the
+/// Claim up to `settings.batch_size` rows (and about `batch_max_bytes` of
+/// payload: one payload past it at most) for `instance` with a lease of `settings.lease_ms`, walking the
 /// pending rows (of `settings.only_tenant`, if set) from `floor` on.
 /// `may_take_suspects`: this is the instance's first worker (see
 /// [`CLAIM_SQL`]).
