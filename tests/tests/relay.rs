@@ -1155,17 +1155,16 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
     // The oldest row (the first of the batch to be taken over).
     let deadly = events[0].aggregate_id.clone();
     let env = [
+        // Each claimed batch held 800 ms (four polls) in its task: the
+        // other worker claims meanwhile, with the deadly row in flight.
         (
             "FAILPOINTS",
-            format!("relay.preparing_row=return({deadly})"),
+            format!("relay.preparing_row=return({deadly});relay.holding_batch=return(800)"),
         ),
-        ("OUTBOX_RELAY__RELAY__LEASE_MS", "1000".to_owned()),
+        ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
         ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "500".to_owned()),
         // Two workers (the default). A suspect goes to the first only, so
-        // a healthy suspect is never in flight beside the deadly one: the
-        // claim's side of that is tested in crates/outbox-relay/tests/lease.rs
-        // (a fail point's sleep blocks the runtime's thread, so this test
-        // cannot hold one worker while the other claims).
+        // a healthy suspect is never in flight beside the deadly one.
         ("OUTBOX_RELAY__RELAY__WORKERS", "2".to_owned()),
         ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "3".to_owned()),
     ];

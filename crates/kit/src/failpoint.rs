@@ -79,3 +79,19 @@ pub fn crash_point_for(name: &'static str, key: &str) {
     #[cfg(not(feature = "failpoints"))]
     let _ = (name, key);
 }
+
+/// A named point where a test holds one task, not its thread: armed with
+/// `return(<ms>)`, the caller awaits that many milliseconds while the
+/// runtime's other tasks go on (the `fail` crate's `sleep` blocks the whole
+/// thread, and with it every task scheduled there). A no-op without the
+/// `failpoints` feature, or armed with anything else.
+pub async fn hold_task(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    if let Some(Some(ms)) = fail::eval(name, |ms| ms) {
+        if let Ok(ms) = ms.parse::<u64>() {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}

@@ -175,6 +175,8 @@ impl Relay {
                 .claimed
                 .inc_by((claimed.rows.len() + claimed.undecodable.len()) as u64);
             kit::failpoint::crash_point("relay.before_publish");
+            // A test holds the claimed batch here, the other workers running.
+            kit::failpoint::hold_task("relay.holding_batch").await;
             if self
                 .publish_and_settle(
                     channel,
