@@ -389,7 +389,8 @@ impl Relay {
     }
 
     /// Log and count rows just quarantined (by the failure write, or by a
-    /// claim taking over a row that outlived `max_attempts` relays).
+    /// claim taking over a row whose relays died on it alone `max_attempts`
+    /// times).
     fn quarantined(&self, quarantined: &[(Uuid, String)]) {
         for (event_id, reason) in quarantined {
             tracing::error!(
