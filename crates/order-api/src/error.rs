@@ -300,8 +300,8 @@ impl ApiError {
             )
             .detail(format!(
                 "the request took longer than {budget_ms} ms from its start (reading it, \
-                 waiting for a connection, the database work); nothing was stored; \
-                 retry (a POST with the same key)"
+                 waiting for a connection, the database work); nothing was changed; \
+                 retry the request (a POST with the same Idempotency-Key)"
             ))
             .retry_after(1),
             Self::Rejected(RejectedError(rejection)) => rejection.problem(),
