@@ -300,7 +300,7 @@ impl ApiError {
             )
             .detail(format!(
                 "the request took longer than {budget_ms} ms from its start (reading it, \
-                 waiting for a connection, the database work); nothing was changed; \
+                 waiting for a connection, the database work); nothing was stored; \
                  retry the request (a POST with the same Idempotency-Key)"
             ))
             .retry_after(1),
