@@ -130,10 +130,11 @@ impl consumer_runtime::Domain for Inventory {
 
     fn routes(cfg: &mut web::ServiceConfig) {
         cfg.route("/stock/receipts", web::post().to(post_receipt))
-            .route("/stock/{sku}", web::get().to(get_stock))
-            .route("/stock/{sku}", web::head().to(get_stock))
-            .route("/stock/{sku}/movements", web::get().to(get_movements))
-            .route("/stock/{sku}/movements", web::head().to(get_movements));
+            .route("/stock/{sku}", kit::http::get_or_head().to(get_stock))
+            .route(
+                "/stock/{sku}/movements",
+                kit::http::get_or_head().to(get_movements),
+            );
     }
 }
 

@@ -126,18 +126,22 @@ pub struct Health {
     pub broker: Option<Connected>,
 }
 
+/// A route for GET and HEAD (RFC 9110 section 9.1: a HEAD is answered with
+/// the GET's status and headers; actix-web sends no body for it), for
+/// every read endpoint of the services.
+pub fn get_or_head() -> actix_web::Route {
+    web::route().guard(actix_web::guard::Any(actix_web::guard::Get()).or(actix_web::guard::Head()))
+}
+
 /// Mount `/healthz` (liveness: the process serves HTTP), `/readyz` (the
 /// database answers and the broker connection is up) and `/metrics`, for
 /// GET and HEAD (RFC 9110 section 9.1: the GET's headers, no body).
 pub fn health_routes(health: Health) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
         cfg.app_data(web::Data::new(health))
-            .route("/healthz", web::get().to(healthz))
-            .route("/healthz", web::head().to(healthz))
-            .route("/readyz", web::get().to(readyz))
-            .route("/readyz", web::head().to(readyz))
-            .route("/metrics", web::get().to(metrics))
-            .route("/metrics", web::head().to(metrics));
+            .route("/healthz", get_or_head().to(healthz))
+            .route("/readyz", get_or_head().to(readyz))
+            .route("/metrics", get_or_head().to(metrics));
     }
 }
 

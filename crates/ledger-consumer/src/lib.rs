@@ -268,10 +268,11 @@ impl consumer_runtime::Domain for Ledger {
     }
 
     fn routes(cfg: &mut web::ServiceConfig) {
-        cfg.route("/journal", web::get().to(get_journal))
-            .route("/journal", web::head().to(get_journal))
-            .route("/trial-balance", web::get().to(get_trial_balance))
-            .route("/trial-balance", web::head().to(get_trial_balance));
+        cfg.route("/journal", kit::http::get_or_head().to(get_journal))
+            .route(
+                "/trial-balance",
+                kit::http::get_or_head().to(get_trial_balance),
+            );
     }
 }
 

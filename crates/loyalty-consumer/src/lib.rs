@@ -137,8 +137,10 @@ impl consumer_runtime::Domain for Loyalty {
     }
 
     fn routes(cfg: &mut web::ServiceConfig) {
-        cfg.route("/customers/{id}/loyalty", web::get().to(get_loyalty))
-            .route("/customers/{id}/loyalty", web::head().to(get_loyalty));
+        cfg.route(
+            "/customers/{id}/loyalty",
+            kit::http::get_or_head().to(get_loyalty),
+        );
     }
 }
 

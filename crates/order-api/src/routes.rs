@@ -55,8 +55,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     )
     .service(
         web::resource("/orders/{id}")
-            .route(web::get().to(get_order))
-            .route(web::head().to(get_order))
+            .route(kit::http::get_or_head().to(get_order))
             .default_service(web::to(method_not_allowed("GET, HEAD"))),
     )
     .service(
@@ -71,8 +70,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     )
     .service(
         web::resource("/openapi.json")
-            .route(web::get().to(openapi_document))
-            .route(web::head().to(openapi_document))
+            .route(kit::http::get_or_head().to(openapi_document))
             .default_service(web::to(method_not_allowed("GET, HEAD"))),
     );
 }
