@@ -55,9 +55,14 @@ pub fn error_point(name: &'static str) -> bool {
 #[inline]
 pub fn crash_point(name: &'static str) {
     if error_point(name) {
-        eprintln!("fail point {name} fired: aborting the process");
-        std::process::abort();
+        abort(name, "");
     }
+}
+
+/// End the process at fail point `name` (SIGABRT: no destructors, no flush).
+fn abort(name: &str, item: &str) -> ! {
+    eprintln!("fail point {name} fired{item}: aborting the process");
+    std::process::abort();
 }
 
 /// A crash boundary for one item among many: aborts as [`crash_point`] does
@@ -72,8 +77,7 @@ pub fn crash_point_for(name: &'static str, key: &str) {
     #[cfg(feature = "failpoints")]
     if let Some(only) = fail::eval(name, |only| only) {
         if only.as_deref().is_none_or(|only| only == key) {
-            eprintln!("fail point {name} fired for {key}: aborting the process");
-            std::process::abort();
+            abort(name, &format!(" for {key}"));
         }
     }
     #[cfg(not(feature = "failpoints"))]

@@ -268,6 +268,14 @@ pub async fn claim(
             ],
         )
         .await?;
+    // Crash window (fail point `relay.claim`, test `relay_crash_during_claim`):
+    // before the commit the whole claim rolls back: no lease, and no
+    // takeover counted or row quarantined by it; the next claim after the
+    // same lease expiry does it again, once. After the commit the leases,
+    // counts and quarantines stand and only this process's log lines and
+    // metrics for them are lost (the quarantined gauge is recounted from the
+    // table every `metrics_interval_ms`); its leased rows are taken over at
+    // expiry, one more expiry each.
     kit::failpoint::crash_point("relay.claim");
     tx.commit().await?;
     let mut claimed = Claimed::default();

@@ -164,7 +164,7 @@ impl Relay {
                 }
             };
             self.metrics.expired_claims.inc_by(claimed.taken_over);
-            self.quarantined(&claimed.quarantined);
+            self.log_quarantined(&claimed.quarantined);
             let Some(lease_until) = claimed.lease_until else {
                 if claimed.quarantined.is_empty() {
                     self.idle(connection, shutdown).await?;
@@ -382,7 +382,7 @@ impl Relay {
                     .into_iter()
                     .map(|id| (id, "its own publishing failures, logged above".to_owned()))
                     .collect();
-                self.quarantined(&quarantined);
+                self.log_quarantined(&quarantined);
             }
         }
         reopen
@@ -391,7 +391,7 @@ impl Relay {
     /// Log and count rows just quarantined (by the failure write, or by a
     /// claim taking over a row whose relays died on it alone `max_attempts`
     /// times).
-    fn quarantined(&self, quarantined: &[(Uuid, String)]) {
+    fn log_quarantined(&self, quarantined: &[(Uuid, String)]) {
         for (event_id, reason) in quarantined {
             tracing::error!(
                 %event_id,
