@@ -531,11 +531,14 @@ pub async fn infra_script(args: &[&str]) -> String {
 /// while paused, what either side sends is held, not forwarded, so to the
 /// client the server stops answering (a stalled broker, a network stall)
 /// without touching the shared server or anyone else's connections.
-/// Resumed, the held bytes flow on in order.
+/// Resumed, the held bytes flow on in order. It can also cut the client off
+/// (the server unreachable: open connections closed, new ones closed at
+/// once) until it is restored.
 pub struct PausableProxy {
     /// The server's URL with the proxy's host and port.
     pub url: String,
     paused: tokio::sync::watch::Sender<bool>,
+    cut: tokio::sync::watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -552,22 +555,37 @@ impl PausableProxy {
             .await
             .expect("proxy listener");
         let (paused, _) = tokio::sync::watch::channel(false);
-        let gate = paused.clone();
+        let (cut, _) = tokio::sync::watch::channel(false);
+        let (gate, cutter) = (paused.clone(), cut.clone());
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if *cutter.borrow() {
+                    continue; // dropped: closed at once
+                }
                 let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                     continue;
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                tokio::spawn(pipe(client_read, server_write, gate.subscribe()));
-                tokio::spawn(pipe(server_read, client_write, gate.subscribe()));
+                tokio::spawn(pipe(
+                    client_read,
+                    server_write,
+                    gate.subscribe(),
+                    cutter.subscribe(),
+                ));
+                tokio::spawn(pipe(
+                    server_read,
+                    client_write,
+                    gate.subscribe(),
+                    cutter.subscribe(),
+                ));
             }
         });
         let at = if user.is_empty() { "" } else { "@" };
         Self {
             url: format!("{scheme}://{user}{at}127.0.0.1:{port}{path}"),
             paused,
+            cut,
             accept,
         }
     }
@@ -579,6 +597,16 @@ impl PausableProxy {
     pub fn resume(&self) {
         self.paused.send_replace(false);
     }
+
+    /// Close every open connection, and every new one at once, until
+    /// [`PausableProxy::restore`].
+    pub fn cut(&self) {
+        self.cut.send_replace(true);
+    }
+
+    pub fn restore(&self) {
+        self.cut.send_replace(false);
+    }
 }
 
 impl Drop for PausableProxy {
@@ -589,18 +617,24 @@ impl Drop for PausableProxy {
     }
 }
 
-/// Copy `from` to `to`, holding each chunk while the proxy is paused.
+/// Copy `from` to `to`, holding each chunk while the proxy is paused, until
+/// either side closes or the proxy is cut (both halves are then dropped: the
+/// connection is closed).
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut paused: tokio::sync::watch::Receiver<bool>,
+    mut cut: tokio::sync::watch::Receiver<bool>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buffer = vec![0_u8; 64 * 1024];
     loop {
-        let read = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(read) => read,
+        let read = tokio::select! {
+            read = from.read(&mut buffer) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(read) => read,
+            },
+            Ok(_) = cut.wait_for(|cut| *cut) => return,
         };
         if paused.wait_for(|paused| !*paused).await.is_err()
             || to.write_all(&buffer[..read]).await.is_err()

@@ -920,6 +920,103 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A relay that cannot reach the database when its confirmed rows are to be
+/// marked goes on retrying the mark past its lease, and marks them when the
+/// database answers again: nobody took the rows over (the mark is guarded
+/// by the lease's owner), so nothing is published twice and no lease expiry
+/// is counted. Before, it gave up when the lease ran out, and its own next
+/// claim took the rows over (an expiry each; two in a row make a suspect)
+/// and published them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it_is_back() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestCutOff").await;
+    let events = orders_with_events(3, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+    let proxy = PausableProxy::start(&pg_url(Database::Orders)).await;
+    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
+    let relay = Relay::start_with_output(
+        &tenant,
+        &[
+            ("OUTBOX_RELAY__DATABASE__URL", proxy.url.clone()),
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
+            ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "2000".to_owned()),
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+            // The first batch is held 1.5 s between its claim and its
+            // publish: the test cuts the database off meanwhile.
+            (
+                "FAILPOINTS",
+                "relay.holding_batch=1*return(1500)".to_owned(),
+            ),
+        ],
+        Some(&log),
+    );
+
+    wait_db(
+        &db,
+        "the first events of the three orders leased",
+        Duration::from_secs(60),
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1
+           AND claimed_by IS NOT NULL AND claim_until IS NOT NULL AND published_at IS NULL",
+        &tenant,
+        3,
+    )
+    .await;
+    proxy.cut();
+    // Published and confirmed while the relay cannot reach the database...
+    collector.wait_distinct(3, Duration::from_secs(30)).await;
+    // ... and still unmarked a second after their lease ran out.
+    wait_db(
+        &db,
+        "the batch's lease run out, the rows unmarked",
+        Duration::from_secs(30),
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1
+           AND published_at IS NULL AND claim_until < now() - interval '1 second'",
+        &tenant,
+        3,
+    )
+    .await;
+    proxy.restore();
+
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(6, Duration::from_secs(30)).await;
+    relay.wait_metric("outbox_published_total", 6.0).await;
+    // Time for a second copy, if one were on its way.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let received = collector.snapshot();
+    let ids: Vec<(&str, i64)> = received
+        .iter()
+        .map(|r| (r.event_id.as_str(), r.sequence))
+        .collect();
+    assert_eq!(received.len(), 6, "each event once: {ids:?}");
+    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
+    assert_in_sequence_order(&received, &expect);
+    let expired = count(
+        &db,
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND lease_expiries > 0",
+        &tenant,
+    )
+    .await;
+    assert_eq!(expired, 0, "no lease expiry recorded");
+    assert_eq!(
+        (
+            relay.metric("outbox_published_total").await,
+            relay.metric("outbox_mark_lost_total").await,
+            relay.metric("outbox_expired_claims_total").await,
+        ),
+        (6, 0, 0),
+        "published, lost, taken over"
+    );
+    relay.stop();
+    let output = take_log(&log);
+    assert!(
+        output.contains("the lease ran out while the database was unreachable"),
+        "the mark went on past the lease:\n{output}"
+    );
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// The failure write that quarantines a row commits and its reply is lost
 /// (`relay.mark_failed.reply_lost`, once): the retry matches no row (the
 /// lost attempt released them) and reads the quarantined ones back, so the

@@ -130,18 +130,6 @@ impl HandlerError {
     }
 }
 
-/// SQLSTATE classes and codes that say "try again", not "this event is bad".
-fn transient_sqlstate(code: &str) -> bool {
-    code.starts_with("08") // connection exception
-        || code.starts_with("53") // insufficient resources
-        || code.starts_with("57P") // admin / crash shutdown, cannot connect now
-        || code == "40001" // serialization failure
-        || code == "40P01" // deadlock detected
-        || code == "57014" // statement timeout (a lock held by a hung session)
-        || code == "55P03" // lock not available (lock_timeout)
-        || code == "25P03" // idle-in-transaction timeout
-}
-
 impl From<tokio_postgres::Error> for HandlerError {
     fn from(error: tokio_postgres::Error) -> Self {
         // The server's message and detail (e.g. which constraint), not just "db error".
@@ -152,7 +140,7 @@ impl From<tokio_postgres::Error> for HandlerError {
                     db.message(),
                     db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
                 );
-                if transient_sqlstate(db.code().code()) {
+                if kit::db::transient_sqlstate(db.code().code()) {
                     Self::transient(message)
                 } else {
                     Self::new(message)
@@ -476,27 +464,4 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
         }
     })
     .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn connection_and_concurrency_errors_are_transient_constraint_errors_are_not() {
-        assert!(transient_sqlstate("08006"));
-        assert!(transient_sqlstate("40P01"));
-        assert!(transient_sqlstate("40001"));
-        assert!(transient_sqlstate("57P01"));
-        assert!(transient_sqlstate("53300"));
-        // Timeouts: a lock held by a hung session, not the event's fault.
-        assert!(transient_sqlstate("57014")); // statement timeout
-        assert!(transient_sqlstate("55P03")); // lock timeout
-        assert!(transient_sqlstate("25P03")); // idle-in-transaction timeout
-        assert!(!transient_sqlstate("23514")); // check violation
-        assert!(!transient_sqlstate("23505")); // unique violation
-        assert!(!transient_sqlstate("P0001")); // raise exception
-        assert!(HandlerError::transient("x").is_transient());
-        assert!(!HandlerError::new("x").is_transient());
-    }
 }

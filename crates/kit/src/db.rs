@@ -169,6 +169,49 @@ fn build_pool(
         .map_err(|e| DbError::Build(e.to_string()))
 }
 
+/// SQLSTATE classes and codes that say "try again", not "this request or
+/// event is wrong": connection exceptions (`08`), insufficient resources
+/// (`53`), an administrator or crash shutdown (`57P`), a statement cancelled
+/// by `statement_timeout` or an operator (`57014`: a stalled disk, a lock
+/// held by a hung session), a session ended by
+/// `idle_in_transaction_session_timeout` (`25P03`, [`SESSION_LIMITS`]), a
+/// serialization failure (`40001`), a deadlock (`40P01`), a `lock_timeout`
+/// (`55P03`). The statement did nothing and may succeed again as it is.
+pub fn transient_sqlstate(code: &str) -> bool {
+    code.starts_with("08")
+        || code.starts_with("53")
+        || code.starts_with("57P")
+        || code == "57014"
+        || code == "25P03"
+        || code == "40001"
+        || code == "40P01"
+        || code == "55P03"
+}
+
+/// Whether `error` may not happen again: a server error of a
+/// [`transient_sqlstate`], or no server error at all (the connection was
+/// lost, refused or timed out). A constraint, a trigger's exception or bad
+/// SQL is not.
+pub fn transient(error: &tokio_postgres::Error) -> bool {
+    error
+        .as_db_error()
+        .is_none_or(|db| transient_sqlstate(db.code().code()))
+}
+
+/// [`transient`] for the first PostgreSQL error in `error`'s chain of
+/// sources; with none in it, true (the pool's wait for a connection timed
+/// out, it was closed).
+pub fn retryable(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if let Some(postgres) = error.downcast_ref::<tokio_postgres::Error>() {
+            return transient(postgres);
+        }
+        next = error.source();
+    }
+    true
+}
+
 /// Wait (with capped exponential backoff) until the pool hands out a working
 /// connection, or until `shutdown` is cancelled.
 pub async fn wait_until_ready(pool: &Pool, shutdown: &CancellationToken) -> Result<(), DbError> {
@@ -201,6 +244,46 @@ pub async fn ping(pool: &Pool) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_and_lost_connections_are_transient_data_errors_are_not() {
+        for code in [
+            "08006", // connection failure
+            "53300", // too many connections
+            "57P01", // admin shutdown
+            "57014", // statement_timeout, or a cancelled statement
+            "25P03", // idle_in_transaction_session_timeout
+            "40001", // serialization failure
+            "40P01", // deadlock
+            "55P03", // lock_timeout
+        ] {
+            assert!(transient_sqlstate(code), "{code} is transient");
+        }
+        for code in [
+            "22P02", "23505", "23514", "42P01", "54000", "P0001", "XX000",
+        ] {
+            assert!(!transient_sqlstate(code), "{code} is a bug or bad data");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_retryable_through_the_pool_s_error() {
+        // Nothing listens on port 1: the pool's Backend error wraps the
+        // connect error, which has no SQLSTATE.
+        let settings = DatabaseSettings {
+            url: "postgres://nobody@127.0.0.1:1/none".to_owned(),
+            pool_size: 1,
+            acquire_timeout_ms: 1_000,
+        };
+        let error = pool(&settings)
+            .expect("pool")
+            .get()
+            .await
+            .expect_err("nothing listens on port 1");
+        let error = anyhow::Error::new(error).context("mark published");
+        assert!(retryable(error.as_ref()), "{error:#}");
+        assert!(retryable(&std::io::Error::other("not a database error")));
+    }
 
     #[test]
     fn the_url_s_session_options_are_kept_after_the_service_s() {

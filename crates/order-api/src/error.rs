@@ -305,7 +305,7 @@ impl ApiError {
             ))
             .retry_after(1),
             Self::Rejected(RejectedError(rejection)) => rejection.problem(),
-            Self::Database(error) if !is_transient(error) => Problem::new(
+            Self::Database(error) if !kit::db::transient(error) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal_error",
                 "Internal error",
@@ -355,61 +355,5 @@ impl ResponseError for ApiError {
                 .insert(header::ALLOW, header::HeaderValue::from_static(allow));
         }
         response
-    }
-}
-
-/// Connection loss, server shutdown, resource exhaustion, serialization
-/// failure, deadlock, a lock or statement timeout, or a cancelled statement:
-/// nothing was stored, and the client may retry the same request (a 503).
-fn is_transient(error: &tokio_postgres::Error) -> bool {
-    transient_sqlstate(error.code().map(tokio_postgres::error::SqlState::code))
-}
-
-/// [`is_transient`] by SQLSTATE (`None`: no server error, e.g. the
-/// connection dropped). `57014` is a statement cancelled by
-/// `statement_timeout` (a stalled disk, a lock held too long) or by an
-/// operator, `25P03` a session ended by `idle_in_transaction_session_timeout`
-/// (kit::db::SESSION_LIMITS): the request did nothing and may succeed again.
-fn transient_sqlstate(code: Option<&str>) -> bool {
-    match code {
-        None => true,
-        Some(code) => {
-            code.starts_with("08")
-                || code.starts_with("53")
-                || code.starts_with("57P")
-                || code == "57014"
-                || code == "25P03"
-                || code == "40001"
-                || code == "40P01"
-                || code == "55P03"
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::transient_sqlstate;
-
-    #[test]
-    fn timeouts_and_lost_connections_are_transient_data_errors_are_not() {
-        for code in [
-            None,
-            Some("08006"), // connection failure
-            Some("53300"), // too many connections
-            Some("57P01"), // admin shutdown
-            Some("57014"), // statement_timeout, or a cancelled statement
-            Some("25P03"), // idle_in_transaction_session_timeout
-            Some("40001"), // serialization failure
-            Some("40P01"), // deadlock
-            Some("55P03"), // lock_timeout
-        ] {
-            assert!(transient_sqlstate(code), "{code:?} is transient");
-        }
-        for code in ["22P02", "23505", "42P01", "54000", "XX000"] {
-            assert!(
-                !transient_sqlstate(Some(code)),
-                "{code} is a bug or bad data"
-            );
-        }
     }
 }

@@ -184,6 +184,7 @@ impl Relay {
                     claimed.rows,
                     claimed.undecodable,
                     (lease_until, lease_deadline),
+                    shutdown,
                 )
                 .await
             {
@@ -229,7 +230,8 @@ impl Relay {
     }
 
     /// Publish a claimed batch and record the outcome, retrying the writes
-    /// until `lease_deadline` (after it the rows may be another claim's).
+    /// until `lease_deadline`, and past it while the database is unreachable
+    /// ([`retry_until`]).
     /// `lease_until` is the lease as the claim wrote it (it names the claim).
     /// Returns whether the channel should be replaced.
     async fn publish_and_settle(
@@ -239,6 +241,7 @@ impl Relay {
         rows: Vec<OutboxRow>,
         undecodable: Vec<(Uuid, i32, String)>,
         (lease_until, lease_deadline): (time::OffsetDateTime, tokio::time::Instant),
+        shutdown: &CancellationToken,
     ) -> bool {
         let attempts: HashMap<Uuid, i32> = rows
             .iter()
@@ -291,7 +294,7 @@ impl Relay {
             let instance = self.instance.as_str();
             let acked_ref = &acked;
             let mut attempts = 0;
-            match retry_until("mark published", lease_deadline, || {
+            match retry_until("mark published", lease_deadline, shutdown, || {
                 attempts += 1;
                 claim::mark_published(pool, instance, acked_ref, attempts > 1)
             })
@@ -312,7 +315,7 @@ impl Relay {
                     self.metrics.mark_lost.inc_by(acked.len() as u64);
                     tracing::error!(
                         rows = acked.len(),
-                        "could not mark confirmed rows before the lease ran out: they will be published again"
+                        "could not mark confirmed rows (their lease ran out, and the write failed with an error of its own or the relay is shutting down): they will be published again"
                     );
                 }
             }
@@ -365,18 +368,19 @@ impl Relay {
             // failure is recorded and the lease released: nothing is pending.
             kit::failpoint::crash_point("relay.before_mark_failed");
             let mut attempts = 0;
-            if let Some(quarantined) = retry_until("record failures", lease_deadline, || {
-                attempts += 1;
-                claim::mark_failed(
-                    pool,
-                    instance,
-                    lease_until,
-                    failures_ref,
-                    max_attempts,
-                    attempts > 1,
-                )
-            })
-            .await
+            if let Some(quarantined) =
+                retry_until("record failures", lease_deadline, shutdown, || {
+                    attempts += 1;
+                    claim::mark_failed(
+                        pool,
+                        instance,
+                        lease_until,
+                        failures_ref,
+                        max_attempts,
+                        attempts > 1,
+                    )
+                })
+                .await
             {
                 let quarantined: Vec<(Uuid, String)> = quarantined
                     .into_iter()
@@ -410,28 +414,59 @@ impl Relay {
 }
 
 /// Retry a database write with capped backoff until it succeeds or
-/// `deadline` passes (after which the lease may be someone else's anyway).
-async fn retry_until<T, F, Fut>(what: &str, deadline: tokio::time::Instant, mut f: F) -> Option<T>
+/// `deadline` passes (after which the lease may be someone else's). Past the
+/// deadline an unreachable database ([`kit::db::retryable`]) is still
+/// retried, until shutdown: the writes are guarded by the lease's owner
+/// (and the failure write by the lease itself), so on rows another instance
+/// took over they match nothing; on rows nobody took over (the database was
+/// unreachable to every relay) they land. Giving up there would leave
+/// confirmed rows to be published again, and count a lease expiry against
+/// rows whose relay was alive (two in a row make a suspect of a row).
+async fn retry_until<T, F, Fut>(
+    what: &str,
+    deadline: tokio::time::Instant,
+    shutdown: &CancellationToken,
+    mut f: F,
+) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
     let mut delay = Duration::from_millis(50);
+    let mut past_deadline_logged = false;
     loop {
         match f().await {
             Ok(value) => return Some(value),
             Err(error) => {
                 if tokio::time::Instant::now() + delay >= deadline {
-                    tracing::error!(error = format!("{error:#}"), what, "giving up");
-                    return None;
+                    if shutdown.is_cancelled() || !kit::db::retryable(error.as_ref()) {
+                        tracing::error!(error = format!("{error:#}"), what, "giving up");
+                        return None;
+                    }
+                    if !past_deadline_logged {
+                        past_deadline_logged = true;
+                        tracing::error!(
+                            error = format!("{error:#}"),
+                            what,
+                            "the lease ran out while the database was unreachable: \
+                             retrying until it answers (rows another instance took \
+                             over are left to it)"
+                        );
+                    }
+                } else {
+                    tracing::warn!(
+                        error = format!("{error:#}"),
+                        what,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "retrying"
+                    );
                 }
-                tracing::warn!(
-                    error = format!("{error:#}"),
-                    what,
-                    retry_in_ms = delay.as_millis() as u64,
-                    "retrying"
-                );
-                tokio::time::sleep(delay).await;
+                tokio::select! {
+                    // Past the deadline only: before it, shutdown waits for
+                    // the batch to be settled as before.
+                    _ = shutdown.cancelled(), if tokio::time::Instant::now() >= deadline => {}
+                    _ = tokio::time::sleep(delay) => {}
+                }
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
         }
