@@ -1320,6 +1320,15 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
         "nothing of the deadly order was published"
     );
     assert_eq!(relay.metric("outbox_quarantined_total").await, 1);
+    // The relay that quarantined it counted the last lone death as the
+    // row's failed attempt (the earlier ones, each counted by a relay that
+    // then died on it, went with their processes).
+    assert_eq!(
+        relay
+            .metric_of("outbox_publish_failures_total", "reason=\"lease_expired\"")
+            .await,
+        1.0
+    );
 
     let rows = db
         .query(

@@ -154,6 +154,10 @@ pub struct Claimed {
     /// How many of them had a lease that ran out (of any instance, this one
     /// included; quarantined ones too).
     pub taken_over: u64,
+    /// How many of them were counted a failure of their own: the lease
+    /// that ran out held the row alone (see [`CLAIM_SQL`]; quarantined ones
+    /// too).
+    pub counted: u64,
     /// Rows taken over whose own failures reached `max_attempts`: quarantined
     /// by the claim instead of leased (see [`CLAIM_SQL`]), with the reason.
     pub quarantined: Vec<(Uuid, String)>,
@@ -222,8 +226,9 @@ pub struct Claimed {
 ///   worker holds a suspect counts that suspect (at most twice per such
 ///   row: by its third death the row is a suspect itself);
 /// - a relay alive but cut off from the database for longer than its
-///   lease leaves its rows leased: that counts as an expiry, and as a
-///   failure for a suspect it held;
+///   lease goes on retrying its mark (`relay::retry_until`), but another
+///   instance may take the rows over first: that counts as an expiry, and
+///   as a failure for a suspect it held;
 /// - two unrelated crashes (or such outages) in a row make every row then
 ///   in flight a suspect, drained one per claim by each instance's first
 ///   worker (each such claim locks up to `batch_size` rows to lease one);
@@ -285,6 +290,9 @@ pub async fn claim(
         if let Some(previous_owner) = &previous_owner {
             claimed.taken_over += 1;
             tracing::warn!(%event_id, previous_owner, "took over an expired claim");
+        }
+        if row.get::<_, bool>(16) {
+            claimed.counted += 1;
         }
         if row.get::<_, bool>(14) {
             // Quarantined by the claim: the reason is its last_error.

@@ -54,4 +54,4 @@ RETURNING t.event_id, t.tenant_id, t.aggregate_type, t.aggregate_id, t.aggregate
           t.event_type, t.schema_version,
           CASE WHEN picked.quarantine THEN NULL ELSE t.payload END, t.traceparent, t.tracestate,
           t.occurred_at, t.attempt_count, picked.previous_owner, t.claim_until, picked.quarantine,
-          t.last_error
+          t.last_error, picked.counted

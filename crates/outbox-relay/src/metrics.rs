@@ -26,7 +26,8 @@ pub struct Metrics {
     /// counts; infrastructure failures count here but not towards quarantine).
     pub max_attempts: IntGauge,
     pub published: IntCounter,
-    /// By reason: returned, nacked, timeout, channel, encode.
+    /// By reason: returned, nacked, timeout, channel, encode, and
+    /// [`crate::relay::LEASE_EXPIRED`].
     pub failures: IntCounterVec,
     pub returned: IntCounter,
     pub attempts: IntCounter,
@@ -98,13 +99,20 @@ impl Metrics {
         let failures = IntCounterVec::new(
             opts(
                 "outbox_publish_failures_total",
-                "Publish attempts that failed, by reason (returned, nacked, timeout, channel, encode)",
+                "Publish attempts that failed, by reason (returned, nacked, timeout, channel, encode; lease_expired: a relay died or stalled holding the event alone)",
             ),
             &["reason"],
         )
         .expect("valid counter vec");
         // Every reason's series starts at zero (present for rate() and alerts).
-        for reason in ["returned", "nacked", "timeout", "channel", "encode"] {
+        for reason in [
+            "returned",
+            "nacked",
+            "timeout",
+            "channel",
+            "encode",
+            crate::relay::LEASE_EXPIRED,
+        ] {
             failures.with_label_values(&[reason]);
         }
         kit::metrics::register(registry, &failures);

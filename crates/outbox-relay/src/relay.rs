@@ -23,6 +23,10 @@ use crate::metrics::Metrics;
 use crate::publish::{self, PublishFailure};
 use crate::settings::{backoff_ms, RelaySettings};
 
+/// The `outbox_publish_failures_total` reason of a row whose lease ran out
+/// while its relay held it alone (the claim counts it: [`claim::CLAIM_SQL`]).
+pub const LEASE_EXPIRED: &str = "lease_expired";
+
 /// Everything a worker needs; cheap to clone.
 #[derive(Clone)]
 pub struct Relay {
@@ -164,6 +168,13 @@ impl Relay {
                 }
             };
             self.metrics.expired_claims.inc_by(claimed.taken_over);
+            // A relay died or stalled holding the row alone: a failed
+            // attempt of the row's own that its relay could not count.
+            self.metrics.attempts.inc_by(claimed.counted);
+            self.metrics
+                .failures
+                .with_label_values(&[LEASE_EXPIRED])
+                .inc_by(claimed.counted);
             self.log_quarantined(&claimed.quarantined);
             let Some(lease_until) = claimed.lease_until else {
                 if claimed.quarantined.is_empty() {

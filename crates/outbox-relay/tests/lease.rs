@@ -203,12 +203,15 @@ async fn a_row_whose_leases_keep_running_out_is_claimed_alone_then_counted_then_
     // A relay claims the three and dies (its 1 ms lease runs out).
     let batch = claim(1).await;
     assert_eq!(ids(&batch), vec![first, second, third]);
-    assert_eq!(batch.taken_over, 0);
+    assert_eq!((batch.taken_over, batch.counted), (0, 0));
     run_out().await;
     // Their first expiry: taken over together, uncounted; and again lost.
     let again = claim(1).await;
     assert_eq!(ids(&again), vec![first, second, third]);
-    assert_eq!((again.taken_over, again.quarantined.len()), (3, 0));
+    assert_eq!(
+        (again.taken_over, again.counted, again.quarantined.len()),
+        (3, 0, 0)
+    );
     let fresh = insert(&pool, &tenant, "{}").await;
     run_out().await;
 
@@ -217,17 +220,18 @@ async fn a_row_whose_leases_keep_running_out_is_claimed_alone_then_counted_then_
     // three rows. (Only a first worker takes suspects.)
     let alone = claim(1).await;
     assert_eq!(ids(&alone), vec![first], "one suspect, nothing else");
-    assert_eq!(alone.taken_over, 1);
+    assert_eq!((alone.taken_over, alone.counted), (1, 0));
     run_out().await;
     // Its lease held it alone: counted (1 of 2), and it is claimed alone again.
     let counted = claim(1).await;
     assert_eq!(ids(&counted), vec![first]);
+    assert_eq!(counted.counted, 1);
     assert!(counted.quarantined.is_empty());
     run_out().await;
     // Counted again: 2 of 2. The claim quarantines it instead of leasing it.
     let stopped = claim(1).await;
     assert!(stopped.rows.is_empty() && stopped.lease_until.is_none());
-    assert_eq!(stopped.taken_over, 1);
+    assert_eq!((stopped.taken_over, stopped.counted), (1, 1));
     let lease_error = format!(
         "the lease of {INSTANCE} ran out while it held this event alone: \
          that relay died or stalled on it"
