@@ -376,6 +376,21 @@ async fn outbox_rows_are_immutable_but_the_relays_columns_are_not() {
         db_error.message(),
         format!("outbox_events rows are immutable: event {event_id} cannot be edited")
     );
+    // The hint names every column the relay's writes below change.
+    let hint = db_error.hint().expect("a hint");
+    for column in [
+        "claimed_by",
+        "claim_until",
+        "published_at",
+        "attempt_count",
+        "own_failure_count",
+        "lease_expiries",
+        "last_error",
+        "available_at",
+        "quarantined_at",
+    ] {
+        assert!(hint.contains(column), "{column} in the hint: {hint}");
+    }
     savepoint.rollback().await.expect("rollback to savepoint");
 
     for column in [
@@ -409,10 +424,11 @@ async fn outbox_rows_are_immutable_but_the_relays_columns_are_not() {
 
     // The relay's writes: the lease, then the failure bookkeeping, then the mark.
     for set in [
-        "claimed_by = 'relay-a', claim_until = now() + interval '30 seconds'",
+        "claimed_by = 'relay-a', claim_until = now() + interval '30 seconds', \
+         lease_expiries = 1",
         "attempt_count = attempt_count + 1, own_failure_count = own_failure_count + 1, \
          last_error = 'returned', available_at = now(), quarantined_at = now(), \
-         claimed_by = NULL, claim_until = NULL",
+         claimed_by = NULL, claim_until = NULL, lease_expiries = 0",
         "published_at = now(), quarantined_at = NULL",
     ] {
         let updated = tx
