@@ -6,9 +6,16 @@ use std::process::Command;
 use system_tests::{bin, pg, unique_tenant, Database};
 use uuid::Uuid;
 
+/// `drift-check --tenant <tenant> --grace-seconds 0`: every order checked,
+/// however recently changed (the tests write them just before).
 fn drift_check(tenant: &str) -> (i32, String) {
+    drift_check_with(tenant, &["--grace-seconds", "0"])
+}
+
+fn drift_check_with(tenant: &str, args: &[&str]) -> (i32, String) {
     let output = Command::new(bin("drift-check"))
         .args(["--tenant", tenant])
+        .args(args)
         .output()
         .expect("run drift-check");
     (
@@ -53,7 +60,15 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     assert_eq!(drift_check(&tenant).0, 2);
     system_tests::insert_seed_order(&orders, &tenant, order).await;
 
-    // Placed, but inventory never reserved: drift.
+    // Placed just now, inventory not reserved yet: at the default grace
+    // (60 s) the order is in flight, skipped, zero drift...
+    let (code, out) = drift_check_with(&tenant, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("(0 paid, 0 delivered, 1 skipped in flight)"),
+        "{out}"
+    );
+    // ... and every order is checked at 0: placed, never reserved: drift.
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("reservation missing"), "{out}");

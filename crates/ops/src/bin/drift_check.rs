@@ -1,4 +1,4 @@
-//! `drift-check [--tenant T] [--grace-seconds N]`: exits 0 on zero drift,
+//! `drift-check [--tenant T] [--grace-seconds N (60)]`: exits 0 on zero drift,
 //! 1 on any drift, 2 when it cannot run (or `--tenant` names a tenant with
 //! nothing in any database).
 
@@ -12,8 +12,12 @@ struct Cli {
     /// Only this tenant.
     #[arg(long)]
     tenant: Option<String>,
-    /// Skip orders changed in the last N seconds (their events may be in flight).
-    #[arg(long, default_value_t = 0)]
+    /// Skip orders changed in the last N seconds (their events may be in
+    /// flight). The default fits a running system, where an order's effects
+    /// follow its commit by milliseconds and an event unpublished after a
+    /// minute fires OutboxOldestPendingTooOld; 0 checks every order (a
+    /// system at rest, or a test).
+    #[arg(long, default_value_t = 60)]
     grace_seconds: u64,
 }
 
