@@ -133,21 +133,18 @@ impl HandlerError {
 impl From<tokio_postgres::Error> for HandlerError {
     fn from(error: tokio_postgres::Error) -> Self {
         // The server's message and detail (e.g. which constraint), not just "db error".
-        match error.as_db_error() {
-            Some(db) => {
-                let message = format!(
-                    "database: {}{}",
-                    db.message(),
-                    db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
-                );
-                if kit::db::transient_sqlstate(db.code().code()) {
-                    Self::transient(message)
-                } else {
-                    Self::new(message)
-                }
-            }
-            // No server error: the connection itself failed.
-            None => Self::transient(format!("database: {error}")),
+        let message = match error.as_db_error() {
+            Some(db) => format!(
+                "database: {}{}",
+                db.message(),
+                db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
+            ),
+            None => format!("database: {error}"),
+        };
+        if kit::db::transient(&error) {
+            Self::transient(message)
+        } else {
+            Self::new(message)
         }
     }
 }

@@ -8,7 +8,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::settings::{redact_url, DatabaseSettings};
 
-pub use deadpool_postgres::{Object as Client, Pool as PgPool, Transaction};
+pub use deadpool_postgres::{
+    Object as Client, Pool as PgPool, PoolError, TimeoutType, Transaction,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -189,21 +191,39 @@ pub fn transient_sqlstate(code: &str) -> bool {
 }
 
 /// Whether `error` may not happen again: a server error of a
-/// [`transient_sqlstate`], or no server error at all (the connection was
-/// lost, refused or timed out). A constraint, a trigger's exception or bad
-/// SQL is not.
+/// [`transient_sqlstate`], or no answer from the server (the connection was
+/// closed, or reading, writing or connecting failed). Not a constraint, a
+/// trigger's exception or bad SQL, nor an error the client raised by itself
+/// (a value that does not convert, a bad configuration, a failed
+/// authentication): trying again would fail the same way.
 pub fn transient(error: &tokio_postgres::Error) -> bool {
-    error
-        .as_db_error()
-        .is_none_or(|db| transient_sqlstate(db.code().code()))
+    match error.as_db_error() {
+        Some(db) => transient_sqlstate(db.code().code()),
+        None => {
+            error.is_closed()
+                || std::error::Error::source(error)
+                    .is_some_and(|source| source.is::<std::io::Error>())
+        }
+    }
 }
 
-/// [`transient`] for the first PostgreSQL error in `error`'s chain of
-/// sources; with none in it, true (the pool's wait for a connection timed
-/// out, it was closed).
+/// Whether a failed database call may succeed as it is when tried again:
+/// the first pool or PostgreSQL error in `error`'s chain of sources says so
+/// (the pool's wait for a connection timed out; [`transient`]); an error
+/// with neither in its chain (e.g. an injected fault) is retried too.
 pub fn retryable(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(error) = next {
+        if let Some(pool) = error.downcast_ref::<deadpool_postgres::PoolError>() {
+            match pool {
+                deadpool_postgres::PoolError::Timeout(_) => return true,
+                deadpool_postgres::PoolError::Closed
+                | deadpool_postgres::PoolError::NoRuntimeSpecified => return false,
+                // The backend's error, or the hook's: its source.
+                deadpool_postgres::PoolError::Backend(_)
+                | deadpool_postgres::PoolError::PostCreateHook(_) => {}
+            }
+        }
         if let Some(postgres) = error.downcast_ref::<tokio_postgres::Error>() {
             return transient(postgres);
         }
@@ -283,6 +303,22 @@ mod tests {
         let error = anyhow::Error::new(error).context("mark published");
         assert!(retryable(error.as_ref()), "{error:#}");
         assert!(retryable(&std::io::Error::other("not a database error")));
+        let waited = deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait);
+        assert!(retryable(&waited));
+        assert!(!retryable(&deadpool_postgres::PoolError::Closed));
+    }
+
+    #[test]
+    fn an_error_the_client_raises_by_itself_is_not_transient() {
+        let error = "postgres://app@localhost:notaport/orders"
+            .parse::<tokio_postgres::Config>()
+            .expect_err("a bad port");
+        assert!(
+            error.as_db_error().is_none() && !transient(&error),
+            "{error}"
+        );
+        let error = anyhow::Error::new(error).context("connecting");
+        assert!(!retryable(error.as_ref()), "{error:#}");
     }
 
     #[test]

@@ -227,8 +227,9 @@ pub struct Claimed {
 ///   row: by its third death the row is a suspect itself);
 /// - a relay alive but cut off from the database for longer than its
 ///   lease goes on retrying its mark (`relay::retry_until`), but another
-///   instance may take the rows over first: that counts as an expiry, and
-///   as a failure for a suspect it held;
+///   claim (another instance, or another worker of this one) may take the
+///   rows over first: that counts as an expiry, and as a failure for a
+///   suspect it held;
 /// - two unrelated crashes (or such outages) in a row make every row then
 ///   in flight a suspect, drained one per claim by each instance's first
 ///   worker (each such claim locks up to `batch_size` rows to lease one);
@@ -318,24 +319,26 @@ pub async fn claim(
     Ok(claimed)
 }
 
-/// Mark confirmed rows published, in one statement. Only rows still leased
-/// to `instance` are marked: a row whose lease another instance took over
-/// is left to that instance (it publishes it again: a duplicate, never a
-/// loss). Returns the number marked.
+/// Mark confirmed rows published, in one statement. Only rows still under
+/// the lease of the claim that published them (`claimed_by` = `instance`
+/// and `claim_until` = `lease_until`, which the mark keeps, like
+/// `claimed_by`: a published row names the lease that published it): a
+/// row another claim took over after the lease ran out (another instance,
+/// or another worker of this one) is left to that claim, which publishes
+/// it again (a duplicate, never a loss) and marks it under its own lease.
+/// Returns the number marked.
 ///
 /// `retry`: an earlier attempt failed, and it may have committed with only
 /// its reply lost (the connection broke). The rows marked so far are then
 /// counted again after the update, in a statement of its own (a snapshot
 /// taken after the update's row-lock waits: an earlier attempt still
-/// running when the retry began has committed by then): published and
-/// still `claimed_by` this instance, which the mark keeps. So
-/// `outbox_mark_lost_total` counts only rows another instance took over
-/// (and, rarely, a row another worker of this instance took over after the
-/// lease expired and marked: published twice, not lost). The first attempt
-/// needs no such count.
+/// running when the retry began has committed by then): published under
+/// this lease. So `outbox_mark_lost_total` counts exactly the rows another
+/// claim took over. The first attempt needs no such count.
 pub async fn mark_published(
     pool: &PgPool,
     instance: &str,
+    lease_until: OffsetDateTime,
     ids: &[Uuid],
     retry: bool,
 ) -> anyhow::Result<u64> {
@@ -343,13 +346,17 @@ pub async fn mark_published(
         return Ok(0);
     }
     let client = pool.get().await?;
-    let params: &[(&(dyn ToSql + Sync), Type)] =
-        &[(&ids, Type::UUID_ARRAY), (&instance, Type::TEXT)];
+    let params: &[(&(dyn ToSql + Sync), Type)] = &[
+        (&ids, Type::UUID_ARRAY),
+        (&instance, Type::TEXT),
+        (&lease_until, Type::TIMESTAMPTZ),
+    ];
     let mut marked = client
         .execute_typed(
             "UPDATE outbox_events
-             SET published_at = now(), claim_until = NULL
-             WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
+             SET published_at = now()
+             WHERE event_id = ANY($1) AND claimed_by = $2 AND claim_until = $3
+               AND published_at IS NULL",
             params,
         )
         .await?;
@@ -357,7 +364,8 @@ pub async fn mark_published(
         let row = client
             .query_typed(
                 "SELECT count(*) FROM outbox_events
-                 WHERE event_id = ANY($1) AND claimed_by = $2 AND published_at IS NOT NULL",
+                 WHERE event_id = ANY($1) AND claimed_by = $2 AND claim_until = $3
+                   AND published_at IS NOT NULL",
                 params,
             )
             .await?;
@@ -400,15 +408,17 @@ pub struct Failure {
 /// the lease must not release, back off and count a failure against a
 /// later claim of the same rows (another worker of this instance, which may
 /// be publishing them right now; its confirm could then no longer be
-/// marked). Marking published needs no such guard: a confirmed event is
-/// published whoever holds the row.
+/// marked). The mark has the same guard ([`mark_published`]).
 ///
 /// `retry`: an earlier attempt failed, and it may have committed with only
 /// its reply lost. Its rows are then released, and the update matches none
 /// of them (the statement is one transaction: all or none). The rows it
-/// quarantined are read back, so the quarantine is still logged and
-/// counted: within the lease (the caller retries until it ends) no other
-/// claim can have touched them.
+/// quarantined are read back (quarantined, released, unpublished, with this
+/// write's error), so the quarantine is still logged and counted. Within
+/// the lease no other claim can have touched them; past it (the caller
+/// retries while the database is unreachable) another claim may have taken
+/// a row over, failed it with the same error and quarantined it: counted
+/// here too (the counter only; the gauge is recounted from the table).
 pub async fn mark_failed(
     pool: &PgPool,
     instance: &str,
@@ -456,10 +466,13 @@ pub async fn mark_failed(
     if retry && rows.is_empty() {
         let quarantined = client
             .query(
-                "SELECT event_id FROM outbox_events
-                 WHERE event_id = ANY($1) AND quarantined_at IS NOT NULL
-                   AND published_at IS NULL AND claimed_by IS NULL",
-                &[&ids],
+                "SELECT o.event_id
+                 FROM outbox_events o
+                 JOIN unnest($1::uuid[], $2::text[]) AS f(event_id, error)
+                   ON o.event_id = f.event_id
+                 WHERE o.quarantined_at IS NOT NULL AND o.published_at IS NULL
+                   AND o.claimed_by IS NULL AND o.last_error = f.error",
+                &[&ids, &errors],
             )
             .await?;
         return Ok(quarantined.iter().map(|row| row.get(0)).collect());

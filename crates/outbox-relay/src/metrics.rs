@@ -173,7 +173,7 @@ impl Metrics {
             ),
             attempts: counter(
                 "outbox_attempts_total",
-                "Publish attempts (successful or not)",
+                "Publish attempts (successful or not), and leases that ran out on a row held alone (a relay died or stalled on it; counted by the instance that takes it over)",
             ),
             expired_claims: counter(
                 "outbox_expired_claims_total",

@@ -307,7 +307,7 @@ impl Relay {
             let mut attempts = 0;
             match retry_until("mark published", lease_deadline, shutdown, || {
                 attempts += 1;
-                claim::mark_published(pool, instance, acked_ref, attempts > 1)
+                claim::mark_published(pool, instance, lease_until, acked_ref, attempts > 1)
             })
             .await
             {
@@ -426,13 +426,14 @@ impl Relay {
 
 /// Retry a database write with capped backoff until it succeeds or
 /// `deadline` passes (after which the lease may be someone else's). Past the
-/// deadline an unreachable database ([`kit::db::retryable`]) is still
-/// retried, until shutdown: the writes are guarded by the lease's owner
-/// (and the failure write by the lease itself), so on rows another instance
-/// took over they match nothing; on rows nobody took over (the database was
-/// unreachable to every relay) they land. Giving up there would leave
-/// confirmed rows to be published again, and count a lease expiry against
-/// rows whose relay was alive (two in a row make a suspect of a row).
+/// deadline a database that is unreachable or busy ([`kit::db::retryable`])
+/// is still retried, until shutdown: both writes are guarded by the lease
+/// (`claimed_by` and `claim_until`), so on rows another claim took over
+/// they match nothing, and on rows nobody took over (the database was
+/// unreachable to every relay, or the others did not get there first) they
+/// land. Giving up there would leave confirmed rows to be published again,
+/// and count a lease expiry against rows whose relay was alive (two in a row
+/// make a suspect of a row).
 async fn retry_until<T, F, Fut>(
     what: &str,
     deadline: tokio::time::Instant,
@@ -444,38 +445,42 @@ where
     Fut: Future<Output = anyhow::Result<T>>,
 {
     let mut delay = Duration::from_millis(50);
-    let mut past_deadline_logged = false;
+    let mut past_deadline: u32 = 0;
     loop {
         match f().await {
             Ok(value) => return Some(value),
             Err(error) => {
-                if tokio::time::Instant::now() + delay >= deadline {
-                    if shutdown.is_cancelled() || !kit::db::retryable(error.as_ref()) {
-                        tracing::error!(error = format!("{error:#}"), what, "giving up");
-                        return None;
-                    }
-                    if !past_deadline_logged {
-                        past_deadline_logged = true;
-                        tracing::error!(
-                            error = format!("{error:#}"),
-                            what,
-                            "the lease ran out while the database was unreachable: \
-                             retrying until it answers (rows another instance took \
-                             over are left to it)"
-                        );
-                    }
-                } else {
+                let now = tokio::time::Instant::now();
+                if now + delay >= deadline
+                    && (shutdown.is_cancelled() || !kit::db::retryable(error.as_ref()))
+                {
+                    tracing::error!(error = format!("{error:#}"), what, "giving up");
+                    return None;
+                }
+                if now < deadline {
                     tracing::warn!(
                         error = format!("{error:#}"),
                         what,
                         retry_in_ms = delay.as_millis() as u64,
                         "retrying"
                     );
+                } else {
+                    // Once, then about every 30 s (15 retries 2 s apart).
+                    if past_deadline % 15 == 0 {
+                        tracing::error!(
+                            error = format!("{error:#}"),
+                            what,
+                            "the lease ran out while the database was unreachable or busy: \
+                             retrying until it answers (rows another claim took over are \
+                             left to it)"
+                        );
+                    }
+                    past_deadline = past_deadline.saturating_add(1);
                 }
                 tokio::select! {
                     // Past the deadline only: before it, shutdown waits for
-                    // the batch to be settled as before.
-                    _ = shutdown.cancelled(), if tokio::time::Instant::now() >= deadline => {}
+                    // the batch to be settled, as it always did.
+                    _ = shutdown.cancelled(), if now >= deadline => {}
                     _ = tokio::time::sleep(delay) => {}
                 }
                 delay = (delay * 2).min(Duration::from_secs(2));
@@ -496,6 +501,111 @@ async fn close_bounded(channel: &Channel, reason: &str) {
         tracing::warn!(
             reason,
             "the broker did not confirm the channel close in 2 s"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unreachable() -> anyhow::Error {
+        anyhow::Error::new(kit::db::PoolError::Timeout(kit::db::TimeoutType::Wait))
+    }
+
+    fn refused_by_the_database() -> anyhow::Error {
+        let error = "postgres://app@localhost:notaport/orders"
+            .parse::<tokio_postgres::Config>()
+            .expect_err("a bad port");
+        anyhow::Error::new(error)
+    }
+
+    /// Calls `retry_until` with a write failing with `error()` `failures`
+    /// times, then succeeding; the number of calls made and the result.
+    async fn run(
+        deadline_in: Duration,
+        failures: u32,
+        error: fn() -> anyhow::Error,
+        shutdown: &CancellationToken,
+    ) -> (u32, Option<u32>) {
+        let deadline = tokio::time::Instant::now() + deadline_in;
+        let mut calls = 0;
+        let result = retry_until("test write", deadline, shutdown, || {
+            calls += 1;
+            let outcome = if calls > failures {
+                Ok(calls)
+            } else {
+                Err(error())
+            };
+            async move { outcome }
+        })
+        .await;
+        (calls, result)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_the_deadline_only_an_unreachable_database_is_retried() {
+        let shutdown = CancellationToken::new();
+        // 40 failures take over a minute at 2 s apart: far past a 1 s lease.
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            run(Duration::from_secs(1), 40, unreachable, &shutdown).await,
+            (41, Some(41))
+        );
+        assert!(started.elapsed() > Duration::from_secs(60));
+        // An error of the write's own: retried until the deadline, no further.
+        let started = tokio::time::Instant::now();
+        let (calls, result) = run(
+            Duration::from_secs(1),
+            40,
+            refused_by_the_database,
+            &shutdown,
+        )
+        .await;
+        assert_eq!(result, None);
+        assert!(calls < 10, "{calls} calls");
+        assert!(started.elapsed() <= Duration::from_secs(1));
+        // Before the deadline, an error of its own is retried too.
+        assert_eq!(
+            run(
+                Duration::from_secs(30),
+                3,
+                refused_by_the_database,
+                &shutdown
+            )
+            .await,
+            (4, Some(4))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_ends_the_retries_past_the_deadline_not_before() {
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        // Before the deadline a shutdown waits for the write.
+        assert_eq!(
+            run(Duration::from_secs(30), 3, unreachable, &shutdown).await,
+            (4, Some(4))
+        );
+        // Past it, the next failure gives up.
+        let started = tokio::time::Instant::now();
+        let (calls, result) = run(Duration::from_secs(1), 40, unreachable, &shutdown).await;
+        assert_eq!(result, None);
+        assert!(started.elapsed() <= Duration::from_secs(3), "{calls} calls");
+        // A shutdown arriving while it waits past the deadline wakes it.
+        let shutdown = CancellationToken::new();
+        let waker = shutdown.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            waker.cancel();
+        });
+        let started = tokio::time::Instant::now();
+        let (_, result) = run(Duration::from_secs(1), 1_000, unreachable, &shutdown).await;
+        assert_eq!(result, None);
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= Duration::from_secs(20) && elapsed < Duration::from_secs(21),
+            "{elapsed:?}"
         );
     }
 }

@@ -14,9 +14,9 @@ struct Cli {
     tenant: Option<String>,
     /// Skip orders changed in the last N seconds (their events may be in
     /// flight). The default fits a running system, where an order's effects
-    /// follow its commit by milliseconds and an event unpublished after a
-    /// minute fires OutboxOldestPendingTooOld; 0 checks every order (a
-    /// system at rest, or a test).
+    /// follow its commit by milliseconds, and an event still unpublished a
+    /// minute after its commit is what OutboxOldestPendingTooOld watches; 0
+    /// checks every order (a system at rest, or a test).
     #[arg(long, default_value_t = 60)]
     grace_seconds: u64,
 }
