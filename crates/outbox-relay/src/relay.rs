@@ -466,7 +466,7 @@ where
                     );
                 } else {
                     // Once, then about every 30 s (15 retries 2 s apart).
-                    if past_deadline % 15 == 0 {
+                    if past_deadline.is_multiple_of(15) {
                         tracing::error!(
                             error = format!("{error:#}"),
                             what,
