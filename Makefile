@@ -17,7 +17,7 @@ help:
 	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops them)"
 	@echo "make test     run the whole test suite (starts what it needs)"
 	@echo "make demo     run the seed 003 story against a running system (make run)"
-	@echo "make drift    compare the four databases; exit 1 on any drift (GRACE=0: also orders changed in the last minute)"
+	@echo "make drift    compare the four databases; exit 1 on any drift (DRIFT_GRACE=0: also orders changed in the last minute)"
 	@echo "make up       install where missing and start PostgreSQL + RabbitMQ, create the databases"
 	@echo "make down     stop what 'make up' started"
 	@echo "make migrate  apply every database's migrations"
@@ -48,10 +48,10 @@ run: up build
 demo: build
 	$(ENV) . scripts/service-env.sh && set -a && { [ -f .run/credentials.env ] && . .run/credentials.env || true; } && set +a && target/debug/demo
 
-# Orders changed within GRACE seconds are skipped as in flight (0: every order).
-GRACE ?= 60
+# Orders changed within DRIFT_GRACE seconds are skipped as in flight (0: every order).
+DRIFT_GRACE ?= 60
 drift: build
-	$(ENV) target/debug/drift-check --grace-seconds $(GRACE)
+	$(ENV) target/debug/drift-check --grace-seconds $(DRIFT_GRACE)
 
 test: up
 	scripts/no-stray-services.sh

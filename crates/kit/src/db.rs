@@ -199,10 +199,19 @@ pub fn transient_sqlstate(code: &str) -> bool {
 pub fn transient(error: &tokio_postgres::Error) -> bool {
     match error.as_db_error() {
         Some(db) => transient_sqlstate(db.code().code()),
+        // An I/O error of the connection, not one of tokio-postgres's own
+        // checks that it reports as I/O (a value it cannot encode, a
+        // message it cannot parse, a SCRAM exchange it refuses).
         None => {
             error.is_closed()
                 || std::error::Error::source(error)
-                    .is_some_and(|source| source.is::<std::io::Error>())
+                    .and_then(|source| source.downcast_ref::<std::io::Error>())
+                    .is_some_and(|io| {
+                        !matches!(
+                            io.kind(),
+                            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData
+                        )
+                    })
         }
     }
 }

@@ -333,8 +333,10 @@ pub async fn claim(
 /// counted again after the update, in a statement of its own (a snapshot
 /// taken after the update's row-lock waits: an earlier attempt still
 /// running when the retry began has committed by then): published under
-/// this lease. So `outbox_mark_lost_total` counts exactly the rows another
-/// claim took over. The first attempt needs no such count.
+/// this lease. So `outbox_mark_lost_total` counts the rows another claim
+/// took over (and, when the caller gives up, every confirmed row of the
+/// batch, marked by a lost attempt or not). The first attempt needs no such
+/// count.
 pub async fn mark_published(
     pool: &PgPool,
     instance: &str,

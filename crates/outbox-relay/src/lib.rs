@@ -11,7 +11,7 @@
 //! 2. **publish** outside any transaction: the whole batch in flight on a
 //!    confirm-mode channel, `mandatory`, bounded by the confirm timeout.
 //! 3. **mark** the acked rows `published_at` in one statement (only while
-//!    still leased to this instance); record failures in one statement
+//!    still under this claim's lease); record failures in one statement
 //!    (`attempt_count + 1`, `last_error`, backoff with jitter in
 //!    `available_at`, lease released; quarantine after the maximum attempts
 //!    for failures of the message's own: returned, unencodable, and the

@@ -318,7 +318,7 @@ impl Relay {
                         self.metrics.mark_lost.inc_by(lost);
                         tracing::warn!(
                             lost,
-                            "confirmed rows no longer leased to this instance: their new owner publishes them again"
+                            "confirmed rows no longer under this claim's lease: the claim that took them over publishes them again"
                         );
                     }
                 }
@@ -445,7 +445,8 @@ where
     Fut: Future<Output = anyhow::Result<T>>,
 {
     let mut delay = Duration::from_millis(50);
-    let mut past_deadline: u32 = 0;
+    // Retries past the deadline until the next log line.
+    let mut until_log: u32 = 0;
     loop {
         match f().await {
             Ok(value) => return Some(value),
@@ -466,7 +467,8 @@ where
                     );
                 } else {
                     // Once, then about every 30 s (15 retries 2 s apart).
-                    if past_deadline.is_multiple_of(15) {
+                    if until_log == 0 {
+                        until_log = 15;
                         tracing::error!(
                             error = format!("{error:#}"),
                             what,
@@ -475,7 +477,7 @@ where
                              left to it)"
                         );
                     }
-                    past_deadline = past_deadline.saturating_add(1);
+                    until_log -= 1;
                 }
                 tokio::select! {
                     // Past the deadline only: before it, shutdown waits for
@@ -513,7 +515,7 @@ mod tests {
         anyhow::Error::new(kit::db::PoolError::Timeout(kit::db::TimeoutType::Wait))
     }
 
-    fn refused_by_the_database() -> anyhow::Error {
+    fn an_error_of_the_client() -> anyhow::Error {
         let error = "postgres://app@localhost:notaport/orders"
             .parse::<tokio_postgres::Config>()
             .expect_err("a bad port");
@@ -558,7 +560,7 @@ mod tests {
         let (calls, result) = run(
             Duration::from_secs(1),
             40,
-            refused_by_the_database,
+            an_error_of_the_client,
             &shutdown,
         )
         .await;
@@ -570,7 +572,7 @@ mod tests {
             run(
                 Duration::from_secs(30),
                 3,
-                refused_by_the_database,
+                an_error_of_the_client,
                 &shutdown
             )
             .await,
@@ -582,11 +584,14 @@ mod tests {
     async fn shutdown_ends_the_retries_past_the_deadline_not_before() {
         let shutdown = CancellationToken::new();
         shutdown.cancel();
-        // Before the deadline a shutdown waits for the write.
+        // Before the deadline a shutdown waits for the write, backing off
+        // as usual (50 + 100 + 200 ms).
+        let started = tokio::time::Instant::now();
         assert_eq!(
             run(Duration::from_secs(30), 3, unreachable, &shutdown).await,
             (4, Some(4))
         );
+        assert!(started.elapsed() >= Duration::from_millis(350));
         // Past it, the next failure gives up.
         let started = tokio::time::Instant::now();
         let (calls, result) = run(Duration::from_secs(1), 40, unreachable, &shutdown).await;

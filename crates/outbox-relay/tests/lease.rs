@@ -1,9 +1,10 @@
 //! The claim and the failure write against the real PostgreSQL
 //! (`PG_URL_ORDERS`, started by `make test`):
-//! - the failure write only touches rows still under that claim's lease. A
-//!   worker whose write comes after its lease ran out and another worker of
-//!   the same instance claimed the rows again must not release, back off or
-//!   count a failure against that newer claim;
+//! - the failure write and the mark only touch rows still under that
+//!   claim's lease. A worker whose write comes after its lease ran out and
+//!   another worker of the same instance claimed the rows again must not
+//!   release, back off, count a failure against or mark for that newer
+//!   claim;
 //! - a row whose leases keep running out unsettled is taken over in a batch
 //!   at first, then alone, then counted as failing on its own, and
 //!   quarantined once the count reaches `max_attempts`;
@@ -174,6 +175,55 @@ async fn a_late_failure_write_leaves_a_newer_claim_of_the_same_instance_alone() 
     assert_eq!(state().await, (None, 1, true));
 
     drop(db);
+    clean_up(&pool, &tenant).await;
+}
+
+/// The mark has the failure write's guard: a late mark (past its lease,
+/// retried while the database was unreachable) leaves a row another worker
+/// of the same instance claimed again to that claim, which marks it under
+/// its own lease; the published row keeps that lease, so a retried mark
+/// counts exactly the rows its own lease marked.
+#[tokio::test]
+async fn a_late_mark_leaves_a_newer_claim_of_the_same_instance_alone() {
+    let (pool, tenant) = setup().await;
+    let event = insert(&pool, &tenant, "{}").await;
+    let claim = |lease_ms: u64| claim_with(&pool, settings(&tenant, lease_ms));
+    let first = claim(1).await;
+    assert_eq!(first.rows.len(), 1);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = claim(60_000).await;
+    assert_eq!(second.rows.len(), 1, "the expired lease is claimed again");
+    let (late, newer) = (
+        first.lease_until.expect("lease"),
+        second.lease_until.expect("lease"),
+    );
+    let events = [event];
+    let mark = |lease, retry| claim::mark_published(&pool, INSTANCE, lease, &events, retry);
+    let state = || async {
+        let row = pool
+            .get()
+            .await
+            .expect("connection")
+            .query_one(
+                "SELECT published_at IS NOT NULL, claim_until FROM outbox_events \
+                 WHERE event_id = $1",
+                &[&event],
+            )
+            .await
+            .expect("state");
+        (row.get::<_, bool>(0), row.get::<_, time::OffsetDateTime>(1))
+    };
+
+    assert_eq!(mark(late, false).await.expect("late mark"), 0);
+    assert_eq!(mark(late, true).await.expect("late mark, retried"), 0);
+    assert_eq!(state().await, (false, newer), "left to the newer claim");
+    assert_eq!(mark(newer, false).await.expect("own mark"), 1);
+    assert_eq!(state().await, (true, newer), "published under its lease");
+    // A retry after a lost reply counts the row its own lease marked...
+    assert_eq!(mark(newer, true).await.expect("own mark, retried"), 1);
+    // ... and the late one's retry does not.
+    assert_eq!(mark(late, true).await.expect("late mark, retried"), 0);
+
     clean_up(&pool, &tenant).await;
 }
 

@@ -351,6 +351,6 @@ async fn main() -> anyhow::Result<()> {
             loyalty["balance"]
         );
     }
-    println!("\n== story complete (tenant {tenant}): the seed's rows; `make drift GRACE=0` checks all four databases now (by default it skips orders changed in the last minute as in flight)");
+    println!("\n== story complete (tenant {tenant}): the seed's rows; `make drift DRIFT_GRACE=0` checks all four databases now (by default it skips orders changed in the last minute as in flight)");
     Ok(())
 }
