@@ -608,6 +608,37 @@ fn duplicates(received: &[Received]) -> usize {
     received.len() - distinct.len()
 }
 
+/// Once `relay` has counted every event of `events` published: each
+/// arrived once (no second copy within 500 ms), in per-order sequence, and
+/// the relay lost no mark and took no lease over.
+async fn assert_published_once_by(relay: &Relay, collector: &Collector, events: &[NewEvent]) {
+    relay
+        .wait_metric("outbox_published_total", events.len() as f64)
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let received = collector.snapshot();
+    let ids: Vec<(&str, i64)> = received
+        .iter()
+        .map(|r| (r.event_id.as_str(), r.sequence))
+        .collect();
+    assert_eq!(received.len(), events.len(), "each event once: {ids:?}");
+    let mut expect: HashMap<String, i64> = HashMap::new();
+    for event in events {
+        let last = expect.entry(event.aggregate_id.clone()).or_default();
+        *last = (*last).max(event.sequence);
+    }
+    assert_in_sequence_order(&received, &expect);
+    assert_eq!(
+        (
+            relay.metric("outbox_published_total").await,
+            relay.metric("outbox_mark_lost_total").await,
+            relay.metric("outbox_expired_claims_total").await,
+        ),
+        (events.len() as u64, 0, 0),
+        "published, lost, taken over"
+    );
+}
+
 /// The message is exactly what the contract says for `event`.
 fn assert_message_matches(r: &Received, event: &NewEvent, tenant: &str) {
     let envelope = RawEnvelope::parse_raw(&r.body).expect("envelope");
@@ -895,25 +926,12 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     collector.wait_distinct(6, Duration::from_secs(30)).await;
     // The rows are published before the retry has counted them (it runs
-    // after a pause): wait for the count, not a fixed time.
-    relay.wait_metric("outbox_published_total", 6.0).await;
-    let received = collector.snapshot();
-    assert_eq!(received.len(), 6, "each event once: {received:?}");
-    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
-    assert_in_sequence_order(&received, &expect);
+    // after a pause): the helper waits for the count, not a fixed time.
+    assert_published_once_by(&relay, &collector, &events).await;
     let output = take_log(&log);
     assert!(
         output.contains("injected by fail point relay.mark.reply_lost"),
         "the mark's reply was lost once, and the mark retried:\n{output}"
-    );
-    assert_eq!(
-        (
-            relay.metric("outbox_published_total").await,
-            relay.metric("outbox_mark_lost_total").await,
-            relay.metric("outbox_expired_claims_total").await,
-        ),
-        (6, 0, 0),
-        "published, lost, taken over"
     );
     relay.stop();
     delete_tenant_rows(&db, &tenant).await;
@@ -980,17 +998,7 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
 
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     collector.wait_distinct(6, Duration::from_secs(30)).await;
-    relay.wait_metric("outbox_published_total", 6.0).await;
-    // Time for a second copy, if one were on its way.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let received = collector.snapshot();
-    let ids: Vec<(&str, i64)> = received
-        .iter()
-        .map(|r| (r.event_id.as_str(), r.sequence))
-        .collect();
-    assert_eq!(received.len(), 6, "each event once: {ids:?}");
-    let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
-    assert_in_sequence_order(&received, &expect);
+    assert_published_once_by(&relay, &collector, &events).await;
     let expired = count(
         &db,
         "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND lease_expiries > 0",
@@ -998,15 +1006,6 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
     )
     .await;
     assert_eq!(expired, 0, "no lease expiry recorded");
-    assert_eq!(
-        (
-            relay.metric("outbox_published_total").await,
-            relay.metric("outbox_mark_lost_total").await,
-            relay.metric("outbox_expired_claims_total").await,
-        ),
-        (6, 0, 0),
-        "published, lost, taken over"
-    );
     relay.stop();
     let output = take_log(&log);
     assert!(
