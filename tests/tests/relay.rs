@@ -941,10 +941,11 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
 /// A relay that cannot reach the database when its confirmed rows are to be
 /// marked goes on retrying the mark past its lease, and marks them when the
 /// database answers again: nobody took the rows over (the mark is guarded
-/// by the claim's lease), so nothing is published twice and no lease expiry
-/// is counted. Before, it gave up when the lease ran out, and its own next
-/// claim took the rows over (an expiry each; two in a row make a suspect)
-/// and published them again.
+/// by the claim's lease, and the relay's other worker, whose claims fail
+/// meanwhile, leaves the batch alone while its holder retries), so nothing
+/// is published twice and no lease expiry is counted. Before, it gave up
+/// when the lease ran out, and the relay's next claim took the rows over
+/// (an expiry each; two in a row make a suspect) and published them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it_is_back() {
     let (tenant, event_type, db, connection, channel, collector) =
@@ -959,7 +960,7 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
             ("OUTBOX_RELAY__DATABASE__URL", proxy.url.clone()),
             ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
             ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "2000".to_owned()),
-            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+            ("OUTBOX_RELAY__RELAY__WORKERS", "2".to_owned()),
             // The first batch is held 1.5 s between its claim and its
             // publish: the test cuts the database off meanwhile.
             (
@@ -3275,7 +3276,8 @@ const GAUGES_SQL_FOR_EXPLAIN: &str = include_str!("../../crates/outbox-relay/src
 
 /// The claim statement for `EXPLAIN`: instance `explain`, a 30 s lease,
 /// `batch` rows, every tenant, from `floor` (a timestamp literal), the
-/// default byte bound (4 MiB) and `max_attempts` (10), as a first worker.
+/// default byte bound (4 MiB) and `max_attempts` (10), as a first worker
+/// while no worker of its process retries a write.
 fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
     CLAIM_SQL_FOR_EXPLAIN
         .replace("$1", "'explain'")
@@ -3286,6 +3288,7 @@ fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
         .replace("$6", "4194304")
         .replace("$7", "10")
         .replace("$8", "true")
+        .replace("$9", "false")
 }
 
 /// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and

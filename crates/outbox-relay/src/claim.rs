@@ -174,7 +174,10 @@ pub struct Claimed {
 /// there ([`crate::floor`]: a row below it waits for the next refresh;
 /// `-infinity`: walk from the start), `$6` the batch's byte bound, `$7` the
 /// quarantine threshold (`max_attempts`), `$8` whether this claim may take
-/// a suspect (below).
+/// a suspect (below), `$9` whether to leave alone the rows whose lease of
+/// this instance ran out (another worker of this process is still retrying
+/// their mark or failure write: [`crate::relay`]'s `retry_until`; it lands
+/// when the database answers, where a takeover would publish them again).
 ///
 /// A row is claimable when it is unpublished, not quarantined, due
 /// (`available_at`), not under a live lease, and the lowest unpublished
@@ -226,10 +229,10 @@ pub struct Claimed {
 ///   worker holds a suspect counts that suspect (at most twice per such
 ///   row: by its third death the row is a suspect itself);
 /// - a relay alive but cut off from the database for longer than its
-///   lease goes on retrying its mark (`relay::retry_until`), but another
-///   claim (another instance, or another worker of this one) may take the
-///   rows over first: that counts as an expiry, and as a failure for a
-///   suspect it held;
+///   lease goes on retrying its mark (`relay::retry_until`; its process's
+///   other workers spare the rows meanwhile, `$9`), but another instance
+///   may take the rows over first: that counts as an expiry, and as a
+///   failure for a suspect it held;
 /// - two unrelated crashes (or such outages) in a row make every row then
 ///   in flight a suspect, drained one per claim by each instance's first
 ///   worker (each such claim locks up to `batch_size` rows to lease one);
@@ -246,14 +249,16 @@ fn millis(duration: Duration) -> i64 {
 /// Claim up to `settings.batch_size` rows (and about `batch_max_bytes` of
 /// payload: one payload past it at most) for `instance` with a lease of `settings.lease_ms`, walking the
 /// pending rows (of `settings.only_tenant`, if set) from `floor` on.
-/// `may_take_suspects`: this is the instance's first worker (see
-/// [`CLAIM_SQL`]).
+/// `may_take_suspects`: this is the instance's first worker;
+/// `spare_own_expired`: a worker of this process is retrying a write of a
+/// batch it holds (see [`CLAIM_SQL`], `$8` and `$9`).
 pub async fn claim(
     pool: &PgPool,
     instance: &str,
     settings: &RelaySettings,
     floor: Floor,
     may_take_suspects: bool,
+    spare_own_expired: bool,
 ) -> anyhow::Result<Claimed> {
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
@@ -271,6 +276,7 @@ pub async fn claim(
                 (&settings.batch_max_bytes, Type::INT8),
                 (&settings.max_attempts, Type::INT4),
                 (&may_take_suspects, Type::BOOL),
+                (&spare_own_expired, Type::BOOL),
             ],
         )
         .await?;

@@ -10,6 +10,8 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kit::{db::PgPool, CancellationToken};
@@ -37,6 +39,12 @@ pub struct Relay {
     pub wake: watch::Receiver<u64>,
     /// The claim's floor, kept fresh by [`crate::floor::refresh_periodically`].
     pub floor: watch::Receiver<claim::Floor>,
+    /// How many workers of this process are retrying a write of the batch
+    /// they hold ([`retry_until`]). While any is, the others' claims leave
+    /// this instance's expired leases alone (`$9` of [`claim::CLAIM_SQL`]):
+    /// when the database answers again, that worker's mark lands instead of
+    /// a takeover publishing the rows again and counting an expiry.
+    pub writes_retrying: Arc<AtomicUsize>,
 }
 
 /// Why a worker left its channel.
@@ -150,6 +158,7 @@ impl Relay {
                 &self.settings,
                 floor,
                 worker == 0,
+                self.writes_retrying.load(Ordering::Relaxed) > 0,
             )
             .await
             {
@@ -305,10 +314,15 @@ impl Relay {
             let instance = self.instance.as_str();
             let acked_ref = &acked;
             let mut attempts = 0;
-            match retry_until("mark published", lease_deadline, shutdown, || {
-                attempts += 1;
-                claim::mark_published(pool, instance, lease_until, acked_ref, attempts > 1)
-            })
+            match retry_until(
+                "mark published",
+                lease_deadline,
+                (shutdown, &self.writes_retrying),
+                || {
+                    attempts += 1;
+                    claim::mark_published(pool, instance, lease_until, acked_ref, attempts > 1)
+                },
+            )
             .await
             {
                 Some(marked) => {
@@ -379,8 +393,11 @@ impl Relay {
             // failure is recorded and the lease released: nothing is pending.
             kit::failpoint::crash_point("relay.before_mark_failed");
             let mut attempts = 0;
-            if let Some(quarantined) =
-                retry_until("record failures", lease_deadline, shutdown, || {
+            if let Some(quarantined) = retry_until(
+                "record failures",
+                lease_deadline,
+                (shutdown, &self.writes_retrying),
+                || {
                     attempts += 1;
                     claim::mark_failed(
                         pool,
@@ -390,8 +407,9 @@ impl Relay {
                         max_attempts,
                         attempts > 1,
                     )
-                })
-                .await
+                },
+            )
+            .await
             {
                 let quarantined: Vec<(Uuid, String)> = quarantined
                     .into_iter()
@@ -434,16 +452,20 @@ impl Relay {
 /// land. Giving up there would leave confirmed rows to be published again,
 /// and count a lease expiry against rows whose relay was alive (two in a row
 /// make a suspect of a row).
+///
+/// From its first failure until it returns, it counts itself in `retrying`
+/// ([`Relay::writes_retrying`]).
 async fn retry_until<T, F, Fut>(
     what: &str,
     deadline: tokio::time::Instant,
-    shutdown: &CancellationToken,
+    (shutdown, retrying): (&CancellationToken, &AtomicUsize),
     mut f: F,
 ) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
+    let mut counted: Option<Retrying<'_>> = None;
     let mut delay = Duration::from_millis(50);
     // Retries past the deadline until the next log line.
     let mut until_log: u32 = 0;
@@ -451,6 +473,7 @@ where
         match f().await {
             Ok(value) => return Some(value),
             Err(error) => {
+                counted.get_or_insert_with(|| Retrying::new(retrying));
                 let now = tokio::time::Instant::now();
                 if now + delay >= deadline
                     && (shutdown.is_cancelled() || !kit::db::retryable(error.as_ref()))
@@ -488,6 +511,22 @@ where
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
         }
+    }
+}
+
+/// One worker counted in [`Relay::writes_retrying`] while it lives.
+struct Retrying<'a>(&'a AtomicUsize);
+
+impl<'a> Retrying<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for Retrying<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -532,8 +571,12 @@ mod tests {
     ) -> (u32, Option<u32>) {
         let deadline = tokio::time::Instant::now() + deadline_in;
         let mut calls = 0;
-        let result = retry_until("test write", deadline, shutdown, || {
+        let retrying = AtomicUsize::new(0);
+        let result = retry_until("test write", deadline, (shutdown, &retrying), || {
             calls += 1;
+            // Counted from the first failure on.
+            let want = usize::from(calls > 1);
+            assert_eq!(retrying.load(Ordering::Relaxed), want, "call {calls}");
             let outcome = if calls > failures {
                 Ok(calls)
             } else {
@@ -542,6 +585,7 @@ mod tests {
             async move { outcome }
         })
         .await;
+        assert_eq!(retrying.load(Ordering::Relaxed), 0, "uncounted on return");
         (calls, result)
     }
 

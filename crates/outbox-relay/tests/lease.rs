@@ -75,6 +75,7 @@ async fn claim_as(pool: &Pool, settings: RelaySettings, first_worker: bool) -> C
         &settings,
         tokio_postgres::types::Timestamp::NegInfinity,
         first_worker,
+        false,
     )
     .await
     .expect("claim")
@@ -223,6 +224,52 @@ async fn a_late_mark_leaves_a_newer_claim_of_the_same_instance_alone() {
     assert_eq!(mark(newer, true).await.expect("own mark, retried"), 1);
     // ... and the late one's retry does not.
     assert_eq!(mark(late, true).await.expect("late mark, retried"), 0);
+
+    clean_up(&pool, &tenant).await;
+}
+
+/// While a worker of this process still retries the writes of a batch whose
+/// lease ran out, the other workers' claims leave that batch alone, and
+/// take everything else: rows never leased, and expired leases of other
+/// instances.
+#[tokio::test]
+async fn a_claim_spares_its_own_expired_lease_while_a_worker_still_holds_it() {
+    let (pool, tenant) = setup().await;
+    let own = insert(&pool, &tenant, "{}").await;
+    let claim = |instance: &'static str, lease_ms: u64, spare: bool| {
+        let settings = settings(&tenant, lease_ms);
+        let pool = &pool;
+        async move {
+            claim::claim(
+                pool,
+                instance,
+                &settings,
+                tokio_postgres::types::Timestamp::NegInfinity,
+                true,
+                spare,
+            )
+            .await
+            .expect("claim")
+        }
+    };
+    // (Its lease outlives the other instance's claim, which must not take it.)
+    assert_eq!(ids(&claim(INSTANCE, 2_000, false).await), vec![own]);
+    let others = insert(&pool, &tenant, "{}").await;
+    assert_eq!(
+        ids(&claim("another-instance", 1, false).await),
+        vec![others]
+    );
+    let fresh = insert(&pool, &tenant, "{}").await;
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+
+    let spared = claim(INSTANCE, 60_000, true).await;
+    let mut want = vec![others, fresh];
+    want.sort_unstable();
+    assert_eq!(ids(&spared), want, "all but its own expired lease");
+    assert_eq!(spared.taken_over, 1, "the other instance's");
+    // Once nobody of this process holds it, it is taken over as usual.
+    let taken = claim(INSTANCE, 60_000, false).await;
+    assert_eq!((ids(&taken), taken.taken_over), (vec![own], 1));
 
     clean_up(&pool, &tenant).await;
 }
