@@ -961,11 +961,15 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
             ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
             ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "2000".to_owned()),
             ("OUTBOX_RELAY__RELAY__WORKERS", "2".to_owned()),
-            // The first batch is held 1.5 s between its claim and its
-            // publish: the test cuts the database off meanwhile.
+            // Each batch is held 1.5 s between its claim and its publish:
+            // the test cuts the database off while the first events are
+            // held (one batch, or two if the workers split them). The first
+            // retry past the lease is held 10 s: the database is back
+            // meanwhile, and the other worker claims.
             (
                 "FAILPOINTS",
-                "relay.holding_batch=1*return(1500)".to_owned(),
+                "relay.holding_batch=return(1500);relay.retrying_past_lease=return(10000)"
+                    .to_owned(),
             ),
         ],
         Some(&log),
@@ -3288,7 +3292,7 @@ fn claim_sql_for_explain(batch: u32, floor: &str) -> String {
         .replace("$6", "4194304")
         .replace("$7", "10")
         .replace("$8", "true")
-        .replace("$9", "false")
+        .replace("$9", "'{}'::timestamptz[]")
 }
 
 /// Must equal `outbox_relay::claim::CLAIM_SQL` (the tests run the binary and

@@ -735,7 +735,7 @@ pub async fn backlog_sample(
             &defaults.batch_max_bytes,
             &defaults.max_attempts,
             &true,
-            &false,
+            &Vec::<time::OffsetDateTime>::new(),
         ],
     )
     .await

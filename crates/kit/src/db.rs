@@ -216,11 +216,16 @@ pub fn transient(error: &tokio_postgres::Error) -> bool {
     }
 }
 
-/// Whether a failed database call may succeed as it is when tried again:
-/// the first pool or PostgreSQL error in `error`'s chain of sources says so
-/// (the pool's wait for a connection timed out; [`transient`]); an error
-/// with neither in its chain (e.g. an injected fault) is retried too.
-pub fn retryable(error: &(dyn std::error::Error + 'static)) -> bool {
+/// Whether a failed database call failed because the database cannot be
+/// reached or cannot serve now, as opposed to the call's own problem or a
+/// contention a live server reports (a lock or statement timeout, a
+/// deadlock, a serialization failure): the first pool or PostgreSQL error
+/// in `error`'s chain of sources is a pool timeout, or no answer from the
+/// server ([`transient`] without a SQLSTATE), or a connection exception
+/// (`08`), insufficient resources (`53`) or a server shutting down or
+/// starting (`57P`). An error with neither in its chain (e.g. an injected
+/// fault) counts as unavailable.
+pub fn unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(error) = next {
         if let Some(pool) = error.downcast_ref::<deadpool_postgres::PoolError>() {
@@ -234,7 +239,13 @@ pub fn retryable(error: &(dyn std::error::Error + 'static)) -> bool {
             }
         }
         if let Some(postgres) = error.downcast_ref::<tokio_postgres::Error>() {
-            return transient(postgres);
+            return match postgres.as_db_error() {
+                None => transient(postgres),
+                Some(db) => {
+                    let code = db.code().code();
+                    code.starts_with("08") || code.starts_with("53") || code.starts_with("57P")
+                }
+            };
         }
         next = error.source();
     }
@@ -296,7 +307,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_refused_connection_is_retryable_through_the_pool_s_error() {
+    async fn a_refused_connection_is_unavailable_through_the_pool_s_error() {
         // Nothing listens on port 1: the pool's Backend error wraps the
         // connect error, which has no SQLSTATE.
         let settings = DatabaseSettings {
@@ -310,11 +321,11 @@ mod tests {
             .await
             .expect_err("nothing listens on port 1");
         let error = anyhow::Error::new(error).context("mark published");
-        assert!(retryable(error.as_ref()), "{error:#}");
-        assert!(retryable(&std::io::Error::other("not a database error")));
+        assert!(unavailable(error.as_ref()), "{error:#}");
+        assert!(unavailable(&std::io::Error::other("not a database error")));
         let waited = deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait);
-        assert!(retryable(&waited));
-        assert!(!retryable(&deadpool_postgres::PoolError::Closed));
+        assert!(unavailable(&waited));
+        assert!(!unavailable(&deadpool_postgres::PoolError::Closed));
     }
 
     #[test]
@@ -327,7 +338,7 @@ mod tests {
             "{error}"
         );
         let error = anyhow::Error::new(error).context("connecting");
-        assert!(!retryable(error.as_ref()), "{error:#}");
+        assert!(!unavailable(error.as_ref()), "{error:#}");
     }
 
     #[test]

@@ -20,6 +20,11 @@ use uuid::Uuid;
 pub use crate::floor::Floor;
 use crate::settings::RelaySettings;
 
+/// The leases (`claim_until` as each claim wrote it) whose batches the
+/// workers of this process are settling: from the first write of a batch's
+/// outcome (the mark, the failure write) until the last returns.
+pub type SettlingLeases = std::sync::Mutex<Vec<OffsetDateTime>>;
+
 /// One claimed outbox row, with everything needed to publish it.
 #[derive(Clone, Debug)]
 pub struct OutboxRow {
@@ -174,10 +179,11 @@ pub struct Claimed {
 /// there ([`crate::floor`]: a row below it waits for the next refresh;
 /// `-infinity`: walk from the start), `$6` the batch's byte bound, `$7` the
 /// quarantine threshold (`max_attempts`), `$8` whether this claim may take
-/// a suspect (below), `$9` whether to leave alone the rows whose lease of
-/// this instance ran out (another worker of this process is still retrying
-/// their mark or failure write: [`crate::relay`]'s `retry_until`; it lands
-/// when the database answers, where a takeover would publish them again).
+/// a suspect (below), `$9` the leases of this instance whose rows to leave
+/// alone even once they ran out ([`SettlingLeases`]: a worker of this
+/// process is writing their batch's outcome, retrying past the lease while
+/// the database is unreachable; the write lands when it answers, where a
+/// takeover would publish the rows again and count an expiry).
 ///
 /// A row is claimable when it is unpublished, not quarantined, due
 /// (`available_at`), not under a live lease, and the lowest unpublished
@@ -230,7 +236,7 @@ pub struct Claimed {
 ///   row: by its third death the row is a suspect itself);
 /// - a relay alive but cut off from the database for longer than its
 ///   lease goes on retrying its mark (`relay::retry_until`; its process's
-///   other workers spare the rows meanwhile, `$9`), but another instance
+///   other workers spare the batch meanwhile, `$9`), but another instance
 ///   may take the rows over first: that counts as an expiry, and as a
 ///   failure for a suspect it held;
 /// - two unrelated crashes (or such outages) in a row make every row then
@@ -249,18 +255,23 @@ fn millis(duration: Duration) -> i64 {
 /// Claim up to `settings.batch_size` rows (and about `batch_max_bytes` of
 /// payload: one payload past it at most) for `instance` with a lease of `settings.lease_ms`, walking the
 /// pending rows (of `settings.only_tenant`, if set) from `floor` on.
-/// `may_take_suspects`: this is the instance's first worker;
-/// `spare_own_expired`: a worker of this process is retrying a write of a
-/// batch it holds (see [`CLAIM_SQL`], `$8` and `$9`).
+/// `may_take_suspects`: this is the instance's first worker; `settling`:
+/// the leases whose batches the workers of this process are settling (see
+/// [`CLAIM_SQL`], `$8` and `$9`), read once the connection is at hand (a
+/// wait for it can outlast the write that ends one).
 pub async fn claim(
     pool: &PgPool,
     instance: &str,
     settings: &RelaySettings,
     floor: Floor,
     may_take_suspects: bool,
-    spare_own_expired: bool,
+    settling: &SettlingLeases,
 ) -> anyhow::Result<Claimed> {
     let mut client = pool.get().await?;
+    let spared = settling
+        .lock()
+        .map(|leases| leases.clone())
+        .unwrap_or_default();
     let tx = client.transaction().await?;
     // One round trip (an unnamed statement parsed, bound and run at once),
     // planned with these parameters every time, like a first execution.
@@ -276,7 +287,7 @@ pub async fn claim(
                 (&settings.batch_max_bytes, Type::INT8),
                 (&settings.max_attempts, Type::INT4),
                 (&may_take_suspects, Type::BOOL),
-                (&spare_own_expired, Type::BOOL),
+                (&spared, Type::TIMESTAMPTZ_ARRAY),
             ],
         )
         .await?;

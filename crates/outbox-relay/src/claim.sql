@@ -10,7 +10,7 @@ WITH due AS (
       AND (o.claim_until IS NULL OR o.claim_until <= now())
       AND ($4 = '' OR o.tenant_id = $4)
       AND ($8 OR o.claimed_by IS NULL OR o.lease_expiries = 0)
-      AND (NOT $9 OR o.claimed_by IS DISTINCT FROM $1)
+      AND NOT coalesce(o.claimed_by = $1 AND o.claim_until = ANY($9), false)
       AND (o.aggregate_sequence = 1 OR NOT EXISTS (
           SELECT 1 FROM outbox_events earlier
           WHERE earlier.aggregate_id = o.aggregate_id

@@ -176,7 +176,7 @@ impl Application {
             metrics: self.metrics.clone(),
             wake: wake_rx,
             floor: floor_rx,
-            writes_retrying: Arc::default(),
+            settling: Arc::default(),
         };
         // Set when the broker refuses the exchange as declared: the service
         // stops with this error (reconnecting would never help).

@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,12 +38,13 @@ pub struct Relay {
     pub wake: watch::Receiver<u64>,
     /// The claim's floor, kept fresh by [`crate::floor::refresh_periodically`].
     pub floor: watch::Receiver<claim::Floor>,
-    /// How many workers of this process are retrying a write of the batch
-    /// they hold ([`retry_until`]). While any is, the others' claims leave
-    /// this instance's expired leases alone (`$9` of [`claim::CLAIM_SQL`]):
-    /// when the database answers again, that worker's mark lands instead of
-    /// a takeover publishing the rows again and counting an expiry.
-    pub writes_retrying: Arc<AtomicUsize>,
+    /// The leases whose batches the workers of this process are settling
+    /// (marking, recording failures): the others' claims leave their rows
+    /// alone even once the lease ran out (`$9` of [`claim::CLAIM_SQL`]), so
+    /// that a write retried past the lease while the database is
+    /// unreachable ([`retry_until`]) lands when it answers, instead of a
+    /// takeover publishing the rows again and counting an expiry.
+    pub settling: Arc<claim::SettlingLeases>,
 }
 
 /// Why a worker left its channel.
@@ -158,7 +158,7 @@ impl Relay {
                 &self.settings,
                 floor,
                 worker == 0,
-                self.writes_retrying.load(Ordering::Relaxed) > 0,
+                &self.settling,
             )
             .await
             {
@@ -307,6 +307,9 @@ impl Relay {
             }
         }
         let reopen = failed.iter().any(|(_, f)| f.breaks_channel());
+        // From here until the batch's outcome is written, this process's
+        // other workers leave its rows alone, the lease run out or not.
+        let _settling = Settling::new(&self.settling, lease_until);
 
         if !acked.is_empty() {
             kit::failpoint::crash_point("relay.after_ack_before_mark");
@@ -314,15 +317,10 @@ impl Relay {
             let instance = self.instance.as_str();
             let acked_ref = &acked;
             let mut attempts = 0;
-            match retry_until(
-                "mark published",
-                lease_deadline,
-                (shutdown, &self.writes_retrying),
-                || {
-                    attempts += 1;
-                    claim::mark_published(pool, instance, lease_until, acked_ref, attempts > 1)
-                },
-            )
+            match retry_until("mark published", lease_deadline, shutdown, || {
+                attempts += 1;
+                claim::mark_published(pool, instance, lease_until, acked_ref, attempts > 1)
+            })
             .await
             {
                 Some(marked) => {
@@ -393,11 +391,8 @@ impl Relay {
             // failure is recorded and the lease released: nothing is pending.
             kit::failpoint::crash_point("relay.before_mark_failed");
             let mut attempts = 0;
-            if let Some(quarantined) = retry_until(
-                "record failures",
-                lease_deadline,
-                (shutdown, &self.writes_retrying),
-                || {
+            if let Some(quarantined) =
+                retry_until("record failures", lease_deadline, shutdown, || {
                     attempts += 1;
                     claim::mark_failed(
                         pool,
@@ -407,9 +402,8 @@ impl Relay {
                         max_attempts,
                         attempts > 1,
                     )
-                },
-            )
-            .await
+                })
+                .await
             {
                 let quarantined: Vec<(Uuid, String)> = quarantined
                     .into_iter()
@@ -444,39 +438,37 @@ impl Relay {
 
 /// Retry a database write with capped backoff until it succeeds or
 /// `deadline` passes (after which the lease may be someone else's). Past the
-/// deadline a database that is unreachable or busy ([`kit::db::retryable`])
-/// is still retried, until shutdown: both writes are guarded by the lease
+/// deadline a database that is unreachable ([`kit::db::unavailable`]) is
+/// still retried, until shutdown (a live server reporting a lock or
+/// statement timeout, say a session holding a row of the batch, is not: the
+/// rows are left to a takeover, as before): both writes are guarded by the lease
 /// (`claimed_by` and `claim_until`), so on rows another claim took over
 /// they match nothing, and on rows nobody took over (the database was
 /// unreachable to every relay, or the others did not get there first) they
 /// land. Giving up there would leave confirmed rows to be published again,
 /// and count a lease expiry against rows whose relay was alive (two in a row
 /// make a suspect of a row).
-///
-/// From its first failure until it returns, it counts itself in `retrying`
-/// ([`Relay::writes_retrying`]).
 async fn retry_until<T, F, Fut>(
     what: &str,
     deadline: tokio::time::Instant,
-    (shutdown, retrying): (&CancellationToken, &AtomicUsize),
+    shutdown: &CancellationToken,
     mut f: F,
 ) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
-    let mut counted: Option<Retrying<'_>> = None;
     let mut delay = Duration::from_millis(50);
+    let mut held = false;
     // Retries past the deadline until the next log line.
     let mut until_log: u32 = 0;
     loop {
         match f().await {
             Ok(value) => return Some(value),
             Err(error) => {
-                counted.get_or_insert_with(|| Retrying::new(retrying));
                 let now = tokio::time::Instant::now();
                 if now + delay >= deadline
-                    && (shutdown.is_cancelled() || !kit::db::retryable(error.as_ref()))
+                    && (shutdown.is_cancelled() || !kit::db::unavailable(error.as_ref()))
                 {
                     tracing::error!(error = format!("{error:#}"), what, "giving up");
                     return None;
@@ -495,10 +487,17 @@ where
                         tracing::error!(
                             error = format!("{error:#}"),
                             what,
-                            "the lease ran out while the database was unreachable or busy: \
-                             retrying until it answers (rows another claim took over are \
-                             left to it)"
+                            "the lease ran out while the database was unreachable: \
+                             retrying until it answers (rows another instance took \
+                             over are left to it)"
                         );
+                        if !held {
+                            held = true;
+                            // A test holds the first retry past the lease
+                            // here: the database back, the other workers
+                            // claiming meanwhile.
+                            kit::failpoint::hold_task("relay.retrying_past_lease").await;
+                        }
                     }
                     until_log -= 1;
                 }
@@ -514,19 +513,28 @@ where
     }
 }
 
-/// One worker counted in [`Relay::writes_retrying`] while it lives.
-struct Retrying<'a>(&'a AtomicUsize);
+/// A lease registered in [`Relay::settling`] while its batch is settled.
+struct Settling<'a> {
+    leases: &'a claim::SettlingLeases,
+    lease: time::OffsetDateTime,
+}
 
-impl<'a> Retrying<'a> {
-    fn new(count: &'a AtomicUsize) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        Self(count)
+impl<'a> Settling<'a> {
+    fn new(leases: &'a claim::SettlingLeases, lease: time::OffsetDateTime) -> Self {
+        if let Ok(mut held) = leases.lock() {
+            held.push(lease);
+        }
+        Self { leases, lease }
     }
 }
 
-impl Drop for Retrying<'_> {
+impl Drop for Settling<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        if let Ok(mut held) = self.leases.lock() {
+            if let Some(at) = held.iter().position(|lease| *lease == self.lease) {
+                held.swap_remove(at);
+            }
+        }
     }
 }
 
@@ -571,12 +579,8 @@ mod tests {
     ) -> (u32, Option<u32>) {
         let deadline = tokio::time::Instant::now() + deadline_in;
         let mut calls = 0;
-        let retrying = AtomicUsize::new(0);
-        let result = retry_until("test write", deadline, (shutdown, &retrying), || {
+        let result = retry_until("test write", deadline, shutdown, || {
             calls += 1;
-            // Counted from the first failure on.
-            let want = usize::from(calls > 1);
-            assert_eq!(retrying.load(Ordering::Relaxed), want, "call {calls}");
             let outcome = if calls > failures {
                 Ok(calls)
             } else {
@@ -585,7 +589,6 @@ mod tests {
             async move { outcome }
         })
         .await;
-        assert_eq!(retrying.load(Ordering::Relaxed), 0, "uncounted on return");
         (calls, result)
     }
 

@@ -75,7 +75,7 @@ async fn claim_as(pool: &Pool, settings: RelaySettings, first_worker: bool) -> C
         &settings,
         tokio_postgres::types::Timestamp::NegInfinity,
         first_worker,
-        false,
+        &claim::SettlingLeases::default(),
     )
     .await
     .expect("claim")
@@ -228,15 +228,15 @@ async fn a_late_mark_leaves_a_newer_claim_of_the_same_instance_alone() {
     clean_up(&pool, &tenant).await;
 }
 
-/// While a worker of this process still retries the writes of a batch whose
-/// lease ran out, the other workers' claims leave that batch alone, and
-/// take everything else: rows never leased, and expired leases of other
-/// instances.
+/// While a worker of this process settles a batch whose lease ran out (its
+/// mark retried while the database was unreachable), the other workers'
+/// claims leave that batch alone, and take everything else: rows never
+/// leased, expired leases of other instances, and this instance's other
+/// expired leases.
 #[tokio::test]
-async fn a_claim_spares_its_own_expired_lease_while_a_worker_still_holds_it() {
+async fn a_claim_spares_the_batches_its_process_is_settling() {
     let (pool, tenant) = setup().await;
-    let own = insert(&pool, &tenant, "{}").await;
-    let claim = |instance: &'static str, lease_ms: u64, spare: bool| {
+    let claim = |instance: &'static str, lease_ms: u64, settling: Vec<time::OffsetDateTime>| {
         let settings = settings(&tenant, lease_ms);
         let pool = &pool;
         async move {
@@ -246,30 +246,52 @@ async fn a_claim_spares_its_own_expired_lease_while_a_worker_still_holds_it() {
                 &settings,
                 tokio_postgres::types::Timestamp::NegInfinity,
                 true,
-                spare,
+                &claim::SettlingLeases::new(settling),
             )
             .await
             .expect("claim")
         }
     };
-    // (Its lease outlives the other instance's claim, which must not take it.)
-    assert_eq!(ids(&claim(INSTANCE, 2_000, false).await), vec![own]);
+    // A batch of another instance and two of this one, then all three
+    // leases run out (set back an hour: no race with the clock); a row
+    // never leased.
     let others = insert(&pool, &tenant, "{}").await;
     assert_eq!(
-        ids(&claim("another-instance", 1, false).await),
+        ids(&claim("another-instance", 60_000, vec![]).await),
         vec![others]
     );
+    let settled = insert(&pool, &tenant, "{}").await;
+    assert_eq!(ids(&claim(INSTANCE, 60_000, vec![]).await), vec![settled]);
+    let dropped = insert(&pool, &tenant, "{}").await;
+    assert_eq!(ids(&claim(INSTANCE, 60_000, vec![]).await), vec![dropped]);
     let fresh = insert(&pool, &tenant, "{}").await;
-    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    let leases: std::collections::HashMap<Uuid, time::OffsetDateTime> = pool
+        .get()
+        .await
+        .expect("connection")
+        .query(
+            "UPDATE outbox_events SET claim_until = claim_until - interval '1 hour' \
+             WHERE tenant_id = $1 AND claim_until IS NOT NULL \
+             RETURNING event_id, claim_until",
+            &[&tenant],
+        )
+        .await
+        .expect("leases run out")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(leases.len(), 3);
 
-    let spared = claim(INSTANCE, 60_000, true).await;
-    let mut want = vec![others, fresh];
+    // Settling `settled`'s lease; the other instance's lease in the list is
+    // not this instance's, so not spared.
+    let spared = claim(INSTANCE, 60_000, vec![leases[&settled], leases[&others]]).await;
+    let mut want = vec![dropped, others, fresh];
     want.sort_unstable();
-    assert_eq!(ids(&spared), want, "all but its own expired lease");
-    assert_eq!(spared.taken_over, 1, "the other instance's");
-    // Once nobody of this process holds it, it is taken over as usual.
-    let taken = claim(INSTANCE, 60_000, false).await;
-    assert_eq!((ids(&taken), taken.taken_over), (vec![own], 1));
+    assert_eq!(ids(&spared), want, "all but the batch being settled");
+    assert_eq!(spared.taken_over, 2, "the two other expired leases");
+    // Once nobody of this process settles it, it is taken over as usual.
+    let taken = claim(INSTANCE, 60_000, vec![]).await;
+    assert_eq!((ids(&taken), taken.taken_over), (vec![settled], 1));
 
     clean_up(&pool, &tenant).await;
 }
