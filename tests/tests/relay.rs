@@ -608,12 +608,17 @@ fn duplicates(received: &[Received]) -> usize {
     received.len() - distinct.len()
 }
 
-/// Once `relay` has counted every event of `events` published: each
-/// arrived once (no second copy within 500 ms), in per-order sequence, and
-/// the relay lost no mark and took no lease over.
-async fn assert_published_once_by(relay: &Relay, collector: &Collector, events: &[NewEvent]) {
+/// Once `relay` has counted `published` events published: every event of
+/// `events` arrived once (no second copy within 500 ms), in per-order
+/// sequence, and the relay lost no mark and took no lease over.
+async fn assert_published_once_by(
+    relay: &Relay,
+    collector: &Collector,
+    events: &[NewEvent],
+    published: u64,
+) {
     relay
-        .wait_metric("outbox_published_total", events.len() as f64)
+        .wait_metric("outbox_published_total", published as f64)
         .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let received = collector.snapshot();
@@ -634,7 +639,7 @@ async fn assert_published_once_by(relay: &Relay, collector: &Collector, events: 
             relay.metric("outbox_mark_lost_total").await,
             relay.metric("outbox_expired_claims_total").await,
         ),
-        (events.len() as u64, 0, 0),
+        (published, 0, 0),
         "published, lost, taken over"
     );
 }
@@ -906,6 +911,57 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A relay killed right after its mark committed (fail point
+/// `relay.after_mark`): the batch is published under its lease, so the
+/// relay that takes over sends none of it again; it publishes only the
+/// orders' next events, each once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_mark_publishes_nothing_again() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestAfterMark").await;
+    let events = orders_with_events(3, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+    let mut crashing = Relay::start(
+        &tenant,
+        &[
+            ("FAILPOINTS", "relay.after_mark=return".to_owned()),
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+        ],
+    );
+    let status = crashing
+        .service
+        .wait_exit(Duration::from_secs(60))
+        .expect("the fail point aborts the relay");
+    assert!(
+        system_tests::system::aborted(&status),
+        "aborted: {status:?}"
+    );
+    let published = db
+        .query_one(
+            "SELECT count(*) FILTER (WHERE aggregate_sequence = 1),
+                    count(*) FILTER (WHERE aggregate_sequence = 2)
+             FROM outbox_events WHERE tenant_id = $1 AND published_at IS NOT NULL
+               AND claimed_by = $2 AND claim_until IS NOT NULL",
+            &[&tenant, &crashing.instance],
+        )
+        .await
+        .expect("marked");
+    assert_eq!(
+        (published.get::<_, i64>(0), published.get::<_, i64>(1)),
+        (3, 0),
+        "the first events marked under the crashed relay's lease, nothing else"
+    );
+
+    let restarted = Relay::start(&tenant, &patient());
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(6, Duration::from_secs(30)).await;
+    // The restarted relay publishes the next events only.
+    assert_published_once_by(&restarted, &collector, &events, 3).await;
+    restarted.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// A mark that committed but whose reply was lost (fail point
 /// `relay.mark.reply_lost`, once) is retried, and the retry counts the rows
 /// the lost attempt marked: no confirmed row is reported lost
@@ -927,7 +983,7 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     collector.wait_distinct(6, Duration::from_secs(30)).await;
     // The rows are published before the retry has counted them (it runs
     // after a pause): the helper waits for the count, not a fixed time.
-    assert_published_once_by(&relay, &collector, &events).await;
+    assert_published_once_by(&relay, &collector, &events, 6).await;
     let output = take_log(&log);
     assert!(
         output.contains("injected by fail point relay.mark.reply_lost"),
@@ -1003,7 +1059,7 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
 
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     collector.wait_distinct(6, Duration::from_secs(30)).await;
-    assert_published_once_by(&relay, &collector, &events).await;
+    assert_published_once_by(&relay, &collector, &events, 6).await;
     let expired = count(
         &db,
         "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND lease_expiries > 0",

@@ -312,6 +312,13 @@ impl Relay {
         let _settling = Settling::new(&self.settling, lease_until);
 
         if !acked.is_empty() {
+            // Crash window: before the mark commits, the confirmed rows stay
+            // leased and unmarked; after the lease a claim takes them over
+            // and publishes them again (duplicates the consumers drop; test
+            // `a_crash_after_ack_before_mark_republishes_and_loses_nothing`).
+            // After it, they are published under this lease: only this
+            // process's metrics are lost, nothing is sent again
+            // (`a_crash_after_the_mark_publishes_nothing_again`).
             kit::failpoint::crash_point("relay.after_ack_before_mark");
             let pool = &self.pool;
             let instance = self.instance.as_str();
@@ -324,6 +331,7 @@ impl Relay {
             .await
             {
                 Some(marked) => {
+                    kit::failpoint::crash_point("relay.after_mark");
                     self.metrics.published.inc_by(marked);
                     let lost = (acked.len() as u64).saturating_sub(marked);
                     if lost > 0 {
