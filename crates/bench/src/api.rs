@@ -28,6 +28,17 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// request (`IncompleteMessage`, one error in session 21's paced run).
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The bench's HTTP client: `REQUEST_TIMEOUT` per request, pooled
+/// connections dropped after `POOL_IDLE_TIMEOUT`, at most `max_idle` kept.
+fn http_client(max_idle: usize) -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(max_idle)
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .expect("http client")
+}
+
 /// Print "`label`: N done after T" every 5 s until the returned guard is
 /// dropped (a run's progress).
 fn progress(
@@ -153,12 +164,7 @@ pub async fn http_run(
     concurrency: usize,
     duration: Duration,
 ) -> Run {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(concurrency)
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .timeout(REQUEST_TIMEOUT)
-        .build()
-        .expect("http client");
+    let client = http_client(concurrency);
     let next = Arc::new(std::sync::atomic::AtomicU64::new(first));
     let started = Instant::now();
     let deadline = started + duration;
@@ -445,11 +451,8 @@ pub async fn paced_load(
     per_second: f64,
     duration: Duration,
 ) -> Load {
-    let client = reqwest::Client::builder()
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .timeout(REQUEST_TIMEOUT)
-        .build()
-        .expect("http client");
+    // (reqwest's default: no bound on idle connections.)
+    let client = http_client(usize::MAX);
     let interval = Duration::from_secs_f64(1.0 / per_second.max(1.0));
     let started = Instant::now();
     let done = Arc::new(std::sync::atomic::AtomicU64::new(0));

@@ -69,13 +69,25 @@ async fn claim_with(pool: &Pool, settings: RelaySettings) -> Claimed {
 }
 
 async fn claim_as(pool: &Pool, settings: RelaySettings, first_worker: bool) -> Claimed {
+    claim_by(pool, INSTANCE, settings, first_worker, Vec::new()).await
+}
+
+/// A claim by `instance`, while its process settles the batches of the
+/// leases `settling` (`$9`).
+async fn claim_by(
+    pool: &Pool,
+    instance: &str,
+    settings: RelaySettings,
+    first_worker: bool,
+    settling: Vec<time::OffsetDateTime>,
+) -> Claimed {
     claim::claim(
         pool,
-        INSTANCE,
+        instance,
         &settings,
         tokio_postgres::types::Timestamp::NegInfinity,
         first_worker,
-        &claim::SettlingLeases::default(),
+        &claim::SettlingLeases::new(settling),
     )
     .await
     .expect("claim")
@@ -236,21 +248,8 @@ async fn a_late_mark_leaves_a_newer_claim_of_the_same_instance_alone() {
 #[tokio::test]
 async fn a_claim_spares_the_batches_its_process_is_settling() {
     let (pool, tenant) = setup().await;
-    let claim = |instance: &'static str, lease_ms: u64, settling: Vec<time::OffsetDateTime>| {
-        let settings = settings(&tenant, lease_ms);
-        let pool = &pool;
-        async move {
-            claim::claim(
-                pool,
-                instance,
-                &settings,
-                tokio_postgres::types::Timestamp::NegInfinity,
-                true,
-                &claim::SettlingLeases::new(settling),
-            )
-            .await
-            .expect("claim")
-        }
+    let claim = |instance: &'static str, lease_ms: u64, settling| {
+        claim_by(&pool, instance, settings(&tenant, lease_ms), true, settling)
     };
     // A batch of another instance and two of this one, then all three
     // leases run out (set back an hour: no race with the clock); a row
