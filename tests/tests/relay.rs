@@ -342,6 +342,24 @@ impl Relay {
         }
     }
 
+    /// Start a relay for `tenant` with fail point `fail_point` armed to
+    /// abort the process (`<fail_point>=return`) and `extra` settings, and
+    /// wait (at most 60 s) until it aborted there.
+    fn crashed_at(tenant: &str, fail_point: &str, extra: &[(&'static str, String)]) -> Relay {
+        let mut env = vec![("FAILPOINTS", format!("{fail_point}=return"))];
+        env.extend(extra.iter().cloned());
+        let mut crashing = Relay::start(tenant, &env);
+        let status = crashing
+            .service
+            .wait_exit(Duration::from_secs(60))
+            .expect("the fail point aborts the relay");
+        assert!(
+            system_tests::system::aborted(&status),
+            "aborted at {fail_point}: {status:?}"
+        );
+        crashing
+    }
+
     async fn ready(&mut self) {
         let url = format!("http://127.0.0.1:{}/readyz", self.port);
         self.service
@@ -833,13 +851,10 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
     // Long enough that a slow confirm does not time out (a republish before
     // the crash); the restarted relay waits this long before taking over.
     let lease_ms = 12_000;
-    let mut crashing = Relay::start(
+    Relay::crashed_at(
         &tenant,
+        "relay.after_ack_before_mark",
         &[
-            (
-                "FAILPOINTS",
-                "relay.after_ack_before_mark=return".to_owned(),
-            ),
             ("OUTBOX_RELAY__RELAY__LEASE_MS", lease_ms.to_string()),
             (
                 "OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS",
@@ -848,14 +863,6 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
             // One batch in flight, so the crash catches all of it.
             ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
         ],
-    );
-    let status = crashing
-        .service
-        .wait_exit(Duration::from_secs(60))
-        .expect("the fail point aborts the relay");
-    assert!(
-        system_tests::system::aborted(&status),
-        "aborted: {status:?}"
     );
 
     // The broker has the first event of each order; the database does not know.
@@ -921,20 +928,10 @@ async fn a_crash_after_the_mark_publishes_nothing_again() {
         subscribed("RelayTestAfterMark").await;
     let events = orders_with_events(3, 2, &event_type);
     insert(&db, &tenant, &events).await;
-    let mut crashing = Relay::start(
+    let crashing = Relay::crashed_at(
         &tenant,
-        &[
-            ("FAILPOINTS", "relay.after_mark=return".to_owned()),
-            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
-        ],
-    );
-    let status = crashing
-        .service
-        .wait_exit(Duration::from_secs(60))
-        .expect("the fail point aborts the relay");
-    assert!(
-        system_tests::system::aborted(&status),
-        "aborted: {status:?}"
+        "relay.after_mark",
+        &[("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned())],
     );
     let published = db
         .query_one(
@@ -1147,21 +1144,13 @@ async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
     let events = orders_with_events(3, 2, &event_type);
     insert(&db, &tenant, &events).await;
 
-    let mut crashing = Relay::start(
+    Relay::crashed_at(
         &tenant,
+        "relay.claim",
         &[
-            ("FAILPOINTS", "relay.claim=return".to_owned()),
             // One claimer, so no other claim commits before the abort.
             ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
         ],
-    );
-    let status = crashing
-        .service
-        .wait_exit(Duration::from_secs(60))
-        .expect("the fail point aborts the relay");
-    assert!(
-        system_tests::system::aborted(&status),
-        "aborted: {status:?}"
     );
     let leased = count(
         &db,
@@ -1670,18 +1659,7 @@ async fn a_crash_before_a_failure_is_recorded_loses_nothing() {
     let events = orders_with_events(1, 1, &unroutable);
     insert(&db, &tenant, &events).await;
 
-    let mut crashing = Relay::start(
-        &tenant,
-        &[("FAILPOINTS", "relay.before_mark_failed=return".to_owned())],
-    );
-    let status = crashing
-        .service
-        .wait_exit(Duration::from_secs(60))
-        .expect("the fail point aborts the relay");
-    assert!(
-        system_tests::system::aborted(&status),
-        "aborted: {status:?}"
-    );
+    Relay::crashed_at(&tenant, "relay.before_mark_failed", &[]);
     let row = db
         .query_one(
             "SELECT claimed_by IS NOT NULL, attempt_count, own_failure_count, last_error IS NULL,
