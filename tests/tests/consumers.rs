@@ -3530,7 +3530,10 @@ async fn an_order_reserves_each_sku_once_with_its_own_shortage() {
 /// itself in the background; the runtime used to close the broker connection
 /// meanwhile, and lapin logged "Connection error: invalid channel state" at
 /// ERROR on every clean shutdown (an alert on error lines fired on each
-/// deploy). The channels are now closed first.
+/// deploy). The channels are now closed first. A second, rarer cause (seen
+/// once in CI): a consumer dropped while active sends a basic.cancel in the
+/// background, which failed when the channel close overtook it; the
+/// consumer is now dropped only after its channel is closing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_stop_logs_no_error() {
     let name = unique("t-stop-led");

@@ -108,7 +108,7 @@ async fn consume<D: Domain>(
             processor.topology.name,
             std::process::id()
         );
-        let consumer = consume_channel
+        let mut consumer = consume_channel
             .basic_consume(
                 queue.as_str().into(),
                 tag.as_str().into(),
@@ -125,7 +125,8 @@ async fn consume<D: Domain>(
                 publisher: &mut publisher,
             };
             let result =
-                partition_worker(processor, &queue, consumer, channels, &stop, ack_batch).await;
+                partition_worker(processor, &queue, &mut consumer, channels, &stop, ack_batch)
+                    .await;
             if result.is_err() {
                 stop.cancel();
             }
@@ -135,6 +136,12 @@ async fn consume<D: Domain>(
             // shutdown. (Unacknowledged prefetched messages are requeued.)
             close_channel(&consume_channel).await;
             close_channel(&publisher.channel).await;
+            // Only now, with its channel closing (which marks the consumer
+            // cancelled), may the consumer go: dropping an active one sends a
+            // basic.cancel in the background, and when that raced the channel
+            // close, lapin failed it ("invalid channel state: Closing"), put
+            // the whole connection in error and logged it at ERROR.
+            drop(consumer);
             result
         });
     }
@@ -200,7 +207,7 @@ async fn consume<D: Domain>(
 async fn partition_worker<D: Domain>(
     processor: Arc<Processor<D>>,
     queue: &str,
-    mut consumer: lapin::Consumer,
+    consumer: &mut lapin::Consumer,
     mut channels: Channels<'_>,
     stop: &CancellationToken,
     ack_batch: usize,
