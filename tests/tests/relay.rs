@@ -1705,6 +1705,83 @@ async fn a_crash_before_a_failure_is_recorded_loses_nothing() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A relay killed right after it recorded a failed publish (fail point
+/// `relay.after_mark_failed`) leaves nothing pending: the attempt is
+/// counted once, the backoff set and the lease released. The next relay
+/// claims the row afresh once it is due (no takeover: never counted as a
+/// relay's death) and publishes it once, now that the route exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
+    let (tenant, _routed, db, connection, channel, _collector) =
+        subscribed("RelayTestFailedCrashRouted").await;
+    let unroutable = format!("RelayTestFailedCrash{}", short_id());
+    let events = orders_with_events(1, 1, &unroutable);
+    insert(&db, &tenant, &events).await;
+
+    Relay::crashed_at(&tenant, "relay.after_mark_failed", &[]);
+    let state = "SELECT claimed_by IS NULL, claim_until IS NULL, attempt_count, own_failure_count,
+                        lease_expiries, last_error IS NOT NULL, published_at IS NULL
+                 FROM outbox_events WHERE tenant_id = $1";
+    let row = db.query_one(state, &[&tenant]).await.expect("state");
+    assert_eq!(
+        (
+            row.get::<_, bool>(0),
+            row.get::<_, bool>(1),
+            row.get::<_, i32>(2),
+            row.get::<_, i32>(3),
+            row.get::<_, i32>(4),
+            row.get::<_, bool>(5),
+            row.get::<_, bool>(6)
+        ),
+        (true, true, 1, 1, 0, true, true),
+        "the failed attempt recorded once, the lease released, unpublished"
+    );
+
+    // The route exists before the next relay starts: its first attempt
+    // succeeds.
+    let queue = bound_queue(&channel, &tenant, &[&unroutable]).await;
+    let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
+    let relay = Relay::start(&tenant, &[]);
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(1, Duration::from_secs(30)).await;
+    let received = collector.snapshot();
+    assert_eq!(received.len(), 1, "published once: {received:?}");
+    assert_eq!(received[0].event_id, events[0].event_id.to_string());
+    let row = db
+        .query_one(
+            "SELECT attempt_count, own_failure_count, lease_expiries, claimed_by
+             FROM outbox_events WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("state");
+    assert_eq!(
+        (
+            row.get::<_, i32>(0),
+            row.get::<_, i32>(1),
+            row.get::<_, i32>(2),
+            row.get::<_, Option<String>>(3)
+        ),
+        (1, 1, 0, Some(relay.instance.clone())),
+        "claimed afresh by the next relay, never taken over"
+    );
+    for reason in ["returned", "lease_expired"] {
+        assert_eq!(
+            relay
+                .metric_of(
+                    "outbox_publish_failures_total",
+                    &format!("reason=\"{reason}\"")
+                )
+                .await,
+            0.0,
+            "{reason}"
+        );
+    }
+    relay.stop();
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Issue 4, test 4: an unroutable event (mandatory, no queue bound for its
 /// type) fails with a growing backoff and `last_error`; the later events of
 /// its order are held back while other orders flow; after the maximum

@@ -396,7 +396,8 @@ impl Relay {
             // Crash window: the rows stay leased with the attempt unrecorded
             // (no backoff, no count, no last_error); after the lease another
             // instance takes them over and tries again. After the write the
-            // failure is recorded and the lease released: nothing is pending.
+            // failure is recorded and the lease released: nothing is pending
+            // (`a_crash_right_after_a_failure_is_recorded_counts_it_once`).
             kit::failpoint::crash_point("relay.before_mark_failed");
             let mut attempts = 0;
             if let Some(quarantined) =
@@ -413,6 +414,7 @@ impl Relay {
                 })
                 .await
             {
+                kit::failpoint::crash_point("relay.after_mark_failed");
                 let quarantined: Vec<(Uuid, String)> = quarantined
                     .into_iter()
                     .map(|id| (id, "its own publishing failures, logged above".to_owned()))
