@@ -105,14 +105,10 @@ impl Metrics {
         )
         .expect("valid counter vec");
         // Every reason's series starts at zero (present for rate() and alerts).
-        for reason in [
-            "returned",
-            "nacked",
-            "timeout",
-            "channel",
-            "encode",
-            crate::relay::LEASE_EXPIRED,
-        ] {
+        for reason in crate::publish::PublishFailure::REASONS
+            .into_iter()
+            .chain([crate::relay::LEASE_EXPIRED])
+        {
             failures.with_label_values(&[reason]);
         }
         kit::metrics::register(registry, &failures);

@@ -199,6 +199,10 @@ pub enum PublishFailure {
 }
 
 impl PublishFailure {
+    /// Every [`reason`](Self::reason), in declaration order (the metric's
+    /// series start at zero from this list).
+    pub const REASONS: [&'static str; 5] = ["returned", "nacked", "timeout", "channel", "encode"];
+
     /// The metric label.
     pub fn reason(&self) -> &'static str {
         match self {
@@ -776,5 +780,18 @@ mod tests {
         assert!(!PublishFailure::Channel("closed".into()).counts_towards_quarantine());
         assert!(PublishFailure::Timeout.breaks_channel());
         assert!(!PublishFailure::Nacked.breaks_channel());
+    }
+
+    #[test]
+    fn the_metric_s_reason_list_names_every_failure() {
+        let reasons = [
+            PublishFailure::Returned(String::new()),
+            PublishFailure::Nacked,
+            PublishFailure::Timeout,
+            PublishFailure::Channel(String::new()),
+            PublishFailure::Encode(String::new()),
+        ]
+        .map(|failure| failure.reason());
+        assert_eq!(reasons, PublishFailure::REASONS);
     }
 }
