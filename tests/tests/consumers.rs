@@ -3567,10 +3567,7 @@ async fn a_clean_stop_logs_no_error() {
     let text = read();
     let _ = std::fs::remove_file(&log);
     assert!(text.contains("\"consumer stopped\""), "{text}");
-    let errors: Vec<&str> = text
-        .lines()
-        .filter(|line| line.contains("\"level\":\"ERROR\""))
-        .collect();
+    let errors = system_tests::error_lines(&text);
     assert!(
         errors.is_empty(),
         "error lines on a clean stop: {errors:#?}"
