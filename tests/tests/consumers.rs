@@ -3119,10 +3119,21 @@ async fn run_redrive(
     options: &Options,
 ) -> std::process::Output {
     let mut command = consumer_command(kind, name, options);
-    command.arg("redrive").args(args);
-    tokio::task::spawn_blocking(move || command.output().expect("run redrive"))
+    command.arg("redrive").args(args).env("LOG_FORMAT", "json");
+    let output = tokio::task::spawn_blocking(move || command.output().expect("run redrive"))
         .await
-        .expect("redrive")
+        .expect("redrive");
+    if output.status.success() {
+        // Its probes and its channel close without lapin logging an error
+        // (an operator reads those lines).
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let errors = system_tests::error_lines(&stderr);
+        assert!(
+            errors.is_empty(),
+            "a redrive that succeeded logged errors: {errors:#?}"
+        );
+    }
+    output
 }
 
 /// The operator's loop: deliveries that would take stock below zero are

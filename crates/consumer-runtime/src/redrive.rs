@@ -360,15 +360,23 @@ pub async fn redrive(
             Ok(connection) => connection,
             Err(error) => return (report, Err(error.into())),
         };
+    let mut opened = None;
     let result = async {
         topology.check_and_declare(&connection, true).await?;
-        let channel = connection.create_channel().await?;
+        let channel = opened.insert(connection.create_channel().await?);
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        move_in_passes(pool, &channel, topology, only_order, max, &mut report).await
+        move_in_passes(pool, channel, topology, only_order, max, &mut report).await
     }
     .await;
+    // The channel is closed before the connection: dropped open, it would
+    // close itself in the background, and when the connection's close
+    // overtook that, lapin failed it, put the connection in error and
+    // logged an ERROR at the end of every redrive.
+    if let Some(channel) = opened.filter(|channel| channel.status().connected()) {
+        let _ = channel.close(200, "redrive done".into()).await;
+    }
     let _ = connection.close(200, "redrive done".into()).await;
     (report, result)
 }

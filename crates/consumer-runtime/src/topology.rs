@@ -97,8 +97,13 @@ impl Topology {
         }
         if exact_partitions && self.partitions > 1 {
             let last = self.partition_queue(self.partitions - 1);
-            if shared_queue_exists(connection, &self.partition_queue(0)).await?
-                && !shared_queue_exists(connection, &last).await?
+            // Each probe asks the way that closes no channel when the answer
+            // is the usual one (a closed channel is an ERROR line of lapin's
+            // in the operator's output): the last partition of a deployed
+            // consumer exists; when it does not, the topology is usually new,
+            // and its first partition does not exist either.
+            if !shared_queue_expected(connection, &last).await?
+                && shared_queue_exists(connection, &self.partition_queue(0)).await?
             {
                 return Err(DeclareError::Conflict(format!(
                     "queue {last} does not exist but partitions = {}: the consumer runs \
@@ -279,6 +284,35 @@ async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<boo
     Err(DeclareError::Busy(format!(
         "queue {queue} is held exclusively by another connection"
     )))
+}
+
+/// [`shared_queue_exists`] for a queue that normally exists (a partition of
+/// a deployed consumer): a passive declaration first, which answers a
+/// shared queue without closing a channel, where the exclusive probe's
+/// refusal (405) would close one, which lapin logs at ERROR (once per
+/// probed queue on every redrive). Absent (404, logged likewise): `false`.
+/// Refused (405: another connection's exclusive queue of that name, a
+/// probe): the exclusive probe tells them apart, as for any queue.
+async fn shared_queue_expected(connection: &Connection, queue: &str) -> Result<bool, DeclareError> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let check = connection.create_channel().await?;
+    match check
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(_) => {
+            let _ = check.close(200, "probed".into()).await;
+            Ok(true)
+        }
+        Err(error) if reply_code(&error) == Some(NOT_FOUND) => Ok(false),
+        Err(error) if reply_code(&error) == Some(RESOURCE_LOCKED) => {
+            shared_queue_exists(connection, queue).await
+        }
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// Why the topology could not be declared.
