@@ -1515,6 +1515,55 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// SIGTERM while a worker sets up its publishing channel (held there by
+/// hold point `relay.opening_channel`): the worker closes the channel it
+/// opened before the connection closes, and the stop logs no error (a
+/// channel dropped open closed itself in the background, and lapin failed
+/// that close against the connection's, logging "Connection error").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_a_worker_sets_up_its_channel_logs_no_error() {
+    let (tenant, _event_type, db, connection, channel, _collector) =
+        subscribed("RelayTestOpening").await;
+    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
+    let relay = Relay::start_with_output(
+        &tenant,
+        &[
+            (
+                "FAILPOINTS",
+                "relay.opening_channel=return(60000)".to_owned(),
+            ),
+            ("RUST_LOG", "info,outbox_relay=debug".to_owned()),
+            ("LOG_FORMAT", "json".to_owned()),
+        ],
+        Some(&log),
+    );
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    system_tests::consumers::eventually(
+        "a worker holding its open channel",
+        Duration::from_secs(60),
+        || async {
+            read()
+                .contains("publishing channel open: setting it up")
+                .then_some(())
+        },
+    )
+    .await;
+    relay.stop(); // SIGTERM; asserts a clean exit
+    let output = take_log(&log);
+    assert!(output.contains("\"relay stopped\""), "{output}");
+    assert!(
+        !output.contains("relay worker ready"),
+        "stopped while setting up: {output}"
+    );
+    let errors = system_tests::error_lines(&output);
+    assert!(
+        errors.is_empty(),
+        "error lines on a clean stop: {errors:#?}"
+    );
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Quarantine counts the message's own failures only: an event that already
 /// failed ten times for the infrastructure's reasons (broker timeouts during
 /// an outage, simulated by its `attempt_count`) and is then returned as

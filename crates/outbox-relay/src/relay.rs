@@ -94,19 +94,37 @@ impl Relay {
         loop {
             // A blocked connection (a broker memory or disk alarm) answers
             // none of these until the alarm clears; holding no rows, the
-            // worker may leave at once on shutdown.
+            // worker leaves on shutdown without waiting for them, but not
+            // without closing what it opened (bounded): a channel dropped
+            // open closes itself in the background, and an open answered
+            // after the connection began to close fails there; either way
+            // lapin put the connection in error and logged an ERROR.
+            let creating = connection.create_channel();
+            tokio::pin!(creating);
+            let channel = tokio::select! {
+                _ = shutdown.cancelled() => {
+                    if let Ok(Ok(channel)) = tokio::time::timeout(CLOSE_WAIT, &mut creating).await {
+                        close_bounded(&channel, "shutting down").await;
+                    }
+                    return Ok(());
+                }
+                channel = &mut creating => channel?,
+            };
             let setup = async {
-                let channel = connection.create_channel().await?;
+                tracing::debug!(worker, "publishing channel open: setting it up");
+                kit::failpoint::hold_task("relay.opening_channel").await;
                 channel
                     .confirm_select(ConfirmSelectOptions::default())
                     .await?;
-                kit::amqp::declare_topic_exchange(&channel, &self.settings.exchange).await?;
-                Ok::<_, lapin::Error>(channel)
+                kit::amqp::declare_topic_exchange(&channel, &self.settings.exchange).await
             };
-            let channel = tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                channel = setup => channel?,
-            };
+            tokio::select! {
+                _ = shutdown.cancelled() => {
+                    close_bounded(&channel, "shutting down").await;
+                    return Ok(());
+                }
+                ready = setup => ready?,
+            }
             tracing::info!(worker, instance = %self.instance, "relay worker ready");
             match self
                 .work_channel(worker, &channel, connection, shutdown, &mut broker_pause)
@@ -548,15 +566,16 @@ impl Drop for Settling<'_> {
     }
 }
 
+/// How long a broker's answer to a channel's open or close is awaited on the
+/// way out.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
 /// Close `channel`, waiting at most 2 s for the broker's answer: a broker
 /// in trouble (the reason a channel is replaced) must not hold the worker,
 /// nor a shutdown.
 async fn close_bounded(channel: &Channel, reason: &str) {
     let closing = channel.close(200, reason.into());
-    if tokio::time::timeout(Duration::from_secs(2), closing)
-        .await
-        .is_err()
-    {
+    if tokio::time::timeout(CLOSE_WAIT, closing).await.is_err() {
         tracing::warn!(
             reason,
             "the broker did not confirm the channel close in 2 s"
