@@ -324,6 +324,14 @@ impl Relay {
         Self::start_with_output(tenant, extra, None)
     }
 
+    /// [`Relay::start`] with its output in a file of its own, returned
+    /// (read it with [`take_log`]).
+    fn start_logged(tenant: &str, extra: &[(&'static str, String)]) -> (Relay, std::path::PathBuf) {
+        let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
+        let relay = Self::start_with_output(tenant, extra, Some(&log));
+        (relay, log)
+    }
+
     /// [`Relay::start`], its output written to the file `output` if given.
     fn start_with_output(
         tenant: &str,
@@ -973,8 +981,7 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     let mut extra = patient();
     extra.push(("FAILPOINTS", "relay.mark.reply_lost=1*return".to_owned()));
     extra.push(("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()));
-    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
-    let relay = Relay::start_with_output(&tenant, &extra, Some(&log));
+    let (relay, log) = Relay::start_logged(&tenant, &extra);
 
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     collector.wait_distinct(6, Duration::from_secs(30)).await;
@@ -1006,8 +1013,7 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
     let events = orders_with_events(3, 2, &event_type);
     insert(&db, &tenant, &events).await;
     let proxy = PausableProxy::start(&pg_url(Database::Orders)).await;
-    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
-    let relay = Relay::start_with_output(
+    let (relay, log) = Relay::start_logged(
         &tenant,
         &[
             ("OUTBOX_RELAY__DATABASE__URL", proxy.url.clone()),
@@ -1025,7 +1031,6 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
                     .to_owned(),
             ),
         ],
-        Some(&log),
     );
 
     wait_db(
@@ -1086,8 +1091,7 @@ async fn a_quarantine_whose_reply_is_lost_is_still_logged_and_counted() {
     // Not sendable: its own failure, quarantined at the first.
     events[0].event_type = "E".repeat(256);
     insert(&db, &tenant, &events).await;
-    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
-    let mut relay = Relay::start_with_output(
+    let (mut relay, log) = Relay::start_logged(
         &tenant,
         &[
             (
@@ -1097,7 +1101,6 @@ async fn a_quarantine_whose_reply_is_lost_is_still_logged_and_counted() {
             ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
             ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "1".to_owned()),
         ],
-        Some(&log),
     );
     relay.ready().await;
     relay.wait_metric("outbox_quarantined_total", 1.0).await;
@@ -1458,8 +1461,7 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
         subscribed("RelayTestTerm").await;
     let events = orders_with_events(2, 1, &event_type);
     insert(&db, &tenant, &events).await;
-    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
-    let relay = Relay::start_with_output(
+    let (relay, log) = Relay::start_logged(
         &tenant,
         &[
             // Held 10 s: long enough for the test to see the claim and
@@ -1471,7 +1473,6 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
             ("RUST_LOG", "info".to_owned()),
             ("LOG_FORMAT", "json".to_owned()),
         ],
-        Some(&log),
     );
     wait_db(
         &db,
@@ -1524,8 +1525,7 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
 async fn sigterm_while_a_worker_sets_up_its_channel_logs_no_error() {
     let (tenant, _event_type, db, connection, channel, _collector) =
         subscribed("RelayTestOpening").await;
-    let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
-    let relay = Relay::start_with_output(
+    let (relay, log) = Relay::start_logged(
         &tenant,
         &[
             (
@@ -1535,7 +1535,6 @@ async fn sigterm_while_a_worker_sets_up_its_channel_logs_no_error() {
             ("RUST_LOG", "info,outbox_relay=debug".to_owned()),
             ("LOG_FORMAT", "json".to_owned()),
         ],
-        Some(&log),
     );
     let read = || std::fs::read_to_string(&log).unwrap_or_default();
     system_tests::consumers::eventually(

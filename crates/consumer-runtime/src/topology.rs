@@ -232,10 +232,6 @@ async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<boo
         auto_delete: true,
         ..QueueDeclareOptions::default()
     };
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
     let mut classic = FieldTable::default();
     classic.insert("x-queue-type".into(), long_string("classic"));
     for _ in 0..PROBE_TRIES {
@@ -257,15 +253,8 @@ async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<boo
                     Some(RESOURCE_LOCKED | kit::amqp::PRECONDITION_FAILED)
                 ) =>
             {
-                let check = connection.create_channel().await?;
-                match check
-                    .queue_declare(queue.into(), passive, FieldTable::default())
-                    .await
-                {
-                    Ok(_) => {
-                        let _ = check.close(200, "probed".into()).await;
-                        return Ok(true);
-                    }
+                match passive_probe(connection, queue).await {
+                    Ok(()) => return Ok(true),
                     // Another connection's exclusive queue, or gone since.
                     Err(error)
                         if matches!(reply_code(&error), Some(RESOURCE_LOCKED | NOT_FOUND)) =>
@@ -294,25 +283,31 @@ async fn shared_queue_exists(connection: &Connection, queue: &str) -> Result<boo
 /// Refused (405: another connection's exclusive queue of that name, a
 /// probe): the exclusive probe tells them apart, as for any queue.
 async fn shared_queue_expected(connection: &Connection, queue: &str) -> Result<bool, DeclareError> {
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let check = connection.create_channel().await?;
-    match check
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await
-    {
-        Ok(_) => {
-            let _ = check.close(200, "probed".into()).await;
-            Ok(true)
-        }
+    match passive_probe(connection, queue).await {
+        Ok(()) => Ok(true),
         Err(error) if reply_code(&error) == Some(NOT_FOUND) => Ok(false),
         Err(error) if reply_code(&error) == Some(RESOURCE_LOCKED) => {
             shared_queue_exists(connection, queue).await
         }
         Err(error) => Err(error.into()),
     }
+}
+
+/// A passive declaration of `queue` on a channel of its own (a refusal
+/// closes the channel; after a success it is closed here): `Ok` when a
+/// shared queue of that name exists, else the broker's refusal (its reply
+/// code says why) or a broken connection.
+async fn passive_probe(connection: &Connection, queue: &str) -> Result<(), lapin::Error> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let check = connection.create_channel().await?;
+    check
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await?;
+    let _ = check.close(200, "probed".into()).await;
+    Ok(())
 }
 
 /// Why the topology could not be declared.
