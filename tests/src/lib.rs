@@ -471,6 +471,7 @@ impl OrderApi {
         format!("{}{path}", self.base)
     }
 }
+
 /// The lines of a service's JSON log (`LOG_FORMAT=json`, the default) at
 /// level ERROR: none on a clean stop (an alert on error lines must not fire
 /// on every deploy).

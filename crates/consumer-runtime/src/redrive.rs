@@ -375,7 +375,8 @@ pub async fn redrive(
     // overtook that, lapin failed it, put the connection in error and
     // logged an ERROR at the end of every redrive.
     if let Some(channel) = opened.filter(|channel| channel.status().connected()) {
-        let _ = channel.close(200, "redrive done".into()).await;
+        let closing = channel.close(200, "redrive done".into());
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), closing).await;
     }
     let _ = connection.close(200, "redrive done".into()).await;
     (report, result)

@@ -298,14 +298,8 @@ async fn shared_queue_expected(connection: &Connection, queue: &str) -> Result<b
 /// shared queue of that name exists, else the broker's refusal (its reply
 /// code says why) or a broken connection.
 async fn passive_probe(connection: &Connection, queue: &str) -> Result<(), lapin::Error> {
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
     let check = connection.create_channel().await?;
-    check
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await?;
+    kit::amqp::passive_declare(&check, queue).await?;
     let _ = check.close(200, "probed".into()).await;
     Ok(())
 }

@@ -137,7 +137,7 @@ async fn consume<D: Domain>(
             close_channel(&consume_channel).await;
             close_channel(&publisher.channel).await;
             // Only now, with its channel closing (which marks the consumer
-            // cancelled), may the consumer go: dropping an active one sends a
+            // as cancelling), may the consumer go: dropping an active one sends a
             // basic.cancel in the background, and when that raced the channel
             // close, lapin failed it ("invalid channel state: Closing"), put
             // the whole connection in error and logged it at ERROR.

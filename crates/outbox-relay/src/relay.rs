@@ -92,6 +92,10 @@ impl Relay {
     ) -> Result<(), lapin::Error> {
         let mut broker_pause = Duration::from_millis(500);
         loop {
+            if shutdown.is_cancelled() {
+                // Stopped while replacing its channel: no new one.
+                return Ok(());
+            }
             // A blocked connection (a broker memory or disk alarm) answers
             // none of these until the alarm clears; holding no rows, the
             // worker leaves on shutdown without waiting for them, but not
@@ -570,15 +574,16 @@ impl Drop for Settling<'_> {
 /// way out.
 const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
-/// Close `channel`, waiting at most 2 s for the broker's answer: a broker
-/// in trouble (the reason a channel is replaced) must not hold the worker,
-/// nor a shutdown.
+/// Close `channel`, waiting at most [`CLOSE_WAIT`] for the broker's answer:
+/// a broker in trouble (the reason a channel is replaced) must not hold the
+/// worker, nor a shutdown.
 async fn close_bounded(channel: &Channel, reason: &str) {
     let closing = channel.close(200, reason.into());
     if tokio::time::timeout(CLOSE_WAIT, closing).await.is_err() {
         tracing::warn!(
             reason,
-            "the broker did not confirm the channel close in 2 s"
+            waited_secs = CLOSE_WAIT.as_secs(),
+            "the broker did not confirm the channel close in time"
         );
     }
 }
