@@ -654,13 +654,6 @@ impl Publisher {
             .await
             .unwrap_or_else(|e| panic!("publish {} to {consumer}: {e}", message.event_type));
     }
-
-    /// Publish to `order-events` (every consumer bound to it gets a copy).
-    pub async fn to_order_events(&self, message: &Message) {
-        self.publish_raw(events::EXCHANGE, &message.event_type, message)
-            .await
-            .unwrap_or_else(|e| panic!("publish {}: {e}", message.event_type));
-    }
 }
 
 /// A message read from a dead-letter queue.

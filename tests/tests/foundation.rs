@@ -1,8 +1,8 @@
 //! The foundation against the real infrastructure: all four databases migrate,
-//! a confirmed publish on the order-events exchange is confirmed (and an
-//! unroutable mandatory one is not), and every service binary starts with no
-//! configuration but its port, serves /healthz, /readyz and /metrics, and
-//! stops cleanly on SIGTERM.
+//! the order-events exchange is declared as agreed, a routed confirmed
+//! publish is confirmed (and an unroutable mandatory one is not), and every
+//! service binary starts with no configuration but its port, serves
+//! /healthz, /readyz and /metrics, and stops cleanly on SIGTERM.
 
 use std::time::Duration;
 
@@ -632,8 +632,14 @@ async fn payments_deliveries_and_lines_are_one_per_order_and_in_its_tenant() {
     system_tests::delete_seed_order(&client, order).await;
 }
 
+/// The order-events exchange is declared as agreed (declaring it again with
+/// the kit's arguments succeeds), and the kit's confirmation check calls a
+/// routed, confirmed publish a success and an unroutable mandatory one a
+/// failure. The publishes go to a private topic exchange: on order-events
+/// every consumer's `#` binding (a `make run` system on the same broker)
+/// would take a test message as poison.
 #[tokio::test]
-async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
+async fn order_events_is_declared_and_only_a_routed_publish_is_confirmed() {
     let shutdown = kit::CancellationToken::new();
     let settings = kit::settings::AmqpSettings { url: amqp_url() };
     let connection = kit::amqp::connect(&settings, "foundation-test", &shutdown)
@@ -647,8 +653,21 @@ async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .expect("confirms");
+    let private = format!("foundation-test.{}", uuid::Uuid::now_v7());
+    channel
+        .exchange_declare(
+            private.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            lapin::options::ExchangeDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("private exchange");
 
-    // A private, exclusive queue bound to a routing key no real event uses.
+    // A private, exclusive queue bound to one routing key.
     let routing_key = format!("FoundationTest.{}", uuid::Uuid::now_v7());
     let queue = channel
         .queue_declare(
@@ -665,7 +684,7 @@ async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
     channel
         .queue_bind(
             queue.name().clone(),
-            events::EXCHANGE.into(),
+            private.as_str().into(),
             routing_key.as_str().into(),
             QueueBindOptions::default(),
             FieldTable::default(),
@@ -674,9 +693,9 @@ async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
         .expect("bind");
 
     let body = br#"{"hello":"order-events"}"#;
-    let publish = |exchange: &str, key: String| {
+    let publish = |key: String| {
         let channel = channel.clone();
-        let exchange = exchange.to_owned();
+        let exchange = private.clone();
         async move {
             channel
                 .basic_publish(
@@ -696,34 +715,16 @@ async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
         }
     };
 
-    let routed = publish(events::EXCHANGE, routing_key.clone()).await;
+    let routed = publish(routing_key.clone()).await;
     assert_eq!(check_confirmation(routed), Ok(()));
 
-    // Unroutable + mandatory: lapin reports an Ack carrying the returned message;
-    // the kit must call it a failure. (On a private exchange with no bindings:
-    // on `order-events` every consumer's `#` binding makes everything routable.)
-    let private = format!("foundation-test.{}", uuid::Uuid::now_v7());
-    channel
-        .exchange_declare(
-            private.as_str().into(),
-            lapin::ExchangeKind::Topic,
-            lapin::options::ExchangeDeclareOptions {
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("private exchange");
-    let unroutable = publish(&private, "NoSuchEvent".to_owned()).await;
+    // Unroutable + mandatory: lapin reports an Ack carrying the returned
+    // message; the kit must call it a failure.
+    let unroutable = publish("NoSuchEvent".to_owned()).await;
     match check_confirmation(unroutable) {
         Err(PublishRejected::Returned { code, .. }) => assert_eq!(code, 312),
         other => panic!("unroutable publish must be Returned(312), got {other:?}"),
     }
-    channel
-        .exchange_delete(private.as_str().into(), Default::default())
-        .await
-        .expect("delete private exchange");
 
     // The routed message is in the queue, byte for byte.
     let mut consumer = channel
@@ -745,6 +746,11 @@ async fn a_confirmed_publish_on_the_order_events_exchange_is_confirmed() {
         .expect("delivery");
     assert_eq!(delivery.data, body);
     assert_eq!(delivery.routing_key.as_str(), routing_key);
+    assert_eq!(delivery.exchange.as_str(), private);
+    channel
+        .exchange_delete(private.as_str().into(), Default::default())
+        .await
+        .expect("delete private exchange");
     connection.close(200, "done".into()).await.expect("close");
 }
 
