@@ -109,6 +109,9 @@ pub struct Options {
     pub max_deferrals: u32,
     pub failpoints: Option<String>,
     pub extra: Vec<(String, String)>,
+    /// Where the process's output goes, as JSON lines (read it with
+    /// [`crate::error_lines`], say); the test's own output when `None`.
+    pub log: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -119,6 +122,7 @@ impl Default for Options {
             max_deferrals: 200,
             failpoints: None,
             extra: Vec::new(),
+            log: None,
         }
     }
 }
@@ -228,10 +232,13 @@ impl Consumer {
     /// The consumer's process under `name` on `port`, started and not
     /// waited for (one that may die before it is ready, at a fail point).
     pub fn spawn(kind: Kind, name: &str, port: u16, options: &Options) -> Service {
-        let env = consumer_env(kind, name, port, options);
+        let mut env = consumer_env(kind, name, port, options);
+        if options.log.is_some() {
+            env.push(("LOG_FORMAT".to_owned(), "json".to_owned()));
+        }
         let env_refs: Vec<(&str, String)> =
             env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        Service::start(kind.binary(), &[], &env_refs)
+        Service::start_with_output(kind.binary(), &[], &env_refs, options.log.as_deref())
     }
 
     pub async fn start(kind: Kind, name: &str, options: Options) -> Consumer {

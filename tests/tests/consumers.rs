@@ -2640,7 +2640,7 @@ async fn the_declared_topology_has_the_agreed_shape() {
 
 /// SIGTERM while a message is in the handler: the message is finished,
 /// committed and acknowledged before the process exits (a restart sees no
-/// redelivery), and the exit is clean.
+/// redelivery), and the exit is clean, with no error logged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     let tenant = unique("t5-term");
@@ -2650,13 +2650,18 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
         "{}?application_name={name}",
         system_tests::pg_url(Database::Inventory)
     );
+    let log = std::env::temp_dir().join(format!("{name}.log"));
     let slow = Consumer::start(
         Kind::Inventory,
         &name,
         Options {
             partitions: 1,
             failpoints: Some("consumer.in_handler=1*sleep(10000)".to_owned()),
-            extra: vec![("INVENTORY_CONSUMER__DATABASE__URL".into(), url)],
+            extra: vec![
+                ("INVENTORY_CONSUMER__DATABASE__URL".into(), url),
+                ("RUST_LOG".into(), "info".into()),
+            ],
+            log: Some(log.clone()),
             ..Options::default()
         },
     )
@@ -2673,6 +2678,14 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
         status.0.is_some_and(|s| s.success()),
         "clean exit: {:?}",
         status.0
+    );
+    let output = std::fs::read_to_string(&log).expect("the consumer's log");
+    let _ = std::fs::remove_file(&log);
+    assert!(output.contains("\"consumer stopped\""), "{output}");
+    let errors = system_tests::error_lines(&output);
+    assert!(
+        errors.is_empty(),
+        "error lines on a clean stop: {errors:#?}"
     );
     assert_eq!(
         progress(Database::Inventory, &name, s.order).await,
