@@ -481,6 +481,20 @@ pub fn error_lines(log: &str) -> Vec<&str> {
         .collect()
 }
 
+/// Assert that a service's JSON log shows a clean stop: its `stopped`
+/// message, and no line at level ERROR.
+pub fn assert_clean_stop(log: &str, stopped: &str) {
+    assert!(
+        log.contains(&format!("\"{stopped}\"")),
+        "no {stopped:?} in:\n{log}"
+    );
+    let errors = error_lines(log);
+    assert!(
+        errors.is_empty(),
+        "error lines on a clean stop: {errors:#?}"
+    );
+}
+
 pub mod consumers;
 pub mod otlp;
 pub mod system;

@@ -2681,12 +2681,7 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     );
     let output = std::fs::read_to_string(&log).expect("the consumer's log");
     let _ = std::fs::remove_file(&log);
-    assert!(output.contains("\"consumer stopped\""), "{output}");
-    let errors = system_tests::error_lines(&output);
-    assert!(
-        errors.is_empty(),
-        "error lines on a clean stop: {errors:#?}"
-    );
+    system_tests::assert_clean_stop(&output, "consumer stopped");
     assert_eq!(
         progress(Database::Inventory, &name, s.order).await,
         Some((1, false)),
@@ -3590,12 +3585,7 @@ async fn a_clean_stop_logs_no_error() {
     assert!(status.success(), "clean exit: {status}");
     let text = read();
     let _ = std::fs::remove_file(&log);
-    assert!(text.contains("\"consumer stopped\""), "{text}");
-    let errors = system_tests::error_lines(&text);
-    assert!(
-        errors.is_empty(),
-        "error lines on a clean stop: {errors:#?}"
-    );
+    system_tests::assert_clean_stop(&text, "consumer stopped");
 }
 
 /// A consumer refuses to run on a topology of another shape (a
