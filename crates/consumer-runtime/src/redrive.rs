@@ -370,13 +370,10 @@ pub async fn redrive(
         move_in_passes(pool, channel, topology, only_order, max, &mut report).await
     }
     .await;
-    // The channel is closed before the connection: dropped open, it would
-    // close itself in the background, and when the connection's close
-    // overtook that, lapin failed it, put the connection in error and
-    // logged an ERROR at the end of every redrive.
-    if let Some(channel) = opened.filter(|channel| channel.status().connected()) {
-        let closing = channel.close(200, "redrive done".into());
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), closing).await;
+    // Closed before the connection (dropped open, it made lapin log an ERROR
+    // at the end of every redrive).
+    if let Some(channel) = opened {
+        kit::amqp::close_bounded(&channel, "redrive done").await;
     }
     let _ = connection.close(200, "redrive done".into()).await;
     (report, result)

@@ -134,8 +134,8 @@ async fn consume<D: Domain>(
             // channel closes itself in the background, and closing the
             // connection meanwhile made lapin log an ERROR on every clean
             // shutdown. (Unacknowledged prefetched messages are requeued.)
-            close_channel(&consume_channel).await;
-            close_channel(&publisher.channel).await;
+            kit::amqp::close_bounded(&consume_channel, "bye").await;
+            kit::amqp::close_bounded(&publisher.channel, "bye").await;
             // Only now, with its channel closing (which marks the consumer
             // as cancelling), may the consumer go: dropping an active one sends a
             // basic.cancel in the background, and when that raced the channel
@@ -342,20 +342,11 @@ async fn watch_dead_letters(
         }
         tokio::select! {
             _ = stop.cancelled() => {
-                close_channel(&channel).await;
+                kit::amqp::close_bounded(&channel, "bye").await;
                 return;
             }
             _ = tokio::time::sleep(Duration::from_secs(5)) => {}
         }
-    }
-}
-
-/// Close `channel` if it is still open (bounded: a broker that does not answer
-/// must not hold up a shutdown).
-async fn close_channel(channel: &lapin::Channel) {
-    if channel.status().connected() {
-        let _ =
-            tokio::time::timeout(Duration::from_secs(2), channel.close(200, "bye".into())).await;
     }
 }
 

@@ -30,6 +30,30 @@ pub enum AmqpError {
     Lapin(#[from] lapin::Error),
 }
 
+/// How long a broker's answer to a channel's open or close is awaited on the
+/// way out ([`close_bounded`]).
+pub const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+/// Close `channel` if it is still open, waiting at most [`CLOSE_WAIT`] for
+/// the broker's answer: a broker in trouble (the reason a channel is
+/// replaced, say) must not hold a worker, nor a shutdown. Closed before its
+/// connection: a channel dropped open closes itself in the background, and
+/// when the connection's close overtakes that, lapin puts the connection in
+/// error and logs "Connection error" at ERROR.
+pub async fn close_bounded(channel: &Channel, reason: &str) {
+    if !channel.status().connected() {
+        return;
+    }
+    let closing = channel.close(200, reason.into());
+    if tokio::time::timeout(CLOSE_WAIT, closing).await.is_err() {
+        tracing::warn!(
+            reason,
+            waited_secs = CLOSE_WAIT.as_secs(),
+            "the broker did not confirm the channel close in time"
+        );
+    }
+}
+
 /// Whether a service currently holds a working broker connection (for `/readyz`).
 #[derive(Clone, Debug, Default)]
 pub struct Connected(Arc<AtomicBool>);

@@ -107,8 +107,8 @@ impl Relay {
             tokio::pin!(creating);
             let channel = tokio::select! {
                 _ = shutdown.cancelled() => {
-                    if let Ok(Ok(channel)) = tokio::time::timeout(CLOSE_WAIT, &mut creating).await {
-                        close_bounded(&channel, "shutting down").await;
+                    if let Ok(Ok(channel)) = tokio::time::timeout(kit::amqp::CLOSE_WAIT, &mut creating).await {
+                        kit::amqp::close_bounded(&channel, "shutting down").await;
                     }
                     return Ok(());
                 }
@@ -124,7 +124,7 @@ impl Relay {
             };
             tokio::select! {
                 _ = shutdown.cancelled() => {
-                    close_bounded(&channel, "shutting down").await;
+                    kit::amqp::close_bounded(&channel, "shutting down").await;
                     return Ok(());
                 }
                 ready = setup => ready?,
@@ -135,12 +135,12 @@ impl Relay {
                 .await?
             {
                 ChannelEnd::Shutdown => {
-                    close_bounded(&channel, "shutting down").await;
+                    kit::amqp::close_bounded(&channel, "shutting down").await;
                     return Ok(());
                 }
                 ChannelEnd::Reopen => {
                     tracing::warn!(worker, "replacing the publishing channel");
-                    close_bounded(&channel, "replacing channel").await;
+                    kit::amqp::close_bounded(&channel, "replacing channel").await;
                 }
             }
         }
@@ -567,24 +567,6 @@ impl Drop for Settling<'_> {
                 held.swap_remove(at);
             }
         }
-    }
-}
-
-/// How long a broker's answer to a channel's open or close is awaited on the
-/// way out.
-const CLOSE_WAIT: Duration = Duration::from_secs(2);
-
-/// Close `channel`, waiting at most [`CLOSE_WAIT`] for the broker's answer:
-/// a broker in trouble (the reason a channel is replaced) must not hold the
-/// worker, nor a shutdown.
-async fn close_bounded(channel: &Channel, reason: &str) {
-    let closing = channel.close(200, reason.into());
-    if tokio::time::timeout(CLOSE_WAIT, closing).await.is_err() {
-        tracing::warn!(
-            reason,
-            waited_secs = CLOSE_WAIT.as_secs(),
-            "the broker did not confirm the channel close in time"
-        );
     }
 }
 
