@@ -472,6 +472,14 @@ impl OrderApi {
     }
 }
 
+/// The text of a service's output file, the file removed.
+pub fn take_log(path: &std::path::Path) -> String {
+    let output =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let _ = std::fs::remove_file(path);
+    output
+}
+
 /// The lines of a service's JSON log (`LOG_FORMAT=json`, the default) at
 /// level ERROR: none on a clean stop (an alert on error lines must not fire
 /// on every deploy).

@@ -2679,9 +2679,7 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
         "clean exit: {:?}",
         status.0
     );
-    let output = std::fs::read_to_string(&log).expect("the consumer's log");
-    let _ = std::fs::remove_file(&log);
-    system_tests::assert_clean_stop(&output, "consumer stopped");
+    system_tests::assert_clean_stop(&system_tests::take_log(&log), "consumer stopped");
     assert_eq!(
         progress(Database::Inventory, &name, s.order).await,
         Some((1, false)),
@@ -3556,36 +3554,28 @@ async fn an_order_reserves_each_sku_once_with_its_own_shortage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_stop_logs_no_error() {
     let name = unique("t-stop-led");
-    let options = Options::default();
-    let _topology = TopologyGuard::new(&name, &options);
     let log = std::env::temp_dir().join(format!("{name}.log"));
-    let file = std::fs::File::create(&log).expect("log file");
-    let mut child = consumer_command(Kind::Ledger, &name, &options)
-        .env("RUST_LOG", "info")
-        .env("LOG_FORMAT", "json")
-        .stdin(std::process::Stdio::null())
-        .stderr(file)
-        .spawn()
-        .expect("start the consumer");
-    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    let options = Options {
+        extra: vec![("RUST_LOG".into(), "info".into())],
+        log: Some(log.clone()),
+        ..Options::default()
+    };
+    let _topology = TopologyGuard::new(&name, &options);
+    let mut service = Consumer::spawn(Kind::Ledger, &name, system_tests::free_port(), &options);
     eventually("consuming", WAIT, || async {
-        read().contains("\"consuming\"").then_some(())
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("\"consuming\"")
+            .then_some(())
     })
     .await;
-    let pid = child.id().to_string();
-    let killed = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let status = tokio::task::spawn_blocking(move || child.wait())
+    service.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || service.wait_exit(WAIT))
         .await
         .expect("join")
-        .expect("wait");
+        .expect("exits after SIGTERM");
     assert!(status.success(), "clean exit: {status}");
-    let text = read();
-    let _ = std::fs::remove_file(&log);
-    system_tests::assert_clean_stop(&text, "consumer stopped");
+    system_tests::assert_clean_stop(&system_tests::take_log(&log), "consumer stopped");
 }
 
 /// A consumer refuses to run on a topology of another shape (a

@@ -267,6 +267,16 @@ async fn wait_all_published(db: &Client, tenant: &str, timeout: Duration) {
     .await;
 }
 
+/// `columns` of the tenant's one outbox row.
+async fn the_row(db: &Client, tenant: &str, columns: &str) -> tokio_postgres::Row {
+    db.query_one(
+        &format!("SELECT {columns} FROM outbox_events WHERE tenant_id = $1"),
+        &[&tenant],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the tenant's one outbox row ({columns}): {e}"))
+}
+
 async fn delete_tenant_rows(db: &Client, tenant: &str) {
     system_tests::delete_outbox_rows(
         db,
@@ -274,13 +284,6 @@ async fn delete_tenant_rows(db: &Client, tenant: &str) {
         &[&tenant],
     )
     .await;
-}
-
-/// The text of a relay's output file, the file removed.
-fn take_log(path: &std::path::Path) -> String {
-    let output = std::fs::read_to_string(path).expect("relay log");
-    let _ = std::fs::remove_file(path);
-    output
 }
 
 /// A running relay.
@@ -325,7 +328,7 @@ impl Relay {
     }
 
     /// [`Relay::start`] with its output in a file of its own, returned
-    /// (read it with [`take_log`]).
+    /// (read it with [`system_tests::take_log`]).
     fn start_logged(tenant: &str, extra: &[(&'static str, String)]) -> (Relay, std::path::PathBuf) {
         let log = std::env::temp_dir().join(format!("{tenant}-relay.log"));
         let relay = Self::start_with_output(tenant, extra, Some(&log));
@@ -988,7 +991,7 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     // The rows are published before the retry has counted them (it runs
     // after a pause): the helper waits for the count, not a fixed time.
     assert_published_once_by(&relay, &collector, &events, 6).await;
-    let output = take_log(&log);
+    let output = system_tests::take_log(&log);
     assert!(
         output.contains("injected by fail point relay.mark.reply_lost"),
         "the mark's reply was lost once, and the mark retried:\n{output}"
@@ -1070,7 +1073,7 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
     .await;
     assert_eq!(expired, 0, "no lease expiry recorded");
     relay.stop();
-    let output = take_log(&log);
+    let output = system_tests::take_log(&log);
     assert!(
         output.contains("the lease ran out while the database was unreachable"),
         "the mark went on past the lease:\n{output}"
@@ -1122,7 +1125,7 @@ async fn a_quarantine_whose_reply_is_lost_is_still_logged_and_counted() {
         "quarantined after one attempt, recorded once, released"
     );
     assert_eq!(relay.metric("outbox_quarantined_total").await, 1);
-    let output = take_log(&log);
+    let output = system_tests::take_log(&log);
     assert!(
         output.contains("injected by fail point relay.mark_failed.reply_lost"),
         "the reply was lost once, and the write retried:\n{output}"
@@ -1485,7 +1488,7 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
     .await;
     let instance = relay.instance.clone();
     relay.stop(); // SIGTERM; asserts a clean exit
-    let output = take_log(&log);
+    let output = system_tests::take_log(&log);
     system_tests::assert_clean_stop(&output, "relay stopped");
     let row = db
         .query_one(
@@ -1543,7 +1546,7 @@ async fn sigterm_while_a_worker_sets_up_its_channel_logs_no_error() {
     )
     .await;
     relay.stop(); // SIGTERM; asserts a clean exit
-    let output = take_log(&log);
+    let output = system_tests::take_log(&log);
     assert!(
         !output.contains("relay worker ready"),
         "stopped while setting up: {output}"
@@ -1711,15 +1714,13 @@ async fn a_crash_before_a_failure_is_recorded_loses_nothing() {
     insert(&db, &tenant, &events).await;
 
     Relay::crashed_at(&tenant, "relay.before_mark_failed", &[]);
-    let row = db
-        .query_one(
-            "SELECT claimed_by IS NOT NULL, attempt_count, own_failure_count, last_error IS NULL,
-                    published_at IS NULL
-             FROM outbox_events WHERE tenant_id = $1",
-            &[&tenant],
-        )
-        .await
-        .expect("state");
+    let row = the_row(
+        &db,
+        &tenant,
+        "claimed_by IS NOT NULL, attempt_count, own_failure_count, last_error IS NULL,
+         published_at IS NULL",
+    )
+    .await;
     assert_eq!(
         (
             row.get::<_, bool>(0),
@@ -1758,7 +1759,7 @@ async fn a_crash_before_a_failure_is_recorded_loses_nothing() {
 
 /// A relay killed right after it recorded a failed publish (fail point
 /// `relay.after_mark_failed`) leaves nothing pending: the attempt is
-/// counted once, the backoff set and the lease released. The next relay
+/// counted once, the row put off by its backoff and the lease released. The next relay
 /// claims the row afresh once it is due (no takeover: never counted as a
 /// relay's death) and publishes it once, now that the route exists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1768,12 +1769,19 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
     let unroutable = format!("RelayTestFailedCrash{}", short_id());
     let events = orders_with_events(1, 1, &unroutable);
     insert(&db, &tenant, &events).await;
+    let due_at = "(extract(epoch FROM available_at) * 1000000)::bigint";
+    let inserted_due: i64 = the_row(&db, &tenant, due_at).await.get(0);
 
     Relay::crashed_at(&tenant, "relay.after_mark_failed", &[]);
-    let state = "SELECT claimed_by IS NULL, claim_until IS NULL, attempt_count, own_failure_count,
-                        lease_expiries, last_error IS NOT NULL, published_at IS NULL
-                 FROM outbox_events WHERE tenant_id = $1";
-    let row = db.query_one(state, &[&tenant]).await.expect("state");
+    let row = the_row(
+        &db,
+        &tenant,
+        &format!(
+            "claimed_by IS NULL, claim_until IS NULL, attempt_count, own_failure_count,
+             lease_expiries, last_error IS NOT NULL, published_at IS NULL, {due_at}"
+        ),
+    )
+    .await;
     assert_eq!(
         (
             row.get::<_, bool>(0),
@@ -1787,6 +1795,11 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
         (true, true, 1, 1, 0, true, true),
         "the failed attempt recorded once, the lease released, unpublished"
     );
+    assert!(
+        row.get::<_, i64>(7) > inserted_due,
+        "put off by the backoff: due {} µs, inserted due {inserted_due}",
+        row.get::<_, i64>(7)
+    );
 
     // The route exists before the next relay starts: its first attempt
     // succeeds.
@@ -1798,14 +1811,12 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
     let received = collector.snapshot();
     assert_eq!(received.len(), 1, "published once: {received:?}");
     assert_eq!(received[0].event_id, events[0].event_id.to_string());
-    let row = db
-        .query_one(
-            "SELECT attempt_count, own_failure_count, lease_expiries, claimed_by
-             FROM outbox_events WHERE tenant_id = $1",
-            &[&tenant],
-        )
-        .await
-        .expect("state");
+    let row = the_row(
+        &db,
+        &tenant,
+        "attempt_count, own_failure_count, lease_expiries, claimed_by",
+    )
+    .await;
     assert_eq!(
         (
             row.get::<_, i32>(0),
