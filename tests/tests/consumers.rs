@@ -4221,6 +4221,79 @@ async fn crash_around_the_park(failpoint: &str, after_crash: Option<(i64, bool)>
     drop(_crashed);
 }
 
+/// An undecodable event whose order another instance applies between this
+/// consumer's look at the order's progress and its park (two instances
+/// briefly on one partition in a rolling deploy, the new binary decoding a
+/// version the old one cannot): the park finds the progress at the event
+/// and does nothing, no dead letter is published, and the copy is
+/// acknowledged as stale. The other instance's transaction is the test's:
+/// uncommitted while the consumer reads the progress (nothing there yet),
+/// committed once the consumer's park waits on its row. The handler-failure
+/// path (a last attempt failing here while another copy applies) parks
+/// through the same statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_applied_elsewhere_before_the_park_leaves_the_order_unparked() {
+    let (tenant, name, inventory, publisher) = one_partition_inventory("t5-park-race").await;
+    let order = Uuid::now_v7();
+    let poison = order_placed(&tenant, order, 1, "77", 1).as_version_99();
+
+    let mut other = pg(Database::Inventory).await;
+    let other_pid: i32 = other
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let tx = other.transaction().await.expect("begin");
+    tx.execute(
+        "INSERT INTO processed_events (consumer_name, event_id, tenant_id) VALUES ($1, $2, $3)",
+        &[&name, &poison.event_id, &tenant],
+    )
+    .await
+    .expect("the other instance's inbox row");
+    tx.execute(
+        "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id, last_sequence) \
+         VALUES ($1, $2, $3, 1)",
+        &[&name, &order.to_string(), &tenant],
+    )
+    .await
+    .expect("the other instance's progress");
+
+    publisher.to_consumer(&name, &poison).await;
+    let watcher = pg(Database::Inventory).await;
+    eventually(
+        "the consumer's park waiting on the other instance's progress row",
+        WAIT,
+        || async {
+            let waiting: i64 = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE $1 = ANY(pg_blocking_pids(pid)) \
+                       AND query LIKE 'INSERT INTO order_progress%parked_reason%'",
+                    &[&other_pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            (waiting == 1).then_some(())
+        },
+    )
+    .await;
+    tx.commit().await.expect("the other instance's commit");
+
+    inventory.wait_metric("consumer_stale_total", "", 1.0).await;
+    assert_eq!(
+        progress(Database::Inventory, &name, order).await,
+        Some((1, false)),
+        "applied by the other instance, not parked"
+    );
+    assert_eq!(
+        inventory.metric("consumer_dead_lettered_total", "").await,
+        0.0
+    );
+    let letters = drain_dead_letters(&name).await;
+    assert!(letters.is_empty(), "nothing dead-lettered: {letters:?}");
+}
+
 /// A stale copy of an applied event whose inbox row was cleaned up gets a
 /// new inbox row; a crash after that commit, before the acknowledgement
 /// (`consumer.stale.after_commit`), redelivers it to the restarted consumer

@@ -403,8 +403,13 @@ impl<D: Domain> Processor<D> {
             }
         }
         tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettering and parking the order");
-        self.dead_letter_and_park(publisher, incoming, order, &reason)
-            .await?;
+        if self
+            .dead_letter_and_park(publisher, incoming, order, &reason)
+            .await?
+            == Letter::AppliedMeanwhile
+        {
+            return Ok(self.applied_meanwhile(order));
+        }
         self.metrics
             .dead_lettered
             .with_label_values(&["poison"])
@@ -635,8 +640,13 @@ impl<D: Domain> Processor<D> {
                 attempts,
                 ..*incoming
             };
-            self.dead_letter_and_park(publisher, &counted, raw.into(), &reason)
-                .await?;
+            if self
+                .dead_letter_and_park(publisher, &counted, raw.into(), &reason)
+                .await?
+                == Letter::AppliedMeanwhile
+            {
+                return Ok(self.applied_meanwhile(raw.into()));
+            }
             self.metrics
                 .dead_lettered
                 .with_label_values(&["max_attempts"])
@@ -772,18 +782,20 @@ impl<D: Domain> Processor<D> {
     }
 
     /// Park the order and publish to the DLQ in one database transaction: the
-    /// park commits only once the broker confirmed the dead letter.
+    /// park commits only once the broker confirmed the dead letter. Neither
+    /// happens if the order's progress is at or past the event by the time
+    /// the park locks it ([`Letter::AppliedMeanwhile`]).
     async fn dead_letter_and_park(
         &self,
         publisher: &Channel,
         incoming: &Incoming<'_>,
         order: OrderRef<'_>,
         reason: &str,
-    ) -> Result<(), Infra> {
+    ) -> Result<Letter, Infra> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let parked = tx
-            .query_one(
+            .query_opt(
                 PARK,
                 &[
                     &self.name(),
@@ -796,7 +808,17 @@ impl<D: Domain> Processor<D> {
             )
             .await;
         let newly_parked: bool = match parked {
-            Ok(row) => row.get(0),
+            Ok(Some(row)) => row.get(0),
+            Ok(None) => {
+                // The progress row is at or past the event: another copy of
+                // it was applied since this one was found failing or
+                // undecodable (two instances briefly on one partition, a
+                // rolling deploy whose new binary decodes what this one
+                // cannot). Parking would hold the order behind an applied
+                // event; nothing to hold.
+                rollback(tx).await;
+                return Ok(Letter::AppliedMeanwhile);
+            }
             Err(error) => {
                 // The order cannot even be recorded (its id or tenant is not
                 // storable): dead-letter the event alone. Its order's later
@@ -805,7 +827,8 @@ impl<D: Domain> Processor<D> {
                 rollback(tx).await;
                 drop(client);
                 tracing::error!(event_id = %order.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
-                return self.dead_letter(publisher, incoming, reason).await;
+                self.dead_letter(publisher, incoming, reason).await?;
+                return Ok(Letter::Parked);
             }
         };
         self.publish_dead_letter(publisher, incoming, reason)
@@ -827,15 +850,33 @@ impl<D: Domain> Processor<D> {
         if newly_parked {
             self.metrics.parked_orders.inc();
         }
-        Ok(())
+        Ok(Letter::Parked)
     }
+
+    /// A copy of an event applied meanwhile, found by the park: stale.
+    fn applied_meanwhile(&self, order: OrderRef<'_>) -> Outcome {
+        self.metrics.stale.inc();
+        tracing::info!(event_id = %order.event_id, sequence = order.sequence, "the event was applied meanwhile: not parking its order; acknowledged as stale");
+        Outcome::Stale
+    }
+}
+
+/// What [`Processor::dead_letter_and_park`] did.
+#[derive(Debug, PartialEq, Eq)]
+enum Letter {
+    /// Dead-lettered (and the order parked, where it can be recorded).
+    Parked,
+    /// Nothing: the order's progress was at or past the event.
+    AppliedMeanwhile,
 }
 
 /// Park the order at sequence `$6` (its event `$4`, for reason `$5`), or, if
 /// it is parked already, at the lower of the two sequences, naming the
 /// lower one's event. A row parked before `parked_sequence` existed (NULL)
 /// holds the whole order and stays so. Returns whether this transaction
-/// parked the order (`parked_at` is its `now()`), false for a re-park.
+/// parked the order (`parked_at` is its `now()`), false for a re-park; no
+/// row if the order's progress is at or past `$6` (the event applied
+/// meanwhile: the row is then left as it was, locked until the rollback).
 const PARK: &str = "INSERT INTO order_progress \
        (consumer_name, aggregate_id, tenant_id, parked_at, parked_event_id, parked_reason, \
         parked_sequence) \
@@ -853,6 +894,7 @@ const PARK: &str = "INSERT INTO order_progress \
            WHEN order_progress.parked_sequence IS NULL THEN NULL \
            ELSE LEAST(order_progress.parked_sequence, EXCLUDED.parked_sequence) END, \
        updated_at = now() \
+     WHERE order_progress.last_sequence < EXCLUDED.parked_sequence \
      RETURNING parked_at = now()";
 
 /// Whether a failed runtime statement (inbox, progress, park, COMMIT) is
