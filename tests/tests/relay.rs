@@ -2945,6 +2945,23 @@ async fn fake_consumer(
     name: &str,
     partitions: usize,
 ) -> Vec<String> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    fake_consumer_with(channel, source, name, partitions, args).await
+}
+
+/// [`fake_consumer`] whose partition queues are declared with `queue_args`.
+async fn fake_consumer_with(
+    channel: &Channel,
+    source: &str,
+    name: &str,
+    partitions: usize,
+    queue_args: FieldTable,
+) -> Vec<String> {
     let exchange = format!("{name}.events");
     let mut args = FieldTable::default();
     args.insert(
@@ -2973,12 +2990,6 @@ async fn fake_consumer(
     let mut queues = Vec::new();
     for i in 0..partitions {
         let queue = format!("{name}.p{i}");
-        let mut args = FieldTable::default();
-        args.insert(
-            "x-queue-type".into(),
-            AMQPValue::LongString("quorum".into()),
-        );
-        args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
         channel
             .queue_declare(
                 queue.as_str().into(),
@@ -2986,7 +2997,7 @@ async fn fake_consumer(
                     durable: true,
                     ..QueueDeclareOptions::default()
                 },
-                args,
+                queue_args.clone(),
             )
             .await
             .expect("partition queue");
@@ -3017,6 +3028,77 @@ async fn drop_fake_consumer(channel: &Channel, name: &str, queues: &[String]) {
             ExchangeDeleteOptions::default(),
         )
         .await;
+}
+
+/// A replay never lets an order's later event overtake one the broker
+/// refused: here the consumer's partition takes no message over 2,000
+/// bytes (`x-max-length-bytes` with `x-overflow: reject-publish`, which
+/// nacks), the order's first event is over it and its second is not. The
+/// replay sends the second only once the first is confirmed, so it stops at
+/// the nacked first event, names it, and the partition holds nothing (the
+/// second event alone there would be a gap to the consumer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_sends_an_order_s_next_event_only_after_the_one_before_is_confirmed() {
+    let (tenant, event_type, db, connection, channel) = fresh_tenant("RelayTestReplayNack").await;
+    let target = format!("relaytest{}", short_id());
+    let mut args = FieldTable::default();
+    args.insert("x-max-length-bytes".into(), AMQPValue::LongLongInt(2_000));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let queues = fake_consumer_with(&channel, &tenant, &target, 1, args).await;
+    let mut events = orders_with_events(1, 2, &event_type);
+    events[0].payload["note"] = json!("x".repeat(3_000));
+    insert(&db, &tenant, &events).await;
+    // Published before (no relay runs here: marked as its mark would).
+    let marked = db
+        .execute(
+            "UPDATE outbox_events SET published_at = now() WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("mark");
+    assert_eq!(marked, 2);
+
+    let (ok, output) = admin(
+        &[
+            "replay",
+            "--consumer",
+            &target,
+            "--order",
+            &events[0].aggregate_id,
+        ],
+        &[],
+    )
+    .await;
+    assert!(!ok, "a refused event fails the replay: {output}");
+    assert!(
+        output.contains(&format!(
+            "event {} was not confirmed (negatively acknowledged by the broker)",
+            events[0].event_id
+        )),
+        "{output}"
+    );
+    let waiting = channel
+        .queue_declare(
+            queues[0].as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("the partition")
+        .message_count();
+    assert_eq!(
+        waiting, 0,
+        "the order's second event was not sent ahead of its refused first"
+    );
+    drop_fake_consumer(&channel, &target, &queues).await;
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
 }
 
 /// Issue 4, test 7: replay of one consumer re-delivers the published (and

@@ -9,9 +9,15 @@
 //! range in `(aggregate_type, aggregate_id, aggregate_sequence)` order
 //! (keyset pages over the unique index: no sort, bounded memory, no long
 //! transaction) and publishes them to `<name>.events` with the `replayed`
-//! header, pipelined per page with confirms. One order's events hash to one
-//! partition and are sent in sequence on one channel, so they arrive in
-//! order. The consumer's inbox makes re-delivery of applied events a no-op.
+//! header, pipelined with confirms in waves: a page's first event of every
+//! order, then its second of every order once the first wave is confirmed,
+//! and so on. One order's events hash to one partition; an order's next
+//! event is sent only once the broker confirmed the one before, and the
+//! replay stops at the first failure. So a message the broker refuses (a
+//! partition full under `x-overflow: reject-publish`, or over a byte
+//! limit) is never overtaken by a later event of its order, as the relay's
+//! claim never lets one be. The consumer's inbox makes re-delivery of
+//! applied events a no-op.
 
 use std::time::Instant;
 
@@ -258,7 +264,10 @@ pub async fn replay(
         if let Some(last) = rows.last() {
             after = (last.get(2), last.get(3), last.get(4));
         }
-        let mut messages = Vec::with_capacity(rows.len());
+        // waves[i]: the i-th event of every order of the page, in order.
+        let mut waves: Vec<Vec<_>> = Vec::new();
+        let mut page_order: Option<(String, String)> = None;
+        let mut nth = 0;
         for row in &rows {
             let event_id: Uuid = row.get(0);
             let published: bool = row.get(12);
@@ -271,11 +280,21 @@ pub async fn replay(
                 });
             match prepared {
                 Ok((order, prepared)) => {
-                    if last_order.as_deref() != Some(order.as_str()) {
-                        summary.orders += 1;
-                        last_order = Some(order);
+                    let key = (row.get::<_, String>(2), order);
+                    if page_order.as_ref() == Some(&key) {
+                        nth += 1;
+                    } else {
+                        nth = 0;
+                        if last_order.as_deref() != Some(key.1.as_str()) {
+                            summary.orders += 1;
+                            last_order = Some(key.1.clone());
+                        }
+                        page_order = Some(key);
                     }
-                    messages.push(prepared);
+                    if waves.len() <= nth {
+                        waves.push(Vec::new());
+                    }
+                    waves[nth].push(prepared);
                 }
                 // In flight, never published: no relay can send it either
                 // (it fails the same way there and is quarantined), so no
@@ -291,24 +310,28 @@ pub async fn replay(
                 ),
             }
         }
-        let sent = messages.len() as u64;
-        let outcomes =
-            publish::publish_batch(&channel, &exchange, messages, request.confirm_timeout).await;
-        if let Some(failed) = outcomes.iter().find(|o| o.result.is_err()) {
-            let reason = failed
-                .result
-                .as_ref()
-                .err()
-                .map(|f| f.describe())
-                .unwrap_or_default();
-            anyhow::bail!(
-                "event {} was not confirmed ({reason}); {} event(s) replayed before it. \
-                 Run the replay again (consumers de-duplicate)",
-                failed.event_id,
-                summary.republished
-            );
+        for wave in waves {
+            let sent = wave.len() as u64;
+            let outcomes =
+                publish::publish_batch(&channel, &exchange, wave, request.confirm_timeout).await;
+            if let Some(failed) = outcomes.iter().find(|o| o.result.is_err()) {
+                // Nothing later of the failed event's order has been sent:
+                // its next event would be in the next wave.
+                let reason = failed
+                    .result
+                    .as_ref()
+                    .err()
+                    .map(|f| f.describe())
+                    .unwrap_or_default();
+                anyhow::bail!(
+                    "event {} was not confirmed ({reason}); {} event(s) replayed before it, \
+                     none after it of its order. Run the replay again (consumers de-duplicate)",
+                    failed.event_id,
+                    summary.republished
+                );
+            }
+            summary.republished += sent;
         }
-        summary.republished += sent;
         println!(
             "replayed {} event(s) of {} order(s) so far ({} ms)",
             summary.republished,
