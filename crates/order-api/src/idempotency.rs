@@ -598,12 +598,14 @@ pub async fn execute(
         // trigger's notification: each committing writer holds it through
         // its WAL flush). Past lock_timeout the database is slow, not the
         // order busy: a 503 unavailable, not order_busy.
-        // Without a server error (the connection dropped) the server may
-        // have committed: the answer must not say that nothing was stored.
-        let error = if e.code().is_none() {
-            ApiError::Commit(e)
-        } else {
+        // Unless the error says the transaction was rolled back, the server
+        // may have committed (the connection dropped; the backend ended by
+        // an administrator while it waited for a synchronous standby, after
+        // its local commit): the answer must not say that nothing was stored.
+        let error = if commit_surely_failed(e.code()) {
             ApiError::from(e)
+        } else {
+            ApiError::Commit(e)
         };
         metrics.rollbacks.with_label_values(&[endpoint]).inc();
         tracing::warn!(endpoint, key_hash, %error, "commit failed (a retry under the same key replays it if it committed)");
@@ -619,6 +621,21 @@ pub async fn execute(
         "idempotency key claimed and committed"
     );
     Ok(stored.response(false))
+}
+
+/// Whether a COMMIT that failed with SQLSTATE `code` certainly rolled its
+/// transaction back: a transaction-rollback class (40: serialization,
+/// deadlock), an integrity check deferred to COMMIT (23), a lock not got in
+/// time (55P03: the NOTIFY queue's) or a statement cancelled (57014), all
+/// raised before the commit record is written. Anything else (no SQLSTATE:
+/// the connection dropped; 57P01: the backend terminated, possibly while
+/// waiting for a synchronous standby after committing locally; 08: the
+/// connection) leaves the outcome unknown.
+fn commit_surely_failed(code: Option<&tokio_postgres::error::SqlState>) -> bool {
+    code.map(tokio_postgres::error::SqlState::code)
+        .is_some_and(|code| {
+            code.starts_with("40") || code.starts_with("23") || code == "55P03" || code == "57014"
+        })
 }
 
 #[cfg(test)]
@@ -655,5 +672,31 @@ mod tests {
             assert_eq!(error.problem().status, 400, "{bad:?}");
             assert_eq!(error.problem().code, "invalid_idempotency_key");
         }
+    }
+
+    #[test]
+    fn only_a_commit_error_that_says_so_is_taken_for_a_rollback() {
+        use tokio_postgres::error::SqlState;
+        for rolled_back in [
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::T_R_DEADLOCK_DETECTED,
+            SqlState::CHECK_VIOLATION,
+            SqlState::LOCK_NOT_AVAILABLE,
+            SqlState::QUERY_CANCELED,
+        ] {
+            assert!(commit_surely_failed(Some(&rolled_back)), "{rolled_back:?}");
+        }
+        for unknown in [
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CONNECTION_FAILURE,
+            SqlState::IO_ERROR,
+        ] {
+            assert!(!commit_surely_failed(Some(&unknown)), "{unknown:?}");
+        }
+        assert!(
+            !commit_surely_failed(None),
+            "no SQLSTATE: the connection dropped"
+        );
     }
 }
