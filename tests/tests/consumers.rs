@@ -1254,9 +1254,10 @@ async fn a_follow_up_leaves_an_order_parked_again_alone() {
 /// until its letter is confirmed, so a redrive's un-park waits for it and
 /// the redrive's follow-up pass finds the letter and moves it. The consumer
 /// is held (fail point `consumer.parked.before_dead_letter`) between
-/// seeing the park and publishing the letter while the redrive runs. (With
-/// the row released first, the un-park went ahead, the follow-up drained
-/// before the letter landed, and it stayed in the DLQ.)
+/// seeing the park and publishing the letter while the redrive runs, and
+/// the test sees the redrive's un-park wait on the row. (With the row
+/// released first, the un-park went ahead, the follow-up drained before the
+/// letter landed, and it stayed in the DLQ.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park() {
     let tenant = unique("t5-redrive-lock");
@@ -1266,7 +1267,7 @@ async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park(
         &name,
         &bad,
         Options {
-            failpoints: Some("consumer.parked.before_dead_letter=1*sleep(5000)".to_owned()),
+            failpoints: Some("consumer.parked.before_dead_letter=1*sleep(10000)".to_owned()),
             ..Options::default()
         },
     )
@@ -1293,7 +1294,29 @@ async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park(
         },
     )
     .await;
-    let stdout = redrive(Kind::Loyalty, &name, &[]).await;
+    let running = tokio::spawn({
+        let name = name.clone();
+        async move { redrive(Kind::Loyalty, &name, &[]).await }
+    });
+    eventually(
+        "the redrive's un-park waiting on the consumer's row (else this test proves nothing)",
+        WAIT,
+        || async {
+            let waiting: i64 = probe
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE wait_event_type = 'Lock' \
+                       AND query LIKE 'UPDATE order_progress SET parked_at = NULL%'",
+                    &[],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    let stdout = running.await.expect("the redrive");
     assert_moved_in_order(&stdout, &[&bad.placed, &bad.paid]);
     wait_sequence(Database::Loyalty, &name, bad.order, 2).await;
     assert_eq!(
@@ -2403,6 +2426,11 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
     }
     let recent = Uuid::now_v7();
     inbox_row(&client, &name, recent, 1).await;
+    // Another consumer's row, older still (first in line, oldest first):
+    // not this consumer's to delete, whatever its age.
+    let neighbour = unique("t5-clean-other");
+    let neighbours = Uuid::now_v7();
+    inbox_row(&client, &neighbour, neighbours, 10).await;
     client
         .execute(
             "INSERT INTO order_progress (consumer_name, aggregate_id, tenant_id, last_sequence) \
@@ -2431,6 +2459,23 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
         .wait_metric("consumer_inbox_cleaned_total", "", 3.0)
         .await;
     assert_eq!(inbox_ids(&client, &name).await, vec![recent]);
+    assert_eq!(
+        inbox_ids(&client, &neighbour).await,
+        vec![neighbours],
+        "another consumer's inbox row is left alone"
+    );
+    assert_eq!(
+        loyalty_c.metric("consumer_inbox_cleaned_total", "").await,
+        3.0,
+        "its own three old rows, nothing else"
+    );
+    client
+        .execute(
+            "DELETE FROM processed_events WHERE consumer_name = $1",
+            &[&neighbour],
+        )
+        .await
+        .expect("remove the other consumer's row");
 
     // A replay of the old delivery: no inbox row any more, still not applied twice.
     let publisher = Publisher::connect().await;

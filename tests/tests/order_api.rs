@@ -478,16 +478,21 @@ async fn an_error_between_the_order_and_its_outbox_row_rolls_everything_back() {
 }
 
 /// The key's retention counts from the stored outcome, not from the
-/// transaction's start: a transaction longer than `ttl_seconds` (here 3 s
-/// against 2) commits a record that is still live, and the retry of a lost
-/// response replays it instead of running the order again.
+/// transaction's start: a transaction longer than `ttl_seconds` (here 12 s
+/// against 10, within a 20 s request budget) commits a record that is still
+/// live, and the retry of a lost response replays it instead of running the
+/// order again. The retry has the whole 10 s to arrive, even on a slow machine.
 #[tokio::test]
 async fn a_transaction_longer_than_the_ttl_still_stores_a_live_key() {
     let api = OrderApi::start(&[
-        ("ORDER_API__IDEMPOTENCY__TTL_SECONDS", "2".to_owned()),
+        ("ORDER_API__IDEMPOTENCY__TTL_SECONDS", "10".to_owned()),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "20000".to_owned(),
+        ),
         (
             "FAILPOINTS",
-            "order_api.before_outbox=1*sleep(3000)".to_owned(),
+            "order_api.before_outbox=1*sleep(12000)".to_owned(),
         ),
     ])
     .await;

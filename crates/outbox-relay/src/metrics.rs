@@ -61,6 +61,10 @@ fn opts(name: &str, help: &str) -> Opts {
 /// (empty: all). Run with sequential scans off (see [`Metrics::refresh`]).
 pub const GAUGES_SQL: &str = include_str!("gauges.sql");
 
+/// The settings of the gauges' transaction (see [`Metrics::refresh`]):
+/// sequential scans off, a longer statement bound.
+pub const GAUGES_SETTINGS: &str = include_str!("gauges_settings.sql");
+
 /// The gauges' query may take at most 1/50 (2 %) of the time between two
 /// refreshes ([`Metrics::refresh_periodically`]).
 pub const GAUGE_PAUSE_FACTOR: u32 = 50;
@@ -222,8 +226,7 @@ impl Metrics {
     pub async fn refresh(&self, pool: &PgPool, only_tenant: &str) -> anyhow::Result<()> {
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
-        tx.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL statement_timeout = '10min'")
-            .await?;
+        tx.batch_execute(GAUGES_SETTINGS).await?;
         let row = tx.query_one(GAUGES_SQL, &[&only_tenant]).await?;
         tx.commit().await?;
         self.pending.set(row.get(0));

@@ -1,0 +1,1 @@
+SET LOCAL enable_seqscan = off; SET LOCAL statement_timeout = '10min'
