@@ -89,6 +89,22 @@ async fn a_blocked_broker_holds_events_back_loses_nothing_and_does_not_hold_shut
         },
     )
     .await;
+    // Not ready while the broker blocks it, and /readyz says why (the
+    // ServiceNotReady alert reads service_ready).
+    let client = reqwest::Client::new();
+    system_tests::consumers::eventually(
+        "the relay's /readyz: not ready, the broker blocking it",
+        Duration::from_secs(30),
+        || async {
+            let response = client.get(relay.url("/readyz")).send().await.ok()?;
+            let status = response.status();
+            let body = response.text().await.ok()?;
+            (status == reqwest::StatusCode::SERVICE_UNAVAILABLE
+                && body.contains("\"broker\":\"blocked\""))
+            .then_some(())
+        },
+    )
+    .await;
     let tenant = system.tenant.clone();
     let held = count(
         "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND published_at IS NULL",

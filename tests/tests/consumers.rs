@@ -1788,6 +1788,13 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         2.0,
         "the unknown type and the payment v99 were acknowledged and advanced the sequence"
     );
+    assert_eq!(
+        inventory
+            .metric("consumer_handler_duration_seconds_count", "")
+            .await,
+        4.0,
+        "the handler timed for the four events it applied, not for the two it ignored"
+    );
     let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
     assert_eq!(kinds, vec!["receipt", "reserve", "sale", "reserve", "sale"]);
     assert_eq!(

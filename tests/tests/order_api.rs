@@ -989,6 +989,7 @@ async fn a_create_replay_after_a_payment_is_the_creation_snapshot() {
 /// operation span records no context: the outbox row stores the caller's
 /// own `traceparent` and `tracestate`, so the events still continue the
 /// caller's trace (it stored none before); an invalid one is not stored.
+/// Two `tracestate` fields are stored as one list, in order (W3C).
 #[tokio::test]
 async fn without_its_own_spans_the_api_stores_the_caller_s_trace_context() {
     let api = OrderApi::start(&[("OTEL_TRACES_FILTER", "off".to_owned())]).await;
@@ -1003,6 +1004,7 @@ async fn without_its_own_spans_the_api_stores_the_caller_s_trace_context() {
             .header("Content-Type", "application/json")
             .header("traceparent", traceparent)
             .header("tracestate", "vendor=1")
+            .header("tracestate", "other=2")
             .body(SEED_ORDER)
             .timeout(Duration::from_secs(30))
             .send()
@@ -1027,7 +1029,10 @@ async fn without_its_own_spans_the_api_stores_the_caller_s_trace_context() {
     assert_eq!(
         stored,
         vec![
-            (Some(traceparent.to_owned()), Some("vendor=1".to_owned())),
+            (
+                Some(traceparent.to_owned()),
+                Some("vendor=1,other=2".to_owned())
+            ),
             (None, None)
         ]
     );

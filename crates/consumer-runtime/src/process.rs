@@ -539,20 +539,23 @@ impl<D: Domain> Processor<D> {
             tracing::error!(event_id = %raw.event_id, %error, "inconsistent progress row");
             return Err(Infra::Database(error));
         }
-        let started = Instant::now();
         let result = match event {
+            // A type this consumer does not handle: no handler ran, nothing
+            // to time (the sequence is still recorded).
             None => Ok(()),
             Some(event) => {
+                let started = Instant::now();
                 kit::failpoint::crash_point("consumer.in_handler");
-                match injected_handler_error(raw) {
+                let result = match injected_handler_error(raw) {
                     Some(error) => Err(error),
                     None => self.apply_contained(&tx, event, raw).await,
-                }
+                };
+                self.metrics
+                    .handler_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                result
             }
         };
-        self.metrics
-            .handler_seconds
-            .observe(started.elapsed().as_secs_f64());
         if let Err(error) = result {
             // Dropping the transaction would roll back too; say it explicitly.
             if let Err(rollback) = tx.rollback().await {

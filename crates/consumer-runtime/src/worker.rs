@@ -54,6 +54,7 @@ pub(crate) async fn run_connection<D: Domain>(
         .await
     {
         Ok(()) => {
+            ready.watch(&connection);
             ready.set(true);
             let consumed = consume(&connection, processor, prefetch, &shutdown).await;
             ready.set(false);

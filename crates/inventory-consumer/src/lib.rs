@@ -99,6 +99,10 @@ impl consumer_runtime::Domain for Inventory {
                     let (sku, qty, shortage): (String, i64, i64) =
                         (row.get(0), row.get(1), row.get(2));
                     if shortage > 0 {
+                        // Counted when written, before the commit: an
+                        // attempt whose commit fails and is retried counts
+                        // again (an alerting signal; the movement's
+                        // `shortage` column is the exact record).
                         self.shortages.inc();
                         tracing::warn!(%sku, location = %order.location, qty, shortage, order = %order.order_id, "stock shortage");
                     }

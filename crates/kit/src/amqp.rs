@@ -54,16 +54,54 @@ pub async fn close_bounded(channel: &Channel, reason: &str) {
     }
 }
 
-/// Whether a service currently holds a working broker connection (for `/readyz`).
+/// Whether a service currently holds a working broker connection (for
+/// `/readyz`): up, and not blocked by the broker (a memory or disk alarm
+/// blocks every connection that publishes until it clears: the relay then
+/// publishes nothing, a consumer can neither retry nor dead-letter).
 #[derive(Clone, Debug, Default)]
-pub struct Connected(Arc<AtomicBool>);
+pub struct Connected(Arc<ConnectedState>);
+
+#[derive(Debug, Default)]
+struct ConnectedState {
+    up: AtomicBool,
+    /// The current connection's status, kept up to date by lapin
+    /// (`connection.blocked` / `connection.unblocked` from the broker).
+    status: std::sync::Mutex<Option<lapin::ConnectionStatus>>,
+}
 
 impl Connected {
     pub fn set(&self, connected: bool) {
-        self.0.store(connected, Ordering::Relaxed);
+        self.0.up.store(connected, Ordering::Relaxed);
     }
+    /// Follow `connection`'s blocked state from now on.
+    pub fn watch(&self, connection: &Connection) {
+        if let Ok(mut status) = self.0.status.lock() {
+            *status = Some(connection.status().clone());
+        }
+    }
+    /// Up, and not blocked.
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.state() == "ok"
+    }
+    /// For `/readyz`: `ok`, `blocked` (up, but the broker blocks it) or
+    /// `disconnected`.
+    pub fn state(&self) -> &'static str {
+        if !self.0.up.load(Ordering::Relaxed) {
+            "disconnected"
+        } else if self.blocked() {
+            "blocked"
+        } else {
+            "ok"
+        }
+    }
+    /// Whether the broker blocks the watched connection.
+    pub fn blocked(&self) -> bool {
+        self.0
+            .status
+            .lock()
+            .ok()
+            .and_then(|status| status.as_ref().map(lapin::ConnectionStatus::blocked))
+            .unwrap_or(false)
     }
 }
 
@@ -223,6 +261,7 @@ pub async fn supervise<F, Fut>(
             Ok(connection) => connection,
             Err(_) => return, // cancelled
         };
+        connected.watch(&connection);
         connected.set(true);
         let result = work(connection).await;
         connected.set(false);

@@ -200,13 +200,13 @@ async fn readiness(health: &Health) -> (bool, serde_json::Value) {
             },
         ),
     };
-    let broker = health.broker.as_ref().map(Connected::get);
-    let ready = database.as_ref().is_none_or(Result::is_ok) && broker.unwrap_or(true);
+    let broker = health.broker.as_ref().map(Connected::state);
+    let ready = database.as_ref().is_none_or(Result::is_ok) && broker.is_none_or(|b| b == "ok");
     let body = serde_json::json!({
         "status": if ready { "ready" } else { "not_ready" },
         "service": health.service,
         "database": database.map(|r| r.err().unwrap_or_else(|| "ok".to_owned())),
-        "broker": broker.map(|up| if up { "ok" } else { "disconnected" }),
+        "broker": broker,
     });
     (ready, body)
 }

@@ -133,10 +133,18 @@ fn order_id(path: &str) -> Result<Uuid, ApiError> {
 fn operation_span(request: &HttpRequest, name: &'static str) -> (tracing::Span, TraceContext) {
     let span = tracing::info_span!("order_operation", operation = name);
     let header = |n: &str| request.headers().get(n).and_then(|v| v.to_str().ok());
+    // W3C trace context: several `tracestate` fields are one list, joined
+    // in order (RFC 9110 section 5.3).
+    let tracestate: Vec<&str> = request
+        .headers()
+        .get_all(events::headers::TRACESTATE)
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let tracestate = (!tracestate.is_empty()).then(|| tracestate.join(","));
     kit::telemetry::set_remote_parent(
         &span,
         header(events::headers::TRACEPARENT),
-        header(events::headers::TRACESTATE),
+        tracestate.as_deref(),
     );
     let mut trace = kit::telemetry::trace_headers(&span);
     if !trace.contains_key(events::headers::TRACEPARENT) {
@@ -144,7 +152,7 @@ fn operation_span(request: &HttpRequest, name: &'static str) -> (tracing::Span, 
         // out): store the caller's, so that the events still continue it.
         trace = kit::telemetry::remote_trace_headers(
             header(events::headers::TRACEPARENT),
-            header(events::headers::TRACESTATE),
+            tracestate.as_deref(),
         );
     }
     (span, trace)
