@@ -99,6 +99,9 @@ pub struct Results {
     pub relay_one: relay::Drain,
     pub relay_two: relay::Drain,
     pub relay_raw: relay::Drain,
+    /// The raw loop at two relays' concurrency: twice the channels, over
+    /// two connections (the 2-relay drain's limit).
+    pub relay_raw_two: relay::Drain,
     /// The raw loop's channels and messages in flight on each (the relay's
     /// default workers and batch size).
     pub relay_workers: usize,
@@ -863,27 +866,47 @@ async fn relay_drains(
         })
         .collect();
     drop(rows);
-    // In halves around the drains (raw, one relay, two relays, raw), as the
-    // other phases alternate their sides: a drift of the machine's speed,
-    // or the broker's leftover work from the side before, weighs on both.
+    // In halves around the drains (raw, raw as two, one relay, two relays,
+    // raw as two, raw), as the other phases alternate their sides: a drift
+    // of the machine's speed, or the broker's leftover work from the side
+    // before, weighs on both. Each relay count has its own raw limit, at its
+    // concurrency: one relay's channels on one connection, two relays' on
+    // two.
     phase(&format!(
         "2. raw, first half: lapin confirm-publish of the same messages ({workers} channels \
          x {window} in flight, a connection of its own)"
     ));
-    let (first, first_cpu, first_wal) =
-        raw_half(orders, sink, halves[0].clone(), workers, window).await?;
+    let one = raw_half(orders, sink, halves[0].clone(), 1, workers, window).await?;
+    phase(&format!(
+        "2. raw as two relays, first half ({} channels x {window} in flight over 2 connections)",
+        2 * workers
+    ));
+    let two = raw_half(orders, sink, halves[0].clone(), 2, 2 * workers, window).await?;
     phase("2. one relay draining the backlog");
     results.relay_one = drain(system, orders, sink, backlog, 1, results).await?;
     phase("2. two relays draining the same backlog again");
     results.relay_two = drain(system, orders, sink, backlog, 2, results).await?;
+    phase("2. raw as two relays, second half");
+    let two_second = raw_half(orders, sink, halves[1].clone(), 2, 2 * workers, window).await?;
     phase("2. raw, second half");
-    let (second, second_cpu, second_wal) =
-        raw_half(orders, sink, halves[1].clone(), workers, window).await?;
-    results.relay_raw = first.then(second);
-    report::print_drain("raw confirm-publish, both halves", &results.relay_raw);
-    let events = results.relay_raw.events;
-    record_cpu(results, "2. relay raw", events, first_cpu.plus(second_cpu));
-    record_wal(results, "2. relay raw", events, first_wal.plus(second_wal));
+    let one_second = raw_half(orders, sink, halves[1].clone(), 1, workers, window).await?;
+    for (label, first, second) in [
+        ("2. relay raw", one, one_second),
+        ("2. relay raw, 2 connections", two, two_second),
+    ] {
+        let (first, first_cpu, first_wal) = first;
+        let (second, second_cpu, second_wal) = second;
+        let raw = first.then(second);
+        report::print_drain(&format!("{label}, both halves"), &raw);
+        let events = raw.events;
+        record_cpu(results, label, events, first_cpu.plus(second_cpu));
+        record_wal(results, label, events, first_wal.plus(second_wal));
+        if label == "2. relay raw" {
+            results.relay_raw = raw;
+        } else {
+            results.relay_raw_two = raw;
+        }
+    }
     Ok(backlog)
 }
 
@@ -894,17 +917,21 @@ async fn raw_half(
     orders: &tokio_postgres::Client,
     sink: &relay::Sink,
     messages: Arc<Vec<(String, outbox_relay::publish::Message)>>,
-    workers: usize,
+    connections: usize,
+    channels: usize,
     window: usize,
 ) -> anyhow::Result<(relay::Drain, cpu::Usage, relay::Wal)> {
-    let connection = system_tests::consumers::connect().await;
+    let mut opened = Vec::with_capacity(connections);
+    for _ in 0..connections.max(1) {
+        opened.push(system_tests::consumers::connect().await);
+    }
     settle(orders).await;
     let before = sink.delivered();
     let wal = relay::Wal::read(orders).await?;
     let meter = cpu::Meter::start();
     let recorder = sink.record();
     sink.arm();
-    let mut raw = relay::raw_publish(&connection, messages.clone(), workers, window).await;
+    let mut raw = relay::raw_publish(&opened, messages.clone(), channels, window).await;
     relay::span_from_first_message(&mut raw, sink)?;
     let delivered = sink
         .wait_delivered(before + messages.len() as u64, RAW_DELIVERY_DEADLINE)
@@ -912,7 +939,9 @@ async fn raw_half(
     let cpu = meter.stop();
     let wal = relay::Wal::read(orders).await?.since(wal);
     raw.timeline = recorder.finish();
-    let _ = connection.close(200, "done".into()).await;
+    for connection in &opened {
+        let _ = connection.close(200, "done".into()).await;
+    }
     delivered?;
     report::print_drain("raw confirm-publish", &raw);
     println!("  CPU per event: {}", cpu.per_event(raw.events));
@@ -1018,7 +1047,7 @@ async fn relay_only(settings: Settings) -> anyhow::Result<()> {
         report::print_ratio(
             "2 relays",
             results.relay_two.per_second,
-            results.relay_raw.per_second,
+            results.relay_raw_two.per_second,
         );
         Ok(())
     })
@@ -1178,7 +1207,8 @@ async fn consumer_half(
         .iter()
         .map(|row| (format!("{}.events", consumer.name), relay::message(row)))
         .collect();
-    let fill = relay::raw_publish(&connection, Arc::new(queued), 1, 500).await;
+    let fill =
+        relay::raw_publish(std::slice::from_ref(&connection), Arc::new(queued), 1, 500).await;
     let _ = connection.close(200, "done".into()).await;
     println!(
         "  {}: queued {} messages in {:.1} s, starting",

@@ -620,11 +620,11 @@ pub fn message(row: &OutboxRow) -> publish::Message {
     publish::message(row, &trace, false).expect("encode")
 }
 
-/// Confirm-publish `messages` to `exchange` (or, with `per_exchange`, to each
-/// message's own exchange) on `channels` confirm channels, `window` in
-/// flight on each: the raw limit of what the relay does.
+/// Confirm-publish each message to its exchange on `channels` confirm
+/// channels spread over `connections`, `window` in flight on each: the raw
+/// limit of what the relay does.
 pub async fn raw_publish(
-    connection: &Connection,
+    connections: &[Connection],
     messages: Arc<Vec<(String, publish::Message)>>,
     channels: usize,
     window: usize,
@@ -633,6 +633,9 @@ pub async fn raw_publish(
     let mut tasks = tokio::task::JoinSet::new();
     let share = messages.len().div_ceil(channels.max(1));
     for c in 0..channels.max(1) {
+        // Spread over the connections as relays spread their workers: each
+        // relay process has one connection for all its channels.
+        let connection = &connections[c % connections.len().max(1)];
         let channel = connection.create_channel().await.expect("channel");
         channel
             .confirm_select(ConfirmSelectOptions::default())
