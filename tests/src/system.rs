@@ -50,6 +50,9 @@ pub struct SystemOptions {
     pub api_env: Vec<(String, String)>,
     /// Start the relays now (`false`: the test starts them later).
     pub start_relays: bool,
+    /// How the consumers run (the tests' defaults: 2 partitions, retry tiers
+    /// in milliseconds).
+    pub consumer_options: Options,
 }
 
 impl Default for SystemOptions {
@@ -61,6 +64,7 @@ impl Default for SystemOptions {
             relay_env: Vec::new(),
             api_env: Vec::new(),
             start_relays: true,
+            consumer_options: Options::default(),
         }
     }
 }
@@ -500,7 +504,7 @@ impl System {
         for kind in [Kind::Inventory, Kind::Ledger, Kind::Loyalty] {
             let name = unique(&format!("ft-{}", &kind.binary()[..3]));
             // Not bound to order-events: to the private exchange below.
-            let consumer_options = Options::default();
+            let consumer_options = options.consumer_options.clone();
             topology.push(TopologyGuard::new(&name, &consumer_options));
             for i in 0..options.consumer_instances.max(1) {
                 let port = free_port();
@@ -539,7 +543,7 @@ impl System {
             consumer.ready(Duration::from_secs(90)).await;
         }
         for consumer in system.consumers.iter().filter(|c| c.label.ends_with("-0")) {
-            wait_for_topology(&consumer.name, Options::default().tier_count()).await;
+            wait_for_topology(&consumer.name, options.consumer_options.tier_count()).await;
             bind_consumer(&consumer.name, &system.exchange).await;
         }
         system

@@ -106,8 +106,8 @@ pub struct Results {
     /// default workers and batch size).
     pub relay_workers: usize,
     pub relay_window: usize,
-    /// The consumers' partitions (the tests harness's, 2; the production
-    /// default is 4) and so the raw loop's sequential workers.
+    /// The consumers' partitions (the production default, 4) and so the
+    /// raw loop's sequential workers.
     pub consumer_partitions: usize,
     /// Per consumer: (applied by the service, raw prepared, raw unprepared).
     pub consumers: BTreeMap<String, (consumers::Apply, consumers::Apply, consumers::Apply)>,
@@ -224,11 +224,26 @@ async fn start_system(relays: usize) -> Arc<System> {
             relays,
             start_relays: false,
             relay_env,
+            consumer_options: consumer_options(),
             ..SystemOptions::default()
         },
     )
     .await;
     Arc::new(system)
+}
+
+/// The consumers run as deployed too: the production default partitions
+/// (4), retry tiers and deferrals in place of the tests' (2 partitions,
+/// tiers in milliseconds); prefetch and the rest are the services' own
+/// defaults already.
+fn consumer_options() -> system_tests::consumers::Options {
+    let production = consumer_runtime::settings::Settings::local("bench", "bench", 0).consumer;
+    system_tests::consumers::Options {
+        partitions: production.partitions,
+        tiers_ms: production.retry_tiers_ms,
+        max_deferrals: production.max_deferrals,
+        ..system_tests::consumers::Options::default()
+    }
 }
 
 async fn start_relays(system: &System, count: usize) -> Instant {
@@ -1098,9 +1113,9 @@ async fn consumer_phase(
             })
             .collect()
     };
-    // The consumers run with the tests harness's partitions (2; the
-    // production default is 4): the raw loop gets as many workers.
-    let partitions = usize::from(system_tests::consumers::Options::default().partitions);
+    // The consumers run with the production default partitions (4): the
+    // raw loop gets as many sequential workers.
+    let partitions = usize::from(consumer_options().partitions);
     results.consumer_partitions = partitions;
     let raw_bodies = bodies_for(raw_tenant);
     let unprepared_bodies = bodies_for(&format!("{raw_tenant}2"));
