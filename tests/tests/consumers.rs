@@ -1302,12 +1302,16 @@ async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park(
         "the redrive's un-park waiting on the consumer's row (else this test proves nothing)",
         WAIT,
         || async {
+            // An un-park in this database blocked by this consumer's session.
             let waiting: i64 = probe
                 .query_one(
-                    "SELECT count(*) FROM pg_stat_activity \
-                     WHERE wait_event_type = 'Lock' \
-                       AND query LIKE 'UPDATE order_progress SET parked_at = NULL%'",
-                    &[],
+                    "SELECT count(*) FROM pg_stat_activity w \
+                     WHERE w.datname = current_database() AND w.wait_event_type = 'Lock' \
+                       AND w.query LIKE 'UPDATE order_progress SET parked_at = NULL%' \
+                       AND EXISTS (SELECT 1 FROM pg_stat_activity b \
+                                   WHERE b.pid = ANY(pg_blocking_pids(w.pid)) \
+                                     AND b.application_name = $1)",
+                    &[&format!("loyalty-consumer {name}")],
                 )
                 .await
                 .expect("pg_stat_activity")

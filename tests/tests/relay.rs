@@ -971,10 +971,12 @@ async fn a_crash_after_the_mark_publishes_nothing_again() {
 }
 
 /// A relay held between its batch's confirms and its mark
-/// (`relay.after_ack_before_mark`, 15 s) past its 3 s lease: another relay
+/// (`relay.after_ack_before_mark`, 30 s) past its 3 s lease: another relay
 /// takes the rows over, publishes them again and marks them. The held
 /// relay's mark then finds none of them under its lease: it marks nothing
 /// and counts all three in `outbox_mark_lost_total`, the copies it caused.
+/// (The taker has the 27 s left to start and take the rows over: if the
+/// held relay woke first, it would mark its own rows and the test fail.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mark_after_a_takeover_marks_nothing_and_counts_the_rows_lost() {
     let (tenant, event_type, db, connection, channel, collector) =
@@ -989,7 +991,7 @@ async fn a_mark_after_a_takeover_marks_nothing_and_counts_the_rows_lost() {
             ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
             (
                 "FAILPOINTS",
-                "relay.after_ack_before_mark=1*sleep(15000)".to_owned(),
+                "relay.after_ack_before_mark=1*sleep(30000)".to_owned(),
             ),
         ],
     );
@@ -3122,6 +3124,12 @@ async fn a_replay_sends_an_order_s_next_event_only_after_the_one_before_is_confi
     let (tenant, event_type, db, connection, channel) = fresh_tenant("RelayTestReplayNack").await;
     let target = format!("relaytest{}", short_id());
     let mut args = FieldTable::default();
+    // A classic queue refuses a message that would take it over the limit
+    // (a quorum queue takes one more once it is under it).
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("classic".into()),
+    );
     args.insert("x-max-length-bytes".into(), AMQPValue::LongLongInt(2_000));
     args.insert(
         "x-overflow".into(),

@@ -233,15 +233,27 @@ async fn start_system(relays: usize) -> Arc<System> {
 }
 
 /// The consumers run as deployed too: the production default partitions
-/// (4), retry tiers and deferrals in place of the tests' (2 partitions,
-/// tiers in milliseconds); prefetch and the rest are the services' own
-/// defaults already.
+/// (4), retry tiers, deferrals and pool size in place of the tests' (2
+/// partitions, tiers in milliseconds, 6 connections); prefetch and the rest
+/// are the services' own defaults already. (Their names, databases and the
+/// private exchange they are bound to are the bench's.)
 fn consumer_options() -> system_tests::consumers::Options {
-    let production = consumer_runtime::settings::Settings::local("bench", "bench", 0).consumer;
+    let production = consumer_runtime::settings::Settings::local("bench", "bench", 0);
+    let pool_size = production.database.pool_size.to_string();
     system_tests::consumers::Options {
-        partitions: production.partitions,
-        tiers_ms: production.retry_tiers_ms,
-        max_deferrals: production.max_deferrals,
+        partitions: production.consumer.partitions,
+        tiers_ms: production.consumer.retry_tiers_ms,
+        max_deferrals: production.consumer.max_deferrals,
+        // Each consumer reads its own prefix's.
+        extra: [Kind::Inventory, Kind::Ledger, Kind::Loyalty]
+            .into_iter()
+            .map(|kind| {
+                (
+                    format!("{}__DATABASE__POOL_SIZE", kind.prefix()),
+                    pool_size.clone(),
+                )
+            })
+            .collect(),
         ..system_tests::consumers::Options::default()
     }
 }

@@ -224,7 +224,14 @@ impl<D: Domain> Application<D> {
         settings.validate()?;
         let topology = topology_of(&settings)?;
         let token = settings.service_token()?;
-        let pool = kit::db::pool_with_options(&settings.database, Some(kit::db::SESSION_LIMITS))?;
+        // Sessions named `<service> <consumer name>` in pg_stat_activity, as
+        // the relay's are by instance: an operator (or a test) finds which
+        // consumer holds a lock.
+        let pool = kit::db::named_pool(
+            &settings.database,
+            Some(kit::db::SESSION_LIMITS),
+            &format!("{} {}", D::SERVICE, topology.name),
+        )?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
         kit::migrations::run(&pool, D::DATABASE).await?;
         let registry = kit::metrics::registry(D::SERVICE);

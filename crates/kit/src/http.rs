@@ -134,7 +134,7 @@ pub fn get_or_head() -> actix_web::Route {
 }
 
 /// Mount `/healthz` (liveness: the process serves HTTP), `/readyz` (the
-/// database answers and the broker connection is up) and `/metrics`, for
+/// database answers and the broker connection is up, not blocked) and `/metrics`, for
 /// GET and HEAD (RFC 9110 section 9.1: the GET's headers, no body).
 pub fn health_routes(health: Health) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
@@ -150,7 +150,8 @@ async fn healthz(health: web::Data<Health>) -> HttpResponse {
 }
 
 /// Keep the `service_ready` gauge current: 1 when `/readyz` would answer
-/// ready (the database answers, the broker connection is up), else 0,
+/// ready (the database answers, the broker connection is up and not
+/// blocked), else 0,
 /// checked every `every` until `shutdown`. `up` stays 1 while the process
 /// serves `/metrics`, and the other gauges keep their last values when the
 /// database is gone: this is what shows (and alerts on) a service that runs
@@ -158,7 +159,7 @@ async fn healthz(health: web::Data<Health>) -> HttpResponse {
 pub fn watch_readiness(health: Health, every: Duration, shutdown: CancellationToken) {
     let gauge = match prometheus::IntGauge::new(
         "service_ready",
-        "1 when the service is ready (its database answers and its broker connection is up), else 0",
+        "1 when the service is ready (its database answers and its broker connection is up, not blocked by the broker), else 0",
     ) {
         Ok(gauge) => gauge,
         Err(error) => {

@@ -624,17 +624,18 @@ pub async fn execute(
 }
 
 /// Whether a COMMIT that failed with SQLSTATE `code` certainly rolled its
-/// transaction back: a transaction-rollback class (40: serialization,
-/// deadlock), an integrity check deferred to COMMIT (23), a lock not got in
-/// time (55P03: the NOTIFY queue's) or a statement cancelled (57014), all
-/// raised before the commit record is written. Anything else (no SQLSTATE:
-/// the connection dropped; 57P01: the backend terminated, possibly while
+/// transaction back: a transaction rollback (40001 serialization, 40002
+/// integrity, 40P01 deadlock; not 40003, "statement completion unknown"),
+/// an integrity check deferred to COMMIT (23), a lock not got in time
+/// (55P03: the NOTIFY queue's) or a statement cancelled (57014), all raised
+/// before the commit record is written. Anything else (no SQLSTATE: the
+/// connection dropped; 57P01: the backend terminated, possibly while
 /// waiting for a synchronous standby after committing locally; 08: the
-/// connection) leaves the outcome unknown.
+/// connection; 40003) leaves the outcome unknown.
 fn commit_surely_failed(code: Option<&tokio_postgres::error::SqlState>) -> bool {
     code.map(tokio_postgres::error::SqlState::code)
         .is_some_and(|code| {
-            code.starts_with("40") || code.starts_with("23") || code == "55P03" || code == "57014"
+            ["40001", "40002", "40P01", "55P03", "57014"].contains(&code) || code.starts_with("23")
         })
 }
 
@@ -691,6 +692,7 @@ mod tests {
             SqlState::CRASH_SHUTDOWN,
             SqlState::CONNECTION_FAILURE,
             SqlState::IO_ERROR,
+            SqlState::T_R_STATEMENT_COMPLETION_UNKNOWN,
         ] {
             assert!(!commit_surely_failed(Some(&unknown)), "{unknown:?}");
         }

@@ -134,13 +134,16 @@ fn operation_span(request: &HttpRequest, name: &'static str) -> (tracing::Span, 
     let span = tracing::info_span!("order_operation", operation = name);
     let header = |n: &str| request.headers().get(n).and_then(|v| v.to_str().ok());
     // W3C trace context: several `tracestate` fields are one list, joined
-    // in order (RFC 9110 section 5.3).
-    let tracestate: Vec<&str> = request
+    // in order (RFC 9110 section 5.3); one that is not text drops the whole
+    // list, as a malformed member does in the propagator (never a part).
+    let tracestate: Option<Vec<&str>> = request
         .headers()
         .get_all(events::headers::TRACESTATE)
-        .filter_map(|v| v.to_str().ok())
+        .map(|v| v.to_str().ok())
         .collect();
-    let tracestate = (!tracestate.is_empty()).then(|| tracestate.join(","));
+    let tracestate = tracestate
+        .filter(|fields| !fields.is_empty())
+        .map(|fields| fields.join(","));
     kit::telemetry::set_remote_parent(
         &span,
         header(events::headers::TRACEPARENT),

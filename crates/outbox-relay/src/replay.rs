@@ -323,11 +323,12 @@ pub async fn replay(
                     .err()
                     .map(|f| f.describe())
                     .unwrap_or_default();
+                let confirmed = outcomes.iter().filter(|o| o.result.is_ok()).count() as u64;
                 anyhow::bail!(
-                    "event {} was not confirmed ({reason}); {} event(s) replayed before it, \
-                     none after it of its order. Run the replay again (consumers de-duplicate)",
+                    "event {} was not confirmed ({reason}); {} event(s) replayed, none after it \
+                     of its order. Run the replay again (consumers de-duplicate)",
                     failed.event_id,
-                    summary.republished
+                    summary.republished + confirmed
                 );
             }
             summary.republished += sent;
