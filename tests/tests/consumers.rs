@@ -1267,7 +1267,9 @@ async fn a_letter_being_dead_lettered_behind_a_park_holds_the_redrive_s_un_park(
         &name,
         &bad,
         Options {
-            failpoints: Some("consumer.parked.before_dead_letter=1*sleep(10000)".to_owned()),
+            // Long enough for the redrive process to start and reach its
+            // un-park on a loaded machine (checked below).
+            failpoints: Some("consumer.parked.before_dead_letter=1*sleep(20000)".to_owned()),
             ..Options::default()
         },
     )

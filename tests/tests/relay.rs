@@ -1012,7 +1012,16 @@ async fn a_mark_after_a_takeover_marks_nothing_and_counts_the_rows_lost() {
     )
     .await;
     assert_eq!(taken, 3, "taken over once each and marked by the taker");
-    held.wait_metric("outbox_mark_lost_total", 3.0).await;
+    // The held relay wakes up to 30 s after its confirms.
+    system_tests::consumers::wait_for_metric(
+        &format!("http://127.0.0.1:{}", held.port),
+        "the held relay",
+        "outbox_mark_lost_total",
+        "",
+        3.0,
+        Duration::from_secs(90),
+    )
+    .await;
     assert_eq!(
         (
             held.metric("outbox_mark_lost_total").await,
