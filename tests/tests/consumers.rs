@@ -3200,6 +3200,43 @@ async fn run_redrive(
     output
 }
 
+/// A reservation short of stock whose COMMIT fails (fail point
+/// `consumer.commit_fails`, once: the fault of a connection lost at COMMIT)
+/// is rolled back and processed again in place; the retry's commit counts
+/// the shortage, once (`Domain::committed`). Counted inside the handler, as
+/// before, the rolled-back attempt counted it too: 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shortage_whose_commit_failed_is_counted_once() {
+    let tenant = unique("t5-short-commit");
+    let name = unique("t5-short-commit-inv");
+    let inventory = Consumer::start(
+        Kind::Inventory,
+        &name,
+        Options {
+            failpoints: Some("consumer.commit_fails=1*return".to_owned()),
+            ..Options::default()
+        },
+    )
+    .await;
+    let s = story(&tenant);
+    Publisher::connect()
+        .await
+        .to_consumer(&name, &s.placed)
+        .await;
+    wait_sequence(Database::Inventory, &name, s.order, 1).await;
+    assert_eq!(
+        (
+            inventory
+                .metric("consumer_retried_in_place_total", "")
+                .await,
+            inventory.metric("inventory_shortages_total", "").await,
+        ),
+        (1.0, 1.0),
+        "the failed commit retried in place once, the shortage counted once"
+    );
+    assert_eq!(level(&tenant).await, Some((0, 2, -2)), "reserved once");
+}
+
 /// The operator's loop: deliveries that would take stock below zero are
 /// dead-lettered (on_hand never goes negative); the missing receipt is posted;
 /// `redrive --order` moves back only that order's dead letters; a plain

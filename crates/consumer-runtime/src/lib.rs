@@ -169,6 +169,10 @@ pub trait Domain: Send + Sync + Sized + 'static {
     /// poison here.
     const HANDLES: &'static [&'static str];
 
+    /// What an apply hands on to [`Domain::committed`] once its transaction
+    /// committed (`()` for a domain with nothing to count).
+    type Effects: Default + Send;
+
     /// Build the domain (register its own metrics in `registry`).
     fn new(registry: &kit::metrics::prometheus::Registry) -> Self;
 
@@ -189,7 +193,16 @@ pub trait Domain: Send + Sync + Sized + 'static {
         tx: &Transaction<'_>,
         event: &Event,
         envelope: &RawEnvelope,
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+    ) -> impl Future<Output = Result<Self::Effects, HandlerError>> + Send;
+
+    /// Called once the transaction of an apply committed, with what that
+    /// apply returned: where a domain counts what only a committed effect
+    /// may count (a metric). Never for an attempt that rolled back (a
+    /// handler error, a failed COMMIT retried), so nothing is counted
+    /// twice. Default: nothing.
+    fn committed(&self, effects: Self::Effects) {
+        let _ = effects;
+    }
 
     /// Mount the domain's read endpoints. App data available: `web::Data<PgPool>`,
     /// `web::Data<Arc<Self>>`, and [`TenantScope`] as an extractor.

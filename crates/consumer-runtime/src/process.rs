@@ -542,7 +542,7 @@ impl<D: Domain> Processor<D> {
         let result = match event {
             // A type this consumer does not handle: no handler ran, nothing
             // to time (the sequence is still recorded).
-            None => Ok(()),
+            None => Ok(D::Effects::default()),
             Some(event) => {
                 let started = Instant::now();
                 kit::failpoint::crash_point("consumer.in_handler");
@@ -556,18 +556,30 @@ impl<D: Domain> Processor<D> {
                 result
             }
         };
-        if let Err(error) = result {
-            // Dropping the transaction would roll back too; say it explicitly.
-            if let Err(rollback) = tx.rollback().await {
-                tracing::warn!(%rollback, "rollback after a handler error");
+        let effects = match result {
+            Ok(effects) => effects,
+            Err(error) => {
+                // Dropping the transaction would roll back too; say it explicitly.
+                if let Err(rollback) = tx.rollback().await {
+                    tracing::warn!(%rollback, "rollback after a handler error");
+                }
+                drop(client);
+                if error.is_transient() {
+                    return Err(Infra::Database(error.to_string()));
+                }
+                return self
+                    .failed(publisher, incoming, raw, &error.to_string())
+                    .await;
             }
-            drop(client);
-            if error.is_transient() {
-                return Err(Infra::Database(error.to_string()));
-            }
-            return self
-                .failed(publisher, incoming, raw, &error.to_string())
-                .await;
+        };
+        if kit::failpoint::error_point("consumer.commit_fails") {
+            // The fault of a COMMIT that never reaches the server (the
+            // connection lost): rolled back, the message processed again in
+            // place, its handler run again.
+            rollback(tx).await;
+            return Err(Infra::Database(
+                "injected by fail point consumer.commit_fails".to_owned(),
+            ));
         }
         if let Err(error) = tx.commit().await {
             // A deferred check (the ledger's balanced-entry trigger) fails
@@ -577,6 +589,7 @@ impl<D: Domain> Processor<D> {
             return self.failed(publisher, incoming, raw, &reason).await;
         }
         kit::failpoint::crash_point("consumer.after_commit_before_ack");
+        self.domain.committed(effects);
 
         let event_type = match event {
             Some(_) => raw.event_type.clone(),
@@ -604,7 +617,7 @@ impl<D: Domain> Processor<D> {
         tx: &kit::db::Transaction<'_>,
         event: &Event,
         raw: &RawEnvelope,
-    ) -> Result<(), HandlerError> {
+    ) -> Result<D::Effects, HandlerError> {
         let handler = async {
             injected_handler_panic(raw);
             self.domain.apply(tx, event, raw).await

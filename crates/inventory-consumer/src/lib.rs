@@ -40,6 +40,8 @@ pub struct Inventory {
 }
 
 impl consumer_runtime::Domain for Inventory {
+    /// Reservations short of stock, counted once committed.
+    type Effects = u64;
     const NAME: &'static str = "inventory";
     const SERVICE: &'static str = "inventory-consumer";
     const ENV_PREFIX: &'static str = "INVENTORY_CONSUMER";
@@ -65,7 +67,7 @@ impl consumer_runtime::Domain for Inventory {
         tx: &Transaction<'_>,
         event: &Event,
         envelope: &RawEnvelope,
-    ) -> Result<(), HandlerError> {
+    ) -> Result<u64, HandlerError> {
         match event {
             Event::OrderPlaced(order) => {
                 let lines = by_sku(order.lines.iter().map(|l| (l.sku.as_str(), l.qty)));
@@ -95,19 +97,18 @@ impl consumer_runtime::Domain for Inventory {
                         order.order_id
                     )));
                 }
+                let mut short = 0;
                 for row in reserved {
                     let (sku, qty, shortage): (String, i64, i64) =
                         (row.get(0), row.get(1), row.get(2));
                     if shortage > 0 {
-                        // Counted when written, before the commit: an
-                        // attempt whose commit fails and is retried counts
-                        // again (an alerting signal; the movement's
-                        // `shortage` column is the exact record).
-                        self.shortages.inc();
+                        short += 1;
                         tracing::warn!(%sku, location = %order.location, qty, shortage, order = %order.order_id, "stock shortage");
                     }
                 }
-                Ok(())
+                // Counted once committed (`committed`): an attempt rolled
+                // back and run again counts once.
+                Ok(short)
             }
             Event::ParcelDelivered(delivery) => {
                 let location: String = tx
@@ -126,10 +127,14 @@ impl consumer_runtime::Domain for Inventory {
                 for (sku, qty) in lines {
                     sell(tx, envelope, delivery.order_id, &location, sku, qty).await?;
                 }
-                Ok(())
+                Ok(0)
             }
-            _ => Ok(()),
+            _ => Ok(0),
         }
+    }
+
+    fn committed(&self, shortages: u64) {
+        self.shortages.inc_by(shortages);
     }
 
     fn routes(cfg: &mut web::ServiceConfig) {

@@ -127,6 +127,7 @@ fn overflow(what: &str) -> HandlerError {
 }
 
 impl consumer_runtime::Domain for Ledger {
+    type Effects = ();
     const NAME: &'static str = "ledger";
     const SERVICE: &'static str = "ledger-consumer";
     const ENV_PREFIX: &'static str = "LEDGER_CONSUMER";

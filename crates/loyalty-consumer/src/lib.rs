@@ -30,6 +30,7 @@ pub fn points_for(merchandise: Money) -> i64 {
 }
 
 impl consumer_runtime::Domain for Loyalty {
+    type Effects = ();
     const NAME: &'static str = "loyalty";
     const SERVICE: &'static str = "loyalty-consumer";
     const ENV_PREFIX: &'static str = "LOYALTY_CONSUMER";
