@@ -1285,7 +1285,8 @@ async fn a_panic_in_the_relay_loop_stops_the_process() {
 
 /// Issue 4, test 3: a relay killed (SIGKILL) while holding leases, before it
 /// published: another instance takes the rows over once the leases expire
-/// (not before), and publishes each exactly once.
+/// (not before: it is running before they do), and publishes each exactly
+/// once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
     let (tenant, event_type, db, connection, channel, collector) =
@@ -1301,7 +1302,8 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
                 "FAILPOINTS",
                 "relay.before_publish=sleep(600000)".to_owned(),
             ),
-            ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
+            // Long enough for the taker to be running before it runs out.
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "10000".to_owned()),
             ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "1000".to_owned()),
             ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
         ],
@@ -1329,7 +1331,12 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
     assert_eq!(row.get::<_, String>(2), stalled.instance);
     stalled.service.signal("KILL");
 
-    let taker = Relay::start(&tenant, &patient());
+    let mut taker = Relay::start(&tenant, &patient());
+    taker.ready().await;
+    assert!(
+        std::time::SystemTime::now() < lease_end,
+        "the taker runs before the leases run out (else the check below proves nothing)"
+    );
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     collector.wait_distinct(8, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
