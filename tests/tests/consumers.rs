@@ -3209,15 +3209,8 @@ async fn run_redrive(
 async fn a_shortage_whose_commit_failed_is_counted_once() {
     let tenant = unique("t5-short-commit");
     let name = unique("t5-short-commit-inv");
-    let inventory = Consumer::start(
-        Kind::Inventory,
-        &name,
-        Options {
-            failpoints: Some("consumer.commit_fails=1*return".to_owned()),
-            ..Options::default()
-        },
-    )
-    .await;
+    // An error point, armed once: the commit fails, the process goes on.
+    let inventory = crashing_inventory(&name, "consumer.commit_fails").await;
     let s = story(&tenant);
     Publisher::connect()
         .await
@@ -4511,7 +4504,8 @@ async fn aborted_at_its_fail_point(consumer: Consumer) -> Consumer {
 }
 
 /// A one-partition inventory consumer `name` whose fail point `failpoint`
-/// aborts it the first time it is reached.
+/// fires the first time it is reached: a crash point aborts it, an error
+/// point fails that once.
 async fn crashing_inventory(name: &str, failpoint: &str) -> Consumer {
     Consumer::start(
         Kind::Inventory,
