@@ -198,8 +198,11 @@ pub trait Domain: Send + Sync + Sized + 'static {
     /// Called once the transaction of an apply committed, with what that
     /// apply returned: where a domain counts what only a committed effect
     /// may count (a metric). Never for an attempt that rolled back (a
-    /// handler error, a failed COMMIT retried), so nothing is counted
-    /// twice. Default: nothing.
+    /// handler error, a deadlock retried in place, a failed COMMIT), so
+    /// nothing is counted twice. The one miss: a COMMIT that succeeded but
+    /// whose reply was lost (the connection dropped) is retried as if it
+    /// failed, and the redelivery is then a duplicate: not counted (the
+    /// effect's own rows are the exact record). Default: nothing.
     fn committed(&self, effects: Self::Effects) {
         let _ = effects;
     }
