@@ -3217,6 +3217,10 @@ async fn a_shortage_whose_commit_failed_is_counted_once() {
         .to_consumer(&name, &s.placed)
         .await;
     wait_sequence(Database::Inventory, &name, s.order, 1).await;
+    // Counted right after the commit the wait above saw, by the consumer.
+    inventory
+        .wait_metric("inventory_shortages_total", "", 1.0)
+        .await;
     assert_eq!(
         (
             inventory
@@ -3623,6 +3627,10 @@ async fn an_order_reserves_each_sku_once_with_its_own_shortage() {
         .expect("the order's location")
         .get(0);
     assert_eq!(location, "WH-1");
+    // Counted right after the commit (`Domain::committed`), by the consumer.
+    inventory
+        .wait_metric("inventory_shortages_total", "", 2.0)
+        .await;
     assert_eq!(
         inventory.metric("inventory_shortages_total", "").await,
         2.0,

@@ -588,8 +588,8 @@ impl<D: Domain> Processor<D> {
             drop(client);
             return self.failed(publisher, incoming, raw, &reason).await;
         }
-        kit::failpoint::crash_point("consumer.after_commit_before_ack");
         self.domain.committed(effects);
+        kit::failpoint::crash_point("consumer.after_commit_before_ack");
 
         let event_type = match event {
             Some(_) => raw.event_type.clone(),
