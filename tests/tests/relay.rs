@@ -381,13 +381,19 @@ impl Relay {
 
     /// Wait (at most 30 s) until metric `name` reaches `value`.
     async fn wait_metric(&self, name: &str, value: f64) {
+        self.wait_metric_within(name, value, Duration::from_secs(30))
+            .await;
+    }
+
+    /// [`Relay::wait_metric`], at most `timeout`.
+    async fn wait_metric_within(&self, name: &str, value: f64, timeout: Duration) {
         system_tests::consumers::wait_for_metric(
             &format!("http://127.0.0.1:{}", self.port),
             "relay",
             name,
             "",
             value,
-            Duration::from_secs(30),
+            timeout,
         )
         .await;
     }
@@ -1013,15 +1019,8 @@ async fn a_mark_after_a_takeover_marks_nothing_and_counts_the_rows_lost() {
     .await;
     assert_eq!(taken, 3, "taken over once each and marked by the taker");
     // The held relay wakes up to 30 s after its confirms.
-    system_tests::consumers::wait_for_metric(
-        &format!("http://127.0.0.1:{}", held.port),
-        "the held relay",
-        "outbox_mark_lost_total",
-        "",
-        3.0,
-        Duration::from_secs(90),
-    )
-    .await;
+    held.wait_metric_within("outbox_mark_lost_total", 3.0, Duration::from_secs(90))
+        .await;
     assert_eq!(
         (
             held.metric("outbox_mark_lost_total").await,

@@ -917,24 +917,28 @@ async fn relay_drains(
     let two_second = raw_half(orders, sink, halves[1].clone(), 2, 2 * workers, window).await?;
     phase("2. raw, second half");
     let one_second = raw_half(orders, sink, halves[1].clone(), 1, workers, window).await?;
-    for (label, first, second) in [
-        ("2. relay raw", one, one_second),
-        ("2. relay raw, 2 connections", two, two_second),
-    ] {
-        let (first, first_cpu, first_wal) = first;
-        let (second, second_cpu, second_wal) = second;
-        let raw = first.then(second);
-        report::print_drain(&format!("{label}, both halves"), &raw);
-        let events = raw.events;
-        record_cpu(results, label, events, first_cpu.plus(second_cpu));
-        record_wal(results, label, events, first_wal.plus(second_wal));
-        if label == "2. relay raw" {
-            results.relay_raw = raw;
-        } else {
-            results.relay_raw_two = raw;
-        }
-    }
+    results.relay_raw = both_halves(results, "2. relay raw", one, one_second);
+    results.relay_raw_two = both_halves(results, "2. relay raw, 2 connections", two, two_second);
     Ok(backlog)
+}
+
+/// One raw half: its drain, CPU and WAL ([`raw_half`]).
+type RawHalf = (relay::Drain, cpu::Usage, relay::Wal);
+
+/// A raw loop's two halves as one drain, their CPU and WAL recorded under
+/// `label`.
+fn both_halves(
+    results: &mut Results,
+    label: &str,
+    (first, first_cpu, first_wal): RawHalf,
+    (second, second_cpu, second_wal): RawHalf,
+) -> relay::Drain {
+    let raw = first.then(second);
+    report::print_drain(&format!("{label}, both halves"), &raw);
+    let events = raw.events;
+    record_cpu(results, label, events, first_cpu.plus(second_cpu));
+    record_wal(results, label, events, first_wal.plus(second_wal));
+    raw
 }
 
 /// One half of the raw confirm-publish loop into the sink, on an AMQP

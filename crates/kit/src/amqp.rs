@@ -79,10 +79,6 @@ impl Connected {
             *status = Some(connection.status().clone());
         }
     }
-    /// Up, and not blocked.
-    pub fn get(&self) -> bool {
-        self.state() == "ok"
-    }
     /// For `/readyz`: `ok`, `blocked` (up, but the broker blocks it) or
     /// `disconnected`.
     pub fn state(&self) -> &'static str {
@@ -95,7 +91,7 @@ impl Connected {
         }
     }
     /// Whether the broker blocks the watched connection.
-    pub fn blocked(&self) -> bool {
+    fn blocked(&self) -> bool {
         self.0
             .status
             .lock()

@@ -217,7 +217,8 @@ pub async fn replay(
 
     let client = pool.get().await?;
     let mut after: (String, String, i64) = (String::new(), String::new(), 0);
-    let mut last_order: Option<String> = None;
+    // The last order sent (type, id), across pages.
+    let mut last_order: Option<(String, String)> = None;
     loop {
         if shutdown.is_cancelled() {
             anyhow::bail!(
@@ -266,7 +267,6 @@ pub async fn replay(
         }
         // waves[i]: the i-th event of every order of the page, in order.
         let mut waves: Vec<Vec<_>> = Vec::new();
-        let mut page_order: Option<(String, String)> = None;
         let mut nth = 0;
         for row in &rows {
             let event_id: Uuid = row.get(0);
@@ -281,15 +281,15 @@ pub async fn replay(
             match prepared {
                 Ok((order, prepared)) => {
                     let key = (row.get::<_, String>(2), order);
-                    if page_order.as_ref() == Some(&key) {
-                        nth += 1;
+                    if last_order.as_ref() == Some(&key) {
+                        // The order's next event: the next wave (the
+                        // first of this page if the order began on the
+                        // page before, whose waves are all confirmed).
+                        nth = if waves.is_empty() { 0 } else { nth + 1 };
                     } else {
                         nth = 0;
-                        if last_order.as_deref() != Some(key.1.as_str()) {
-                            summary.orders += 1;
-                            last_order = Some(key.1.clone());
-                        }
-                        page_order = Some(key);
+                        summary.orders += 1;
+                        last_order = Some(key);
                     }
                     if waves.len() <= nth {
                         waves.push(Vec::new());
