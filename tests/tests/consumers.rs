@@ -2238,6 +2238,79 @@ async fn impossible_read_parameters_are_a_400_naming_the_field() {
     assert_eq!(receipt(&inventory, &tenant, "R-2", 5).await.0, 201);
 }
 
+/// A receipt can name every sku and location an order can (`events::name`,
+/// 255 bytes of UTF-8): a sale waiting on stock at a location of 85
+/// Devanagari letters (255 bytes) can be given it. Past the rule, or blank,
+/// a receipt is a 400 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_names_whatever_an_order_can_name() {
+    let tenant = unique("t5-names");
+    let inventory =
+        Consumer::start(Kind::Inventory, &unique("t5-names-inv"), Options::default()).await;
+    let location = "\u{915}".repeat(85);
+    let sku = "S".repeat(255);
+    assert_eq!((location.len(), sku.len()), (255, 255));
+    let post = |body: Value| {
+        let url = format!("{}/stock/receipts?tenant={tenant}", inventory.base_url());
+        async move {
+            let response = reqwest::Client::new()
+                .post(url)
+                .bearer_auth(TEST_TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .expect("POST /stock/receipts");
+            let status = response.status().as_u16();
+            (
+                status,
+                response.json::<Value>().await.unwrap_or(Value::Null),
+            )
+        }
+    };
+    let (status, body) =
+        post(json!({"receipt_id": "R-1", "sku": sku, "location": location, "qty": 7})).await;
+    assert_eq!(status, 201, "{body}");
+    let on_hand: i64 = pg(Database::Inventory)
+        .await
+        .query_one(
+            "SELECT on_hand FROM stock_levels WHERE tenant_id = $1 AND sku = $2 AND location = $3",
+            &[&tenant, &sku, &location],
+        )
+        .await
+        .expect("the received level")
+        .get(0);
+    assert_eq!(on_hand, 7);
+
+    for (field, body) in [
+        (
+            "location",
+            json!({"receipt_id": "R-2", "sku": "JKT-M", "location": format!("{location}a"), "qty": 1}),
+        ),
+        (
+            "sku",
+            json!({"receipt_id": "R-3", "sku": format!("{sku}S"), "location": "WH-1", "qty": 1}),
+        ),
+        (
+            "sku",
+            json!({"receipt_id": "R-4", "sku": " \t ", "location": "WH-1", "qty": 1}),
+        ),
+    ] {
+        let (status, problem) = post(body).await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(problem["field"], json!(field), "{problem}");
+    }
+    let receipts: i64 = pg(Database::Inventory)
+        .await
+        .query_one(
+            "SELECT count(*) FROM stock_movements WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("movements")
+        .get(0);
+    assert_eq!(receipts, 1);
+}
+
 /// Every amount fits in i64 minor units, their totals need not: an entry
 /// whose debits add up beyond i64, and a points balance beyond it, are
 /// reported exactly (they overflowed: a panic in a debug build, a 503 from a

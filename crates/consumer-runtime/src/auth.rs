@@ -90,16 +90,11 @@ fn valid_tenant(tenant: &str) -> bool {
         && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
 }
 
-/// A text field of a write (a receipt's sku, location, id): 1-200
-/// characters, none of them control characters.
+/// A name a write stores (a receipt's sku, location, id): the rule order-api
+/// checks the names of its events with (`events::name`), so that a receipt
+/// can name every sku and location an order was accepted with.
 pub fn text_param(field: &str, value: &str) -> Result<(), Problem> {
-    if value.trim().is_empty() || value.len() > 200 {
-        return Err(bad_request(
-            field,
-            format!("{field} must be 1..200 characters"),
-        ));
-    }
-    no_control_characters(field, value)
+    events::name::check(value).map_err(|why| bad_request(field, format!("{field} {why}")))
 }
 
 /// A text parameter of a read (a sku, a location, a customer id, as order-api

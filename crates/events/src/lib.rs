@@ -80,6 +80,8 @@ mod money;
 mod timestamp;
 pub mod v1;
 
+pub mod name;
+
 pub use currency::{Currency, CurrencyError, SUPPORTED_CURRENCIES};
 pub use envelope::{
     supported_versions, DecodeError, EncodeError, Envelope, Event, EventPayload, RawEnvelope,

@@ -16,7 +16,6 @@ use crate::error::ApiError;
 /// Bounds that keep requests sane (and the canonical encoding small).
 const MAX_LINES: usize = 100;
 const MAX_QTY: u32 = 1_000_000;
-const MAX_TEXT: usize = 255;
 
 /// Parse a JSON body into `T`; a failure names the JSON path at fault.
 pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -74,23 +73,10 @@ impl Canonical {
     }
 }
 
+/// A name the order writes into its events (`events::name`: the same rule
+/// the consumers' receipts check, so whatever an order names can be received).
 fn text(field: &str, value: &str) -> Result<(), ApiError> {
-    if value.is_empty() {
-        return Err(ApiError::validation(field, "must not be empty"));
-    }
-    if value.len() > MAX_TEXT {
-        return Err(ApiError::validation(
-            field,
-            format!("must be at most {MAX_TEXT} bytes"),
-        ));
-    }
-    if value.chars().any(char::is_control) {
-        return Err(ApiError::validation(
-            field,
-            "must not contain control characters",
-        ));
-    }
-    Ok(())
+    events::name::check(value).map_err(|why| ApiError::validation(field, why.to_string()))
 }
 
 fn non_negative(field: &str, value: Money) -> Result<(), ApiError> {

@@ -1,0 +1,81 @@
+//! The rule for the names an event carries: a customer id, a location, a
+//! sku, a checkout, payment, delivery or receipt id.
+//!
+//! order-api checks every name it writes into an event with [`check`], and
+//! the consumers' write endpoints (a stock receipt) check theirs with the
+//! same function: whatever an order can name, a receipt can name too, so a
+//! sale that waits for stock can always be given it (a receipt refused for a
+//! location the order was accepted with would leave that sale dead-lettered
+//! for good).
+
+use std::fmt;
+
+/// The longest name, in bytes of UTF-8 (not characters: a Devanagari
+/// character takes three).
+pub const MAX_BYTES: usize = 255;
+
+/// Why a name was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NameError {
+    /// Empty, or nothing but white space.
+    Blank,
+    /// Longer than [`MAX_BYTES`].
+    TooLong,
+    /// Holds a control character (which no stored name has, and PostgreSQL
+    /// refuses outright in the case of NUL).
+    ControlCharacter,
+}
+
+impl fmt::Display for NameError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NameError::Blank => f.write_str("must not be empty or only white space"),
+            NameError::TooLong => write!(f, "must be at most {MAX_BYTES} bytes of UTF-8"),
+            NameError::ControlCharacter => f.write_str("must not contain control characters"),
+        }
+    }
+}
+
+impl std::error::Error for NameError {}
+
+/// Checks one name against the rule.
+pub fn check(value: &str) -> Result<(), NameError> {
+    if value.trim().is_empty() {
+        return Err(NameError::Blank);
+    }
+    if value.len() > MAX_BYTES {
+        return Err(NameError::TooLong);
+    }
+    if value.chars().any(char::is_control) {
+        return Err(NameError::ControlCharacter);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limit_counts_bytes_not_characters() {
+        // 85 Devanagari letters: 85 characters, 255 bytes.
+        let at_limit = "क".repeat(85);
+        assert_eq!(at_limit.len(), MAX_BYTES);
+        assert_eq!(check(&at_limit), Ok(()));
+        assert_eq!(check(&format!("{at_limit}a")), Err(NameError::TooLong));
+        assert_eq!(check(&"a".repeat(MAX_BYTES)), Ok(()));
+    }
+
+    #[test]
+    fn blank_and_control_characters_are_refused() {
+        assert_eq!(check(""), Err(NameError::Blank));
+        assert_eq!(check(" \t "), Err(NameError::Blank));
+        assert_eq!(check("a\u{0}b"), Err(NameError::ControlCharacter));
+        assert_eq!(check("a\nb"), Err(NameError::ControlCharacter));
+        assert_eq!(check(" sku 7 "), Ok(()));
+        assert_eq!(
+            NameError::TooLong.to_string(),
+            "must be at most 255 bytes of UTF-8"
+        );
+    }
+}
