@@ -733,6 +733,69 @@ async fn the_key_cleanup_counts_deleted_keys_and_failed_runs() {
     drop(api);
 }
 
+/// A body that arrives slower than the request budget is answered at the
+/// budget, 503 `deadline_exceeded`, nothing stored: the budget counts from
+/// the request's start, reading included (before, the server waited on the
+/// body as long as the client kept the connection open).
+#[tokio::test]
+async fn a_body_slower_than_the_budget_is_answered_at_the_budget() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let tenant = unique_tenant("budget-body");
+    let api = OrderApi::start(&[(
+        "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+        "1000".to_owned(),
+    )])
+    .await;
+    let key = api_key(&tenant);
+    let address = api.base.trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&address)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: {address}\r\nAuthorization: Bearer {key}\r\n\
+         Idempotency-Key: slow-body\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        SEED_ORDER.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("head");
+    // A tenth of the body, then nothing: the rest never comes.
+    stream
+        .write_all(&SEED_ORDER.as_bytes()[..SEED_ORDER.len() / 10])
+        .await
+        .expect("part of the body");
+    let mut answer = Vec::new();
+    let mut buf = [0_u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let n = stream.read(&mut buf).await.expect("read");
+            answer.extend_from_slice(&buf[..n]);
+            if n == 0 || String::from_utf8_lossy(&answer).contains("deadline_exceeded") {
+                break;
+            }
+        }
+    })
+    .await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(read.is_ok(), "no answer within 30 s: {answer:?}");
+    assert!(
+        answer.starts_with("HTTP/1.1 503"),
+        "want 503 deadline_exceeded: {answer:?}"
+    );
+    assert!(answer.contains("deadline_exceeded"), "{answer:?}");
+    let stored: i64 = pg(Database::Orders)
+        .await
+        .query_one(
+            "SELECT (SELECT count(*) FROM orders WHERE tenant_id = $1) \
+                  + (SELECT count(*) FROM idempotency_requests WHERE tenant_id = $1)",
+            &[&tenant],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(stored, 0);
+}
+
 /// Reads before a request's transaction (the caller's key, a GET's order)
 /// end at the request budget as the transaction does: behind a table locked
 /// past it, the answer is 503 `deadline_exceeded` at about the budget, not
@@ -1259,6 +1322,23 @@ async fn malformed_input_gets_a_clear_4xx_and_writes_nothing() {
             SEED_ORDER.replace("\"tax\"", "\"taxes\""),
             400,
             "taxes",
+        ),
+        (
+            "blank location",
+            SEED_ORDER.replace("\"location\":\"WH-1\"", "\"location\":\" \\t \""),
+            422,
+            "location",
+        ),
+        (
+            // 86 Devanagari letters: 258 bytes of UTF-8 (the rule counts
+            // bytes, like the inventory's receipts: `events::name`).
+            "location over 255 bytes",
+            SEED_ORDER.replace(
+                "\"location\":\"WH-1\"",
+                &format!("\"location\":\"{}\"", "\u{915}".repeat(86)),
+            ),
+            422,
+            "location",
         ),
         ("not json", "{not json".to_owned(), 400, "body"),
         ("empty", String::new(), 400, "body"),
@@ -2148,6 +2228,9 @@ async fn a_method_not_allowed_names_the_allowed_ones() {
         ("GET", format!("/orders/{id}/payments"), "POST"),
         ("GET", format!("/orders/{id}/deliveries"), "POST"),
         ("POST", "/openapi.json".to_owned(), "GET, HEAD"),
+        ("POST", "/healthz".to_owned(), "GET, HEAD"),
+        ("DELETE", "/readyz".to_owned(), "GET, HEAD"),
+        ("PUT", "/metrics".to_owned(), "GET, HEAD"),
     ] {
         let response = client
             .request(method.parse().expect("method"), api.url(&path))

@@ -135,14 +135,43 @@ pub fn get_or_head() -> actix_web::Route {
 
 /// Mount `/healthz` (liveness: the process serves HTTP), `/readyz` (the
 /// database answers and the broker connection is up, not blocked) and `/metrics`, for
-/// GET and HEAD (RFC 9110 section 9.1: the GET's headers, no body).
+/// GET and HEAD (RFC 9110 section 9.1: the GET's headers, no body); any
+/// other method is a 405 naming them.
 pub fn health_routes(health: Health) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
         cfg.app_data(web::Data::new(health))
-            .route("/healthz", get_or_head().to(healthz))
-            .route("/readyz", get_or_head().to(readyz))
-            .route("/metrics", get_or_head().to(metrics));
+            .service(
+                web::resource("/healthz")
+                    .route(get_or_head().to(healthz))
+                    .default_service(web::to(only_get_or_head)),
+            )
+            .service(
+                web::resource("/readyz")
+                    .route(get_or_head().to(readyz))
+                    .default_service(web::to(only_get_or_head)),
+            )
+            .service(
+                web::resource("/metrics")
+                    .route(get_or_head().to(metrics))
+                    .default_service(web::to(only_get_or_head)),
+            );
     }
+}
+
+/// A GET resource's answer to any other method: 405 with `Allow` (RFC 9110
+/// section 15.5.6), the problem order-api's own resources answer.
+async fn only_get_or_head() -> HttpResponse {
+    let mut response = Problem::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "Method not allowed on this resource",
+    )
+    .error_response();
+    response.headers_mut().insert(
+        actix_web::http::header::ALLOW,
+        actix_web::http::header::HeaderValue::from_static("GET, HEAD"),
+    );
+    response
 }
 
 async fn healthz(health: web::Data<Health>) -> HttpResponse {

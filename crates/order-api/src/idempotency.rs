@@ -218,6 +218,19 @@ impl Deadline {
         }
     }
 
+    /// Work that is not the database's (reading the request's body) within
+    /// the budget left: a body slower than that is answered at the
+    /// deadline, 503 `deadline_exceeded`, not waited on for as long as the
+    /// client keeps its connection open.
+    pub async fn within<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        tokio::time::timeout_at(self.at, work)
+            .await
+            .unwrap_or_else(|_| Err(self.exceeded()))
+    }
+
     /// A pooled connection, waited for at most the budget left.
     pub async fn client(
         &self,

@@ -169,7 +169,7 @@ async fn create_order(
     let deadline = idempotency::Deadline::start(state.settings.idempotency.request_budget_ms);
     let tenant = auth::tenant(&state, &request, &deadline).await?;
     let key = idempotency::key(&request)?;
-    let body = body(&state, &request, payload).await?;
+    let body = deadline.within(body(&state, &request, payload)).await?;
     let order = request::parse::<CreateOrderRequest>(&body)?.validate()?;
     let fingerprint = order.fingerprint();
     let (span, trace) = operation_span(&request, "create_order");
@@ -302,7 +302,7 @@ async fn order_command<C: OrderCommand>(
     let tenant = auth::tenant(&state, &request, &deadline).await?;
     let key = idempotency::key(&request)?;
     let order_id = order_id(&path)?;
-    let body = body(&state, &request, payload).await?;
+    let body = deadline.within(body(&state, &request, payload)).await?;
     let mut command = request::parse::<C>(&body)?;
     command.validate()?;
     let order = if command.defaults_from_order() {
