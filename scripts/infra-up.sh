@@ -157,7 +157,7 @@ if [ -z "$node_dir" ] && port_open 127.0.0.1 "$AMQP_PORT"; then
     deb_node="rabbit@$(hostname -s)"
     if [ "$deb_node" != "$RABBITMQ_NODENAME" ] && rabbitmqctl -q -n "$deb_node" stop >/dev/null 2>&1; then
         log "stopped RabbitMQ node $deb_node that held port $AMQP_PORT"
-        sleep 1
+        for _ in $(seq 30); do port_open 127.0.0.1 "$AMQP_PORT" || break; sleep 1; done
     fi
     port_open 127.0.0.1 "$AMQP_PORT" && die "port $AMQP_PORT is already in use by another process"
 fi

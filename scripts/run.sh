@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Start the five services in the foreground with readable, prefixed logs.
-# Ctrl-C (or SIGTERM) stops them all gracefully. Expects `make up` and a build.
+# Ctrl-C (or SIGTERM, or the terminal closing) stops them all gracefully:
+# each service runs in a session of its own (setsid), so the terminal's
+# SIGINT reaches this script alone, which sends each service one SIGTERM (a
+# second signal would make a service exit at once, dropping its in-flight
+# work). Expects `make up` and a build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/infra-env.sh
@@ -21,7 +25,7 @@ mkdir -p .run
 # order-api, and the bearer token of the consumers' internal read endpoints.
 CREDENTIALS=.run/credentials.env
 if [ ! -s "$CREDENTIALS" ]; then
-    api_key=$("$BIN/order-api" api-key create --tenant demo 2>/dev/null)
+    api_key=$("$BIN/order-api" api-key create --tenant demo)
     token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
     printf 'TENANT=demo\nORDER_API_KEY=%s\nSERVICE_TOKEN=%s\n' "$api_key" "$token" > "$CREDENTIALS"
     chmod 600 "$CREDENTIALS"
@@ -37,20 +41,25 @@ PIDS_FILE=.run/services.pids
 # the readiness probes in place of these: refuse, naming them.
 scripts/no-stray-services.sh
 : >"$PIDS_FILE"
+# stop [exit status]
 stop() {
-    trap - INT TERM
+    trap - INT TERM HUP
     echo "==> stopping services"
     for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     wait || true
     rm -f "$PIDS_FILE"
-    exit 0
+    exit "${1:-0}"
 }
-trap stop INT TERM
+trap stop INT TERM HUP
+command -v curl >/dev/null || { echo "ERROR: make run needs curl (apt-get install curl)" >&2; exit 1; }
 
 start() {
     local svc=$1
-    # Each service's output, prefixed with its name; $! is the service itself.
-    "$BIN/$svc" > >(sed -u "s/^/[$svc] /") 2>&1 &
+    # Each service's output, prefixed with its name; $! is the service itself
+    # (a background job of this script leads no process group, so setsid
+    # makes the new session in place, no fork). The prefixing sed has a
+    # session of its own too: it outlives a Ctrl-C to log the shutdown.
+    setsid "$BIN/$svc" > >(exec setsid sed -u "s/^/[$svc] /") 2>&1 &
     pids+=($!)
     echo "$! $svc" >>"$PIDS_FILE"
 }
@@ -66,7 +75,10 @@ await() {
     if curl -fsS "$url" >/dev/null 2>&1; then
         echo "==> ${SERVICES[$i]} is up: $url"
     else
-        echo "==> ${SERVICES[$i]} did not answer $url" >&2
+        # The relay must not start before every consumer's queues are bound
+        # (its events would miss them), nor a half-started system look up.
+        echo "==> ${SERVICES[$i]} did not answer $url: stopping" >&2
+        stop 1
     fi
 }
 
