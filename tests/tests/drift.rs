@@ -366,11 +366,21 @@ async fn post(
 async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     let tenant = unique_tenant("drift-accounts");
     let (right, wrong, no_payment) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    // Paid, its payment journal right but for the currency: the order is
+    // in EUR, the entry in USD.
+    let euro = Uuid::now_v7();
     let orders = pg(Database::Orders).await;
     system_tests::insert_seed_order(&orders, &tenant, right).await;
-    for order in [wrong, no_payment] {
+    for order in [wrong, no_payment, euro] {
         system_tests::insert_another_seed_order(&orders, &tenant, order).await;
     }
+    orders
+        .execute(
+            "UPDATE orders SET currency = 'EUR', status = 'paid' WHERE order_id = $1",
+            &[&euro],
+        )
+        .await
+        .expect("a paid order in EUR");
     // Paid, with its journal, but without the payment row it came from.
     orders
         .execute(
@@ -379,7 +389,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         )
         .await
         .expect("paid");
-    for order in [right, wrong] {
+    for order in [right, wrong, euro] {
         orders
             .execute(
                 "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
@@ -388,13 +398,15 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
             )
             .await
             .expect("payment");
-        orders
-            .execute(
-                "UPDATE orders SET status = 'delivered' WHERE order_id = $1",
-                &[&order],
-            )
-            .await
-            .expect("delivered");
+        if order != euro {
+            orders
+                .execute(
+                    "UPDATE orders SET status = 'delivered' WHERE order_id = $1",
+                    &[&order],
+                )
+                .await
+                .expect("delivered");
+        }
     }
     let mut ledger = pg(Database::Ledger).await;
     accounts(&ledger, &tenant, CHART).await;
@@ -422,6 +434,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         ),
         (wrong, "PaymentReceived", wrong_payment),
         (wrong, "ParcelDelivered", wrong_delivery),
+        (euro, "PaymentReceived", system_tests::SEED_PAYMENT_JOURNAL),
     ] {
         post(&mut ledger, &tenant, order, event_type, journal).await;
     }
@@ -451,6 +464,19 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         )),
         "{out}"
     );
+    // `euro`'s payment journal is right but for its currency: that is its
+    // one ledger finding.
+    let euro_ledger_findings: Vec<&str> = out
+        .lines()
+        .filter_map(|line| line.split_once(&format!("order {euro}: ")))
+        .map(|(_, what)| what)
+        .filter(|what| what.contains("journal"))
+        .collect();
+    assert_eq!(
+        euro_ledger_findings,
+        vec![r#"journal entries in {"USD"}, the order is in EUR"#],
+        "{out}"
+    );
     // `right` has its books: its findings are exactly the missing
     // inventory and loyalty effects, none about its journals.
     let right_findings: Vec<&str> = out
@@ -469,7 +495,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     );
     // The trial balance is even: only the account check sees it.
     assert!(
-        out.contains("trial balance USD: debits 553.00 = credits 553.00"),
+        out.contains("trial balance USD: debits 646.00 = credits 646.00"),
         "{out}"
     );
 }

@@ -110,6 +110,9 @@ struct Order {
     tax: i64,
     total: i64,
     cost: i64,
+    /// Every amount of the order is in this currency, and so must be each
+    /// of its journal entries.
+    currency: String,
     /// The payment's method, once paid (its clearing account).
     method: Option<String>,
     qty_by_sku: BTreeMap<(String, String), i64>,
@@ -151,7 +154,8 @@ pub async fn check(
                     o.total_minor, l.sku, l.qty::bigint, l.unit_cost_minor, \
                     o.updated_at > now() - ($2::bigint || ' seconds')::interval, \
                     o.shipping_minor, o.tax_minor, \
-                    (SELECT min(p.method) FROM payments p WHERE p.order_id = o.order_id) \
+                    (SELECT min(p.method) FROM payments p WHERE p.order_id = o.order_id), \
+                    o.currency \
                FROM orders o JOIN order_lines l USING (order_id) \
               WHERE $1::text IS NULL OR o.tenant_id = $1",
             &[&tenant, &grace_s],
@@ -176,6 +180,7 @@ pub async fn check(
             total: row.get(6),
             cost: 0,
             method: row.get(13),
+            currency: row.get(14),
             qty_by_sku: BTreeMap::new(),
         });
         order.cost += qty * unit_cost;
@@ -206,11 +211,14 @@ pub async fn check(
     // cast made the whole check fail on such a tenant).
     let mut journals: BTreeMap<(Key, String), (i64, i128)> = BTreeMap::new();
     let mut postings: BTreeMap<(Key, String), Postings> = BTreeMap::new();
+    // The currencies of each order's entries (a right amount in the wrong
+    // currency is drift too).
+    let mut entry_currencies: BTreeMap<Key, BTreeSet<String>> = BTreeMap::new();
     for row in ledger
         .query(
             "SELECT e.tenant_id, e.order_id, e.event_type, l.account_code, \
                     GROUPING(l.account_code) = 1, count(DISTINCT e.entry_id), \
-                    sum(l.debit)::text, sum(l.credit)::text \
+                    sum(l.debit)::text, sum(l.credit)::text, array_agg(DISTINCT e.currency) \
                FROM journal_entries e JOIN journal_lines l USING (entry_id) \
               WHERE $1::text IS NULL OR e.tenant_id = $1 \
               GROUP BY GROUPING SETS ((e.tenant_id, e.order_id, e.event_type, l.account_code), \
@@ -221,6 +229,10 @@ pub async fn check(
     {
         let journal = ((row.get(0), row.get(1)), row.get(2));
         if row.get::<_, bool>(4) {
+            entry_currencies
+                .entry(journal.0.clone())
+                .or_default()
+                .extend(row.get::<_, Vec<String>>(8));
             journals.insert(journal, (row.get(5), sum(&row, 6)?));
         } else {
             postings
@@ -287,6 +299,18 @@ pub async fn check(
         };
         if sold != &expected_sale {
             drift(t, id, describe("sale", &expected_sale, sold));
+        }
+        if let Some(currencies) = entry_currencies.get(key) {
+            if currencies.iter().any(|c| c != &order.currency) {
+                drift(
+                    t,
+                    id,
+                    format!(
+                        "journal entries in {currencies:?}, the order is in {}",
+                        order.currency
+                    ),
+                );
+            }
         }
         let payment = journals.get(&(key.clone(), "PaymentReceived".into()));
         let expected_payment = paid.then_some((1, i128::from(order.total)));

@@ -7,6 +7,11 @@
 //! endpoints are given), lost (must be 0), double effects, ordering
 //! violations, drift. Exits 0 when every invariant holds, 1 on any
 //! violation, 2 when it cannot run.
+//!
+//! Its checks read the outbox and inbox rows, which the relay's and the
+//! consumers' cleanups delete past their horizons (7 and 8 days by
+//! default): an order older than that is reported as broken. Run it over a
+//! tenant whose orders are all younger (a test, a soak, a staging run).
 
 use std::time::Duration;
 
@@ -14,7 +19,14 @@ use clap::Parser;
 use ops::invariants::{self, Kind, Scope};
 
 #[derive(Parser)]
-#[command(about = "Check the outbox invariants (read-only); exit 1 on any violation")]
+#[command(
+    about = "Check the outbox invariants (read-only); exit 1 on any violation",
+    long_about = "Check the outbox invariants (read-only); exit 1 on any violation.\n\n\
+        The checks read the outbox and inbox rows, which the relay's and the consumers' \
+        cleanups delete past their horizons (7 and 8 days by default): an order older than \
+        that is reported as broken. Run it over a tenant whose orders are all younger \
+        (a test, a soak, a staging run)."
+)]
 struct Cli {
     /// Only this tenant (recommended: every tenant's orders must have been
     /// consumed by the consumers named here).
