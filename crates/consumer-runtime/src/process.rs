@@ -723,8 +723,8 @@ impl<D: Domain> Processor<D> {
             .await?;
         // Crash window: the letter is confirmed in the DLQ, the message not
         // acknowledged. It is redelivered and dead-lettered again: two
-        // copies of the letter (a redrive moves both; the inbox or the
-        // sequence takes the second as a duplicate), nothing lost.
+        // copies of the letter (a redrive moves one and drops the other as
+        // its exact copy, `redrive::drop_exact_copies`), nothing lost.
         kit::failpoint::crash_point("consumer.after_dead_letter_before_ack");
         Ok(())
     }
@@ -852,14 +852,15 @@ impl<D: Domain> Processor<D> {
         // Crash window: the dead letter is confirmed, the park not committed
         // and the message not acknowledged. The message is redelivered,
         // dead-lettered again and the order parked then: a second copy of
-        // the letter (redrive moves both; the inbox takes the second as a
-        // duplicate), nothing lost.
+        // the letter (a redrive moves one and drops the other as its exact
+        // copy), nothing lost.
         kit::failpoint::crash_point("consumer.after_dead_letter_before_park");
         tx.commit().await?;
         // Crash window: the order is parked, the message not acknowledged.
-        // It is redelivered and, at or past the parked sequence, dead-
-        // lettered again as held behind the park: a second copy of the
-        // letter (as above), nothing lost.
+        // It is redelivered and dead-lettered again: a poison event as
+        // poison (its park again a no-op), an event whose handler failed as
+        // held behind the park. A second copy of the letter (as above),
+        // nothing lost.
         kit::failpoint::crash_point("consumer.after_park_before_ack");
         // A re-park (an earlier event of an order parked already) is no new
         // parked order; the gauge is recounted from the table every tick.
