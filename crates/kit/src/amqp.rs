@@ -114,13 +114,46 @@ fn with_connect_timeout(url: &str) -> Option<lapin::uri::AMQPUri> {
     Some(uri)
 }
 
+/// One connection attempt whose TCP connect ends at the URL's
+/// `connection_timeout` (else [`CONNECT_TIMEOUT_MS`]). lapin reads that
+/// setting only on its blocking connect path, never on the async one it
+/// uses, so the bound is ours: the connect lapin's I/O thread runs is given
+/// a timeout (it runs in the Tokio runtime's context, `block_on` on its
+/// handle), and nothing outlives it (no socket or I/O loop is left behind
+/// by an attempt that times out, as a timeout around the whole attempt
+/// would leave lapin's thread).
+async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Result<Connection> {
+    let Some(uri) = with_connect_timeout(url) else {
+        return Connection::connect(url, properties).await;
+    };
+    let bound = Duration::from_millis(uri.query.connection_timeout.unwrap_or(CONNECT_TIMEOUT_MS));
+    let runtime = lapin::runtime::default_runtime()?;
+    Connection::connector(
+        uri,
+        runtime,
+        async move |uri, runtime| {
+            use lapin::tcp::AMQPUriTcpExt as _;
+            let connect = uri.connect_with_config_async(lapin::tcp::TLSConfig::default(), &runtime);
+            match tokio::time::timeout(bound, connect).await {
+                Ok(stream) => Ok(stream?),
+                Err(_) => Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("TCP connect not done within {} ms", bound.as_millis()),
+                )
+                .into()),
+            }
+        },
+        properties,
+    )
+    .await
+}
+
 /// Connect, retrying with capped exponential backoff (100 ms .. 5 s) until the
 /// broker accepts or `shutdown` is cancelled; an attempt in progress ends at
 /// once on shutdown. The TCP connect of an attempt is bounded (the URL's
-/// `connection_timeout`, else [`CONNECT_TIMEOUT_MS`]): a broker address
-/// that drops packets held it for the kernel's SYN retries (~2 min). No
-/// timeout of our own around the whole attempt: lapin runs it on its I/O
-/// thread, which a dropped attempt would leave running.
+/// `connection_timeout`, else [`CONNECT_TIMEOUT_MS`]: [`connect_once`]): a
+/// broker address that drops packets would hold it for the kernel's SYN
+/// retries (~2 min).
 pub async fn connect(
     settings: &AmqpSettings,
     connection_name: &str,
@@ -132,12 +165,7 @@ pub async fn connect(
             ConnectionProperties::default().with_connection_name(connection_name.into());
         let attempt = tokio::select! {
             _ = shutdown.cancelled() => return Err(AmqpError::Cancelled),
-            attempt = async {
-                match with_connect_timeout(&settings.url) {
-                    Some(uri) => Connection::connect_uri(uri, properties).await,
-                    None => Connection::connect(&settings.url, properties).await,
-                }
-            } => attempt,
+            attempt = connect_once(&settings.url, properties) => attempt,
         };
         match attempt {
             Ok(connection) => {
@@ -332,5 +360,57 @@ mod tests {
         assert_eq!(bounded.query.connection_timeout, Some(CONNECT_TIMEOUT_MS));
         let own = with_connect_timeout("amqp://h/%2f?connection_timeout=2500").expect("url");
         assert_eq!(own.query.connection_timeout, Some(2500));
+    }
+
+    /// An address that drops SYNs (here a listener whose accept queue is
+    /// full: Linux drops the SYNs it cannot queue) ends an attempt at the
+    /// URL's `connection_timeout`, not after the kernel's SYN retries
+    /// (~2 min; lapin ignores the setting on its async connect).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connect_to_an_address_that_drops_syns_ends_at_the_timeout() {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind("127.0.0.1:0".parse().expect("address"))
+            .expect("bind");
+        let listener = socket.listen(1).expect("listen");
+        let address = listener.local_addr().expect("address");
+        // Fill the accept queue (never accepted): later SYNs are dropped.
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            if let Ok(Ok(stream)) = tokio::time::timeout(
+                Duration::from_millis(500),
+                tokio::net::TcpStream::connect(address),
+            )
+            .await
+            {
+                held.push(stream);
+            }
+        }
+        assert!(!held.is_empty(), "the accept queue took no connection");
+        let hangs = tokio::time::timeout(
+            Duration::from_secs(3),
+            tokio::net::TcpStream::connect(address),
+        )
+        .await;
+        assert!(
+            hangs.is_err(),
+            "a connect to the full queue did not hang: the test proves nothing"
+        );
+
+        let url = format!("amqp://app:app@{address}/%2f?connection_timeout=1000");
+        let started = std::time::Instant::now();
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(60),
+            connect_once(&url, ConnectionProperties::default()),
+        )
+        .await
+        .expect("the attempt ends within 60 s");
+        assert!(attempt.is_err(), "nothing speaks AMQP there");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the attempt took {:?}: its TCP connect is not bounded",
+            started.elapsed()
+        );
+        drop(listener);
     }
 }

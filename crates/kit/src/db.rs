@@ -62,6 +62,22 @@ pub fn bound_network_waits(config: &mut tokio_postgres::Config) {
     }
 }
 
+/// This build connects without TLS (`NoTls`): a URL that requires it
+/// (`sslmode=require`) could never connect, and a service would wait for
+/// its database forever. A configuration error to stop on instead.
+fn refuse_tls(config: &tokio_postgres::Config, url: &str) -> Result<(), DbError> {
+    match config.get_ssl_mode() {
+        tokio_postgres::config::SslMode::Disable | tokio_postgres::config::SslMode::Prefer => {
+            Ok(())
+        }
+        _ => Err(DbError::Build(format!(
+            "database url {}: sslmode requires TLS, which this build does not have \
+             (use sslmode=prefer or disable on a trusted network)",
+            redact_url(url)
+        ))),
+    }
+}
+
 /// One connection outside a pool (a cleanup run holding an advisory lock,
 /// an operator command), with [`bound_network_waits`]. Spawn the returned
 /// connection to drive it.
@@ -131,6 +147,7 @@ fn build_pool(
             url: redact_url(&settings.url),
             source,
         })?;
+    refuse_tls(&pg, &settings.url)?;
     if let Some(options) = options {
         let merged = merged_options(options, pg.get_options());
         pg.options(&merged);
@@ -303,6 +320,34 @@ mod tests {
             "22P02", "23505", "23514", "42P01", "54000", "P0001", "XX000",
         ] {
             assert!(!transient_sqlstate(code), "{code} is a bug or bad data");
+        }
+    }
+
+    #[test]
+    fn a_url_that_requires_tls_is_refused_at_start() {
+        let with = |url: &str| {
+            build_pool(
+                &DatabaseSettings {
+                    url: url.to_owned(),
+                    pool_size: 1,
+                    acquire_timeout_ms: 100,
+                },
+                None,
+                None,
+            )
+        };
+        let refused = with("postgres://app:secret@127.0.0.1/orders?sslmode=require")
+            .err()
+            .expect("sslmode=require is refused");
+        let message = refused.to_string();
+        assert!(message.contains("sslmode requires TLS"), "{message}");
+        assert!(!message.contains("secret"), "{message}");
+        for url in [
+            "postgres://app@127.0.0.1/orders",
+            "postgres://app@127.0.0.1/orders?sslmode=prefer",
+            "postgres://app@127.0.0.1/orders?sslmode=disable",
+        ] {
+            assert!(with(url).is_ok(), "{url}");
         }
     }
 

@@ -25,7 +25,7 @@ where
     let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
     reject_unknown_variables(prefix, defaults, names)?;
     let mut builder = config::Config::builder().add_source(config::Config::try_from(defaults)?);
-    if let Ok(file) = std::env::var(format!("{prefix}__CONFIG_FILE")) {
+    if let Some(file) = config_file(prefix, std::env::vars_os())? {
         builder = builder.add_source(config::File::with_name(&file).required(true));
     }
     // No `try_parsing`: it would store a value that looks like a number or a
@@ -40,6 +40,40 @@ where
         )
         .build()?
         .try_deserialize()
+}
+
+/// The file `<prefix>__CONFIG_FILE` names, the variable's name in any case
+/// as config matches the other variables (a lower-case spelling passed the
+/// typo check and was ignored); an error when two spellings are set.
+fn config_file(
+    prefix: &str,
+    vars: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<Option<String>, config::ConfigError> {
+    let wanted = format!("{prefix}__CONFIG_FILE");
+    let mut found: Vec<(String, String)> = Vec::new();
+    for (name, value) in vars {
+        let Ok(name) = name.into_string() else {
+            continue;
+        };
+        if name.to_uppercase() == wanted {
+            let value = value
+                .into_string()
+                .map_err(|_| config::ConfigError::Message(format!("{name} is not UTF-8")))?;
+            found.push((name, value));
+        }
+    }
+    match found.as_slice() {
+        [] => Ok(None),
+        [(_, file)] => Ok(Some(file.clone())),
+        several => Err(config::ConfigError::Message(format!(
+            "the configuration file is named more than once: {}",
+            several
+                .iter()
+                .map(|(name, _)| name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
 }
 
 /// Fail on a `<prefix>__...` variable that names no setting (a typo such as
@@ -129,10 +163,21 @@ impl AmqpSettings {
     /// A URL that can never connect (a bad port, an unknown scheme) is a
     /// configuration error to stop on, not a broker to wait for.
     pub fn validate(&self) -> Result<(), String> {
-        self.url
+        let uri = self
+            .url
             .parse::<lapin::uri::AMQPUri>()
-            .map(|_| ())
-            .map_err(|error| format!("amqp.url {}: {error}", redact_url(&self.url)))
+            .map_err(|error| format!("amqp.url {}: {error}", redact_url(&self.url)))?;
+        // This build has no TLS backend (lapin without one connects
+        // `amqps://` in clear text, or to a TLS port it cannot talk to,
+        // forever): refuse rather than send credentials unencrypted.
+        if uri.scheme == lapin::uri::AMQPScheme::AMQPS {
+            return Err(format!(
+                "amqp.url {}: amqps:// needs TLS, which this build does not have \
+                 (use amqp:// on a trusted network, or terminate TLS in front of the broker)",
+                redact_url(&self.url)
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -257,12 +302,44 @@ mod tests {
         for url in [
             "amqp://app:app@127.0.0.1:notaport/%2f",
             "http://127.0.0.1:5672",
+            "amqps://app:app@127.0.0.1/%2f",
         ] {
             let settings = AmqpSettings {
                 url: url.to_owned(),
             };
             assert!(settings.validate().is_err(), "{url}");
         }
+    }
+
+    #[test]
+    fn the_config_file_is_found_in_any_case_and_once() {
+        let vars = |names: &[(&str, &str)]| {
+            names
+                .iter()
+                .map(|(n, v)| (n.into(), v.into()))
+                .collect::<Vec<(std::ffi::OsString, std::ffi::OsString)>>()
+                .into_iter()
+        };
+        assert_eq!(
+            config_file("ORDER_API", vars(&[("ORDER_API__CONFIG_FILE", "/a.toml")])).expect("one"),
+            Some("/a.toml".to_owned())
+        );
+        assert_eq!(
+            config_file("ORDER_API", vars(&[("order_api__config_file", "/b.toml")])).expect("one"),
+            Some("/b.toml".to_owned())
+        );
+        assert_eq!(
+            config_file("ORDER_API", vars(&[("OTHER__CONFIG_FILE", "/c.toml")])).expect("none"),
+            None
+        );
+        assert!(config_file(
+            "ORDER_API",
+            vars(&[
+                ("ORDER_API__CONFIG_FILE", "/a.toml"),
+                ("order_api__config_file", "/b.toml")
+            ])
+        )
+        .is_err());
     }
 
     #[test]
