@@ -336,9 +336,9 @@ mod tests {
                 None,
             )
         };
-        let refused = with("postgres://app:secret@127.0.0.1/orders?sslmode=require")
-            .err()
-            .expect("sslmode=require is refused");
+        let Err(refused) = with("postgres://app:secret@127.0.0.1/orders?sslmode=require") else {
+            panic!("sslmode=require is refused");
+        };
         let message = refused.to_string();
         assert!(message.contains("sslmode requires TLS"), "{message}");
         assert!(!message.contains("secret"), "{message}");
