@@ -44,9 +44,14 @@ scripts/no-stray-services.sh
 # stop [exit status]
 stop() {
     trap - INT TERM HUP
-    echo "==> stopping services"
-    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    wait || true
+    # Nothing here may end the script early: after a hangup the terminal is
+    # gone and a write to it fails (set -e would exit before the TERMs, and
+    # the services, in sessions of their own, would keep running).
+    set +e
+    trap '' PIPE
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+    echo "==> stopping services" 2>/dev/null
+    wait
     rm -f "$PIDS_FILE"
     exit "${1:-0}"
 }

@@ -2240,7 +2240,7 @@ async fn impossible_read_parameters_are_a_400_naming_the_field() {
 
 /// A receipt can name every sku and location an order can (`events::name`,
 /// 255 bytes of UTF-8): a sale waiting on stock at a location of 85
-/// Devanagari letters (255 bytes) can be given it. Past the rule, or blank,
+/// Devanagari letters (255 bytes) can be given it. Past the rule, or empty,
 /// a receipt is a 400 naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receipt_names_whatever_an_order_can_name() {
@@ -2292,7 +2292,7 @@ async fn a_receipt_names_whatever_an_order_can_name() {
         ),
         (
             "sku",
-            json!({"receipt_id": "R-4", "sku": " \t ", "location": "WH-1", "qty": 1}),
+            json!({"receipt_id": "R-4", "sku": "", "location": "WH-1", "qty": 1}),
         ),
     ] {
         let (status, problem) = post(body).await;
@@ -4332,7 +4332,8 @@ async fn a_crash_between_the_dead_letter_and_the_park_parks_on_redelivery() {
 
 /// A crash after the park commits, before the message's acknowledgement
 /// (`consumer.after_park_before_ack`): the order is parked, the message is
-/// redelivered and dead-lettered again as held behind the park. Two copies
+/// redelivered and dead-lettered again (this poison event as poison, its
+/// park again a no-op). Two copies
 /// of the letter, nothing lost, and the order's next event is held too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_between_the_park_and_the_ack_letters_the_event_twice() {

@@ -724,7 +724,8 @@ impl<D: Domain> Processor<D> {
         // Crash window: the letter is confirmed in the DLQ, the message not
         // acknowledged. It is redelivered and dead-lettered again: two
         // copies of the letter (a redrive moves one and drops the other as
-        // its exact copy, `redrive::drop_exact_copies`), nothing lost.
+        // its exact copy, `redrive::drop_exact_copies`; a letter that names
+        // no order or event is kept, both copies), nothing lost.
         kit::failpoint::crash_point("consumer.after_dead_letter_before_ack");
         Ok(())
     }

@@ -114,8 +114,9 @@ fn with_connect_timeout(url: &str) -> Option<lapin::uri::AMQPUri> {
     Some(uri)
 }
 
-/// One connection attempt whose TCP connect ends at the URL's
-/// `connection_timeout` (else [`CONNECT_TIMEOUT_MS`]). lapin reads that
+/// One connection attempt whose TCP connect to each of the host's
+/// addresses ends at the URL's `connection_timeout` (else
+/// [`CONNECT_TIMEOUT_MS`]). lapin reads that
 /// setting only on its blocking connect path, never on the async one it
 /// uses, so the bound is ours: the connect lapin's I/O thread runs is given
 /// a timeout (it runs in the Tokio runtime's context, `block_on` on its
@@ -133,15 +134,35 @@ async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Res
         runtime,
         async move |uri, runtime| {
             use lapin::tcp::AMQPUriTcpExt as _;
-            let connect = uri.connect_with_config_async(lapin::tcp::TLSConfig::default(), &runtime);
-            match tokio::time::timeout(bound, connect).await {
-                Ok(stream) => Ok(stream?),
-                Err(_) => Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("TCP connect not done within {} ms", bound.as_millis()),
-                )
-                .into()),
+            // Each address of the name on its own bound (as lapin's blocking
+            // path does): a name with several addresses whose first drops
+            // packets still reaches the others.
+            let (host, port) = (uri.authority.host.clone(), uri.authority.port);
+            let mut last = std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{host} has no address"),
+            );
+            for address in tokio::net::lookup_host((host.as_str(), port)).await? {
+                let mut one = uri.clone();
+                one.authority.host = address.ip().to_string();
+                one.authority.port = address.port();
+                let connect =
+                    one.connect_with_config_async(lapin::tcp::TLSConfig::default(), &runtime);
+                match tokio::time::timeout(bound, connect).await {
+                    Ok(Ok(stream)) => return Ok(stream),
+                    Ok(Err(error)) => last = error,
+                    Err(_) => {
+                        last = std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!(
+                                "TCP connect to {address} not done within {} ms",
+                                bound.as_millis()
+                            ),
+                        )
+                    }
+                }
             }
+            Err(last.into())
         },
         properties,
     )
