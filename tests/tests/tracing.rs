@@ -411,10 +411,12 @@ async fn every_service_exposes_lint_clean_prometheus_metrics() {
             ],
         ),
     ];
+    let mut exported = String::new();
     for member in system.members() {
         let body = system_tests::wait_for_ok(&member.url("/metrics"), Duration::from_secs(10))
             .await
             .expect("metrics");
+        exported.push_str(&body);
         let names: &[&str] = expected
             .iter()
             .find(|(prefix, _)| {
@@ -451,4 +453,67 @@ async fn every_service_exposes_lint_clean_prometheus_metrics() {
             String::from_utf8_lossy(&output.stderr)
         );
     }
+    // Every metric an alert rule reads is exported by some service: a
+    // renamed metric would leave its alert unable to fire, and promtool's
+    // rule tests (scripts/check-deploy.sh) feed the rules their own series.
+    let read = alert_metric_names();
+    assert!(read.len() >= 20, "alerts.yml read: {read:?}");
+    let missing: Vec<&String> = read
+        .iter()
+        .filter(|name| {
+            !exported.lines().any(|line| {
+                line.strip_prefix(name.as_str())
+                    .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+            })
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "metrics the alerts read that no service exports: {missing:?}"
+    );
+}
+
+/// The metric names the alert rules read: the identifiers with an
+/// underscore in every `expr` of deploy/prometheus/alerts.yml (PromQL's
+/// functions aside; `up` is Prometheus's own).
+fn alert_metric_names() -> BTreeSet<String> {
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/prometheus/alerts.yml"
+    ))
+    .expect("deploy/prometheus/alerts.yml");
+    let mut exprs = Vec::new();
+    let mut lines = rules.lines().peekable();
+    while let Some(line) = lines.next() {
+        let Some(at) = line.find("expr:") else {
+            continue;
+        };
+        let rest = line[at + "expr:".len()..].trim();
+        if rest == "|" {
+            // A block: the lines indented past `expr:`.
+            while let Some(next) = lines.peek() {
+                let indent = next.len() - next.trim_start().len();
+                if !next.trim().is_empty() && indent <= at {
+                    break;
+                }
+                exprs.push(next.to_string());
+                lines.next();
+            }
+        } else {
+            exprs.push(rest.to_string());
+        }
+    }
+    exprs
+        .iter()
+        .flat_map(|expr| {
+            expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|token| {
+                    token.contains('_')
+                        && token.starts_with(|c: char| c.is_ascii_lowercase())
+                        && *token != "histogram_quantile"
+                })
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }

@@ -265,9 +265,14 @@ impl RawEnvelope {
         let payload = P::deserialize(&self.payload).map_err(|e| invalid(e.to_string()))?;
         payload.check().map_err(invalid)?;
         let order_id = order_id(&payload);
-        if Uuid::parse_str(&self.aggregate_id).ok() != Some(order_id) {
+        // The order's id in its one spelling (lower-case, hyphenated, as
+        // order-api writes it): the consumers sequence, deduplicate and
+        // partition by the aggregate_id text, so another spelling of the
+        // same UUID would be another order to them.
+        if self.aggregate_id != order_id.hyphenated().to_string() {
             return Err(invalid(format!(
-                "payload order_id {order_id} does not match aggregate_id {:?}",
+                "payload order_id {order_id} does not match aggregate_id {:?} \
+                 (its lower-case hyphenated form)",
                 self.aggregate_id
             )));
         }

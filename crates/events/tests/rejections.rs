@@ -497,6 +497,27 @@ fn payload_must_agree_with_the_envelope() {
         json!("order-1042"),
     ));
     assert_contains(&text, "does not match aggregate_id \"order-1042\"");
+    // The same UUID spelt otherwise is another order to the consumers
+    // (they key on the text): refused.
+    for spelling in [
+        "{00000000-0000-7000-8000-000000001042}",
+        "urn:uuid:00000000-0000-7000-8000-000000001042",
+        "00000000000070008000000000001042",
+    ] {
+        let text = invalid_payload(&set(ORDER_PLACED_JSON, "/aggregate_id", json!(spelling)));
+        assert_contains(&text, "does not match aggregate_id");
+    }
+    let lower = set(
+        ORDER_PLACED_JSON,
+        "/payload/order_id",
+        json!("00000000-0000-7000-8000-00000000104a"),
+    );
+    let text = invalid_payload(&set(
+        std::str::from_utf8(&lower).expect("utf-8"),
+        "/aggregate_id",
+        json!("00000000-0000-7000-8000-00000000104A"),
+    ));
+    assert_contains(&text, "does not match aggregate_id");
     let text = invalid_payload(&set(
         ORDER_PLACED_JSON,
         "/aggregate_type",
