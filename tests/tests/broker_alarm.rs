@@ -19,6 +19,9 @@ use system_tests::{
     Database,
 };
 
+/// The alarm is the broker's: one test of this binary at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Raised by [`MemoryAlarm::raise`], cleared when dropped (also when the
 /// test fails, so the broker is never left blocking everyone).
 struct MemoryAlarm;
@@ -56,6 +59,7 @@ async fn count(sql: &str, tenant: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_blocked_broker_holds_events_back_loses_nothing_and_does_not_hold_shutdown() {
+    let _serial = SERIAL.lock().await;
     system_tests::wait_for_quiet_machine("broker_alarm").await;
     let system = System::start(
         "alarm",
@@ -148,4 +152,100 @@ async fn a_blocked_broker_holds_events_back_loses_nothing_and_does_not_hold_shut
     for consumer in &report.consumers {
         assert_eq!(consumer.applied, 24, "{}", consumer.name);
     }
+}
+
+/// The alarm blocks a connection once it publishes, and lapin then writes
+/// nothing on it, acknowledgements included. A consumer sends its copies
+/// (retries, deferrals, dead letters) on a connection of its own: one
+/// partition holding a copy the broker will not take does not stop the
+/// other partitions' acknowledgements (on a shared connection they all
+/// waited for the alarm to end, then for the broker's consumer_timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledgements() {
+    use system_tests::consumers::{
+        order_placed, payment_received, queue_depth, unique, wait_for_topology, Consumer, Kind,
+        Options, Publisher, TopologyGuard,
+    };
+    let _serial = SERIAL.lock().await;
+    system_tests::wait_for_quiet_machine("broker_alarm").await;
+    let tenant = unique("alarm-copy");
+    let name = unique("alarm-copy-led");
+    let options = Options::default();
+    assert_eq!(options.partitions, 2);
+    let _topology = TopologyGuard::new(&name, &options);
+
+    // The consumer's topology, then the consumer stopped: its queues stay.
+    let port = system_tests::free_port();
+    let mut first = Consumer::spawn(Kind::Ledger, &name, port, &options);
+    first
+        .wait_ready(
+            &format!("http://127.0.0.1:{port}/readyz"),
+            Duration::from_secs(90),
+        )
+        .await
+        .expect("the consumer is ready");
+    wait_for_topology(&name, options.tier_count()).await;
+    first.signal("TERM");
+    let stopped = tokio::task::spawn_blocking(move || first.wait_exit(Duration::from_secs(30)))
+        .await
+        .expect("wait");
+    assert!(stopped.is_some(), "the first consumer stopped");
+
+    // A payment whose order was never placed here: its partition defers it
+    // (a copy to a retry tier), which the alarm holds.
+    let publisher = Publisher::connect().await;
+    let held = uuid::Uuid::now_v7();
+    publisher
+        .to_consumer(&name, &payment_received(&tenant, held, 2, "53.00"))
+        .await;
+    let partitions = [format!("{name}.p0"), format!("{name}.p1")];
+    let depths = |queues: [String; 2]| async move {
+        [queue_depth(&queues[0]).await, queue_depth(&queues[1]).await]
+    };
+    let with_held = depths(partitions.clone()).await;
+    let held_on = with_held
+        .iter()
+        .position(|&d| d == 1)
+        .expect("the payment is in one partition");
+    let other = 1 - held_on;
+    // Orders placed behind it, until at least 3 are in the other partition.
+    let mut placed = 0;
+    while depths(partitions.clone()).await[other] < 3 {
+        assert!(placed < 64, "no order hashed to the other partition");
+        publisher
+            .to_consumer(
+                &name,
+                &order_placed(&tenant, uuid::Uuid::now_v7(), 1, "77", 1),
+            )
+            .await;
+        placed += 1;
+    }
+    let on_other = f64::from(depths(partitions.clone()).await[other]);
+
+    system_tests::wait_for_quiet_machine("broker_alarm").await;
+    let alarm = MemoryAlarm::raise().await;
+    let consumer = Consumer::start(Kind::Ledger, &name, options.clone()).await;
+    // The other partition applies and acknowledges its orders while the
+    // held partition waits for the broker to take its copy.
+    consumer
+        .wait_metric("consumer_messages_acknowledged_total", "", on_other)
+        .await;
+    assert_eq!(
+        consumer
+            .metric("consumer_messages_acknowledged_total", "")
+            .await,
+        on_other,
+        "only the other partition's orders are acknowledged during the alarm"
+    );
+    assert_eq!(consumer.metric("consumer_deferred_total", "").await, 0.0);
+
+    drop(alarm);
+    // The copy goes out once the alarm clears; the held partition's orders
+    // follow.
+    consumer
+        .wait_metric("consumer_deferred_total", "", 1.0)
+        .await;
+    consumer
+        .wait_metric("consumer_events_applied_total", "", f64::from(placed))
+        .await;
 }

@@ -354,6 +354,8 @@ impl<D: Domain> Application<D> {
                     |connection| {
                         worker::run_connection(
                             connection,
+                            settings.clone(),
+                            format!("{connection_name} (publishing)"),
                             processor.clone(),
                             prefetch,
                             shutdown.clone(),

@@ -37,16 +37,17 @@ use kit::CancellationToken;
 /// the supervisor reconnects). A topology conflict (a configuration error,
 /// which no reconnect repairs) is written to `fatal` and ends the
 /// supervisor with `Ok`: the service then stops with that error.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_connection<D: Domain>(
     connection: Connection,
+    amqp: kit::settings::AmqpSettings,
+    publishing_name: String,
     processor: Arc<Processor<D>>,
     prefetch: u16,
     shutdown: CancellationToken,
     fatal: Arc<OnceLock<String>>,
     ready: kit::amqp::Connected,
 ) -> Result<(), lapin::Error> {
-    // Shared with the partition workers, which open a new publishing channel
-    // on it when a publish fails (`Publisher::renew`).
     let connection = Arc::new(connection);
     let result = match processor
         .topology
@@ -54,11 +55,31 @@ pub(crate) async fn run_connection<D: Domain>(
         .await
     {
         Ok(()) => {
-            ready.watch(&connection);
-            ready.set(true);
-            let consumed = consume(&connection, processor, prefetch, &shutdown).await;
-            ready.set(false);
-            consumed
+            // The copies (retries, deferrals, dead letters) go out on a
+            // connection of their own: under a memory or disk alarm the
+            // broker blocks a connection that publishes, and lapin then
+            // writes nothing on it, acknowledgements included. On one shared
+            // connection, one partition's copy stopped every partition's
+            // acknowledgements until the alarm ended (and after the
+            // broker's consumer_timeout, their channels were closed and the
+            // prefetched messages redelivered, counted against the delivery
+            // limit). This one only consumes, and is never blocked. Shared
+            // with the partition workers, which open a new publishing
+            // channel on it when a publish fails (`Publisher::renew`).
+            match kit::amqp::connect(&amqp, &publishing_name, &shutdown).await {
+                Ok(publishing) => {
+                    let publishing = Arc::new(publishing);
+                    ready.watch(&connection);
+                    ready.set(true);
+                    let consumed =
+                        consume(&connection, &publishing, processor, prefetch, &shutdown).await;
+                    ready.set(false);
+                    close_connection(&publishing).await;
+                    consumed
+                }
+                // Shut down while connecting.
+                Err(_) => Ok(()),
+            }
         }
         Err(DeclareError::Broker(error)) => Err(error),
         Err(DeclareError::Busy(why)) => {
@@ -73,9 +94,15 @@ pub(crate) async fn run_connection<D: Domain>(
             Ok(())
         }
     };
+    close_connection(&connection).await;
+    result
+}
+
+/// Close `connection` if it is up, bounded: a broker that does not answer
+/// must not hold up a shutdown (unacknowledged messages are requeued when
+/// the socket goes anyway).
+async fn close_connection(connection: &Connection) {
     if connection.status().connected() {
-        // Bounded: a broker that does not answer must not hold up a shutdown
-        // (unacknowledged messages are requeued when the socket goes anyway).
         match tokio::time::timeout(Duration::from_secs(3), connection.close(200, "bye".into()))
             .await
         {
@@ -84,11 +111,11 @@ pub(crate) async fn run_connection<D: Domain>(
             Err(_) => tracing::warn!("the broker did not confirm the connection close in 3 s"),
         }
     }
-    result
 }
 
 async fn consume<D: Domain>(
     connection: &Arc<Connection>,
+    publishing: &Arc<Connection>,
     processor: Arc<Processor<D>>,
     prefetch: u16,
     shutdown: &CancellationToken,
@@ -103,7 +130,7 @@ async fn consume<D: Domain>(
         consume_channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await?;
-        let mut publisher = Publisher::open(connection.clone()).await?;
+        let mut publisher = Publisher::open(publishing.clone()).await?;
         let tag = format!(
             "{}-{}-p{partition}",
             processor.topology.name,
@@ -187,6 +214,10 @@ async fn consume<D: Domain>(
                 }
             },
             error = kit::amqp::closed(connection), if !stop.is_cancelled() => {
+                failure.get_or_insert(error);
+                stop.cancel();
+            }
+            error = kit::amqp::closed(publishing), if !stop.is_cancelled() => {
                 failure.get_or_insert(error);
                 stop.cancel();
             }
