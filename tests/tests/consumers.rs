@@ -2311,6 +2311,85 @@ async fn a_receipt_names_whatever_an_order_can_name() {
     assert_eq!(receipts, 1);
 }
 
+/// What only the deployment causes (a table a migration should have made,
+/// here renamed away: SQLSTATE 42P01) is retried in place, not counted as
+/// the event's attempts: the message is held, nothing is dead-lettered or
+/// parked, and once the table is back the event is applied once. (Before,
+/// each event spent its attempts and every order ended parked.) The
+/// consumer runs on a database of its own, which the test alters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_table_is_retried_in_place_not_counted_against_the_event() {
+    let database = format!("loyalty_{}", &Uuid::new_v4().simple().to_string()[..12]);
+    let admin = pg(Database::Loyalty).await;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {database}"))
+        .await
+        .expect("create database");
+    let shared = system_tests::pg_url(Database::Loyalty);
+    let (address, query) = shared.split_once('?').unwrap_or((&shared, ""));
+    let (server, _) = address.rsplit_once('/').expect("a database URL");
+    let url = match query {
+        "" => format!("{server}/{database}"),
+        query => format!("{server}/{database}?{query}"),
+    };
+    let name = unique("t5-deploy-loy");
+    let tenant = unique("t5-deploy");
+    let loyalty = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            extra: vec![("LOYALTY_CONSUMER__DATABASE__URL".into(), url.clone())],
+            ..Options::default()
+        },
+    )
+    .await;
+    let (own, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the own database");
+    tokio::spawn(connection);
+    own.batch_execute("ALTER TABLE loyalty_orders RENAME TO loyalty_orders_away")
+        .await
+        .expect("rename");
+
+    Publisher::connect()
+        .await
+        .to_consumer(&name, &order_placed(&tenant, Uuid::now_v7(), 1, "77", 1))
+        .await;
+    loyalty
+        .wait_metric("consumer_retried_in_place_total", "", 2.0)
+        .await;
+    for metric in [
+        "consumer_retried_total",
+        "consumer_dead_lettered_total",
+        "consumer_events_applied_total",
+    ] {
+        assert_eq!(loyalty.metric(metric, "").await, 0.0, "{metric}");
+    }
+
+    own.batch_execute("ALTER TABLE loyalty_orders_away RENAME TO loyalty_orders")
+        .await
+        .expect("rename back");
+    loyalty
+        .wait_metric("consumer_events_applied_total", "", 1.0)
+        .await;
+    let terms: i64 = own
+        .query_one(
+            "SELECT count(*) FROM loyalty_orders WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(terms, 1);
+    assert_eq!(loyalty.metric("consumer_retried_total", "").await, 0.0);
+    drop(loyalty);
+    drop(own);
+    admin
+        .batch_execute(&format!("DROP DATABASE {database} WITH (FORCE)"))
+        .await
+        .expect("drop database");
+}
+
 /// Every amount fits in i64 minor units, their totals need not: an entry
 /// whose debits add up beyond i64, and a points balance beyond it, are
 /// reported exactly (they overflowed: a panic in a debug build, a 503 from a

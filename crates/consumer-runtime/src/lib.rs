@@ -141,12 +141,26 @@ impl From<tokio_postgres::Error> for HandlerError {
             ),
             None => format!("database: {error}"),
         };
-        if kit::db::transient(&error) {
+        let deployment = error
+            .code()
+            .is_some_and(|code| deployment_fault(code.code()));
+        if kit::db::transient(&error) || deployment {
             Self::transient(message)
         } else {
             Self::new(message)
         }
     }
+}
+
+/// SQLSTATEs no event can cause, only the deployment: the handlers' SQL is
+/// fixed text, so a missing table, column or function, a privilege revoked
+/// (class `42`), a missing database or schema (`3D`, `3F`) is a migration
+/// not run or botched, or a grant lost. Retried in place (the message held,
+/// alert `ConsumerRetryingInPlace`) until the deployment is repaired,
+/// instead of each event counting its attempts and every order ending
+/// dead-lettered and parked.
+pub fn deployment_fault(code: &str) -> bool {
+    code.starts_with("42") || code.starts_with("3D") || code.starts_with("3F")
 }
 
 /// What a consumer service is, beyond the shared runtime: its names, its
@@ -486,4 +500,24 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
         }
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::deployment_fault;
+
+    #[test]
+    fn only_what_the_deployment_causes_is_a_deployment_fault() {
+        // undefined table, column, function; privilege; database; schema
+        for code in ["42P01", "42703", "42883", "42501", "3D000", "3F000"] {
+            assert!(deployment_fault(code), "{code}");
+        }
+        // what an event can cause (a constraint, a value, a trigger's
+        // exception) or the infrastructure's transient states
+        for code in [
+            "23505", "23514", "22P02", "22003", "P0001", "40001", "XX000",
+        ] {
+            assert!(!deployment_fault(code), "{code}");
+        }
+    }
 }
