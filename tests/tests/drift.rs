@@ -369,9 +369,13 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     // Paid, its payment journal right but for the currency: the order is
     // in EUR, the entry in USD.
     let euro = Uuid::now_v7();
+    // Delivered, its payment journal and its loyalty points posted wrong,
+    // then corrected by hand: a reversal and the right entry each, under
+    // the same event type. Its books net to the order's: no finding.
+    let corrected = Uuid::now_v7();
     let orders = pg(Database::Orders).await;
     system_tests::insert_seed_order(&orders, &tenant, right).await;
-    for order in [wrong, no_payment, euro] {
+    for order in [wrong, no_payment, euro, corrected] {
         system_tests::insert_another_seed_order(&orders, &tenant, order).await;
     }
     orders
@@ -389,7 +393,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         )
         .await
         .expect("paid");
-    for order in [right, wrong, euro] {
+    for order in [right, wrong, euro, corrected] {
         orders
             .execute(
                 "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
@@ -435,8 +439,37 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         (wrong, "PaymentReceived", wrong_payment),
         (wrong, "ParcelDelivered", wrong_delivery),
         (euro, "PaymentReceived", system_tests::SEED_PAYMENT_JOURNAL),
+        (corrected, "PaymentReceived", wrong_payment),
+        (
+            corrected,
+            "PaymentReceived",
+            &[("sales", 9300, 0), ("clearing:card", 0, 9300)],
+        ),
+        (
+            corrected,
+            "PaymentReceived",
+            system_tests::SEED_PAYMENT_JOURNAL,
+        ),
+        (
+            corrected,
+            "ParcelDelivered",
+            system_tests::SEED_DELIVERY_JOURNAL,
+        ),
     ] {
         post(&mut ledger, &tenant, order, event_type, journal).await;
+    }
+
+    let loyalty = pg(Database::Loyalty).await;
+    for (customer, points) in [("99", 80_i64), ("99", -80), ("77", 80)] {
+        loyalty
+            .execute(
+                "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
+                 event_type, reason, occurred_at) \
+                 VALUES ($1, $2, $3, $4, $5, 'ParcelDelivered', 'by hand', now())",
+                &[&tenant, &customer, &corrected, &points, &Uuid::now_v7()],
+            )
+            .await
+            .expect("loyalty entry");
     }
 
     let (code, out) = drift_check(&tenant);
@@ -464,6 +497,14 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         )),
         "{out}"
     );
+    // `corrected` nets to its order's books: no journal or loyalty finding.
+    let corrected_findings: Vec<&str> = out
+        .lines()
+        .filter_map(|line| line.split_once(&format!("order {corrected}: ")))
+        .map(|(_, what)| what)
+        .filter(|what| what.contains("journal") || what.contains("loyalty"))
+        .collect();
+    assert!(corrected_findings.is_empty(), "{out}");
     // `euro`'s payment journal is right but for its currency: that is its
     // one ledger finding.
     let euro_ledger_findings: Vec<&str> = out
@@ -495,7 +536,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     );
     // The trial balance is even: only the account check sees it.
     assert!(
-        out.contains("trial balance USD: debits 646.00 = credits 646.00"),
+        out.contains("trial balance USD: debits 1062.00 = credits 1062.00"),
         "{out}"
     );
 }
