@@ -3037,7 +3037,9 @@ async fn a_copy_returned_by_a_deleted_tier_queue_declares_it_again_in_place() {
 }
 
 /// The broker closes the consumer's connection (as on a broker restart or a
-/// network failure): it reconnects, re-declares and keeps consuming.
+/// network failure): it reconnects, re-declares and keeps consuming. Then
+/// its publishing connection (its copies' own): both are rebuilt at once,
+/// not when a copy next fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consumer_reconnects_after_the_broker_drops_its_connection() {
     let tenant = unique("t5-reconnect");
@@ -3048,32 +3050,52 @@ async fn the_consumer_reconnects_after_the_broker_drops_its_connection() {
     publisher.to_consumer(&name, &s.placed).await;
     wait_sequence(Database::Ledger, &name, s.order, 1).await;
 
-    let connection_name = format!("ledger-consumer:{name}");
-    let find = || consumer_connection(&connection_name);
-    let first = eventually("the consumer's connection", WAIT, find).await;
-    let status = reqwest::Client::new()
-        .delete(format!(
-            "http://127.0.0.1:{}/api/connections/{}",
-            std::env::var("RABBITMQ_MGMT_PORT").unwrap_or_else(|_| "15672".to_owned()),
-            first.replace(' ', "%20").replace('>', "%3E")
-        ))
-        .basic_auth(
-            std::env::var("AMQP_USER").unwrap_or_else(|_| "app".to_owned()),
-            Some(std::env::var("AMQP_PASSWORD").unwrap_or_else(|_| "app".to_owned())),
+    let consuming = format!("ledger-consumer:{name}");
+    let publishing = format!("ledger-consumer:{name} (publishing)");
+    let drop_connection = |connection: String| async move {
+        let status = reqwest::Client::new()
+            .delete(format!(
+                "http://127.0.0.1:{}/api/connections/{}",
+                std::env::var("RABBITMQ_MGMT_PORT").unwrap_or_else(|_| "15672".to_owned()),
+                connection.replace(' ', "%20").replace('>', "%3E")
+            ))
+            .basic_auth(
+                std::env::var("AMQP_USER").unwrap_or_else(|_| "app".to_owned()),
+                Some(std::env::var("AMQP_PASSWORD").unwrap_or_else(|_| "app".to_owned())),
+            )
+            .header("X-Reason", "consumer test: broker drops the connection")
+            .send()
+            .await
+            .expect("close the connection")
+            .status();
+        assert!(status.is_success(), "{status}");
+    };
+    let both = || async {
+        (
+            consumer_connection(&consuming).await,
+            consumer_connection(&publishing).await,
         )
-        .header("X-Reason", "consumer test: broker drops the connection")
-        .send()
-        .await
-        .expect("close the connection")
-        .status();
-    assert!(status.is_success(), "{status}");
-    let second = eventually("a new connection", WAIT, || async {
-        find().await.filter(|c| *c != first)
+    };
+    let up = || async {
+        match both().await {
+            (Some(c), Some(p)) => Some((c, p)),
+            _ => None,
+        }
+    };
+    let first = eventually("the consumer's two connections", WAIT, up).await;
+    drop_connection(first.0.clone()).await;
+    let second = eventually("two new connections", WAIT, || async {
+        up().await.filter(|(c, p)| *c != first.0 && *p != first.1)
     })
     .await;
-    assert_ne!(first, second);
-
     publisher.to_consumer(&name, &s.paid).await;
+    wait_sequence(Database::Ledger, &name, s.order, 2).await;
+
+    drop_connection(second.1.clone()).await;
+    eventually("two new connections", WAIT, || async {
+        up().await.filter(|(c, p)| *c != second.0 && *p != second.1)
+    })
+    .await;
     publisher.to_consumer(&name, &s.delivered).await;
     wait_sequence(Database::Ledger, &name, s.order, 3).await;
     assert_eq!(

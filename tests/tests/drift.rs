@@ -373,11 +373,21 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     // then corrected by hand: a reversal and the right entry each, under
     // the same event type. Its books net to the order's: no finding.
     let corrected = Uuid::now_v7();
+    // Paid, its payment journal reversed without the right entry posted:
+    // its books hold no payment.
+    let reversed = Uuid::now_v7();
     let orders = pg(Database::Orders).await;
     system_tests::insert_seed_order(&orders, &tenant, right).await;
-    for order in [wrong, no_payment, euro, corrected] {
+    for order in [wrong, no_payment, euro, corrected, reversed] {
         system_tests::insert_another_seed_order(&orders, &tenant, order).await;
     }
+    orders
+        .execute(
+            "UPDATE orders SET status = 'paid' WHERE order_id = $1",
+            &[&reversed],
+        )
+        .await
+        .expect("paid");
     orders
         .execute(
             "UPDATE orders SET currency = 'EUR', status = 'paid' WHERE order_id = $1",
@@ -393,7 +403,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         )
         .await
         .expect("paid");
-    for order in [right, wrong, euro, corrected] {
+    for order in [right, wrong, euro, corrected, reversed] {
         orders
             .execute(
                 "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
@@ -402,7 +412,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
             )
             .await
             .expect("payment");
-        if order != euro {
+        if order != euro && order != reversed {
             orders
                 .execute(
                     "UPDATE orders SET status = 'delivered' WHERE order_id = $1",
@@ -455,6 +465,22 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
             "ParcelDelivered",
             system_tests::SEED_DELIVERY_JOURNAL,
         ),
+        (
+            reversed,
+            "PaymentReceived",
+            system_tests::SEED_PAYMENT_JOURNAL,
+        ),
+        (
+            reversed,
+            "PaymentReceived",
+            &[("customer_deposits", 9300, 0), ("clearing:card", 0, 9300)],
+        ),
+        // Under a type no event posts: drift unless it nets to zero.
+        (
+            no_payment,
+            "Adjustment",
+            &[("sales", 100, 0), ("customer_deposits", 0, 100)],
+        ),
     ] {
         post(&mut ledger, &tenant, order, event_type, journal).await;
     }
@@ -497,6 +523,20 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         )),
         "{out}"
     );
+    assert!(
+        out.contains(&format!(
+            "order {reversed}: payment journal reversed: expected 1 entr(ies) debiting 93.00, \
+             found 2 entr(ies) debiting 186.00 netting to nothing"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "order {no_payment}: journal entries of type Adjustment net to customer_deposits \
+             Cr 1.00 USD, sales Dr 1.00 USD (no event of the order posts them)"
+        )),
+        "{out}"
+    );
     // `corrected` nets to its order's books: no journal or loyalty finding.
     let corrected_findings: Vec<&str> = out
         .lines()
@@ -536,7 +576,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     );
     // The trial balance is even: only the account check sees it.
     assert!(
-        out.contains("trial balance USD: debits 1062.00 = credits 1062.00"),
+        out.contains("trial balance USD: debits 1249.00 = credits 1249.00"),
         "{out}"
     );
 }

@@ -489,8 +489,9 @@ fn alert_metric_names() -> BTreeSet<String> {
             continue;
         };
         let rest = line[at + "expr:".len()..].trim();
-        if rest == "|" {
-            // A block: the lines indented past `expr:`.
+        // A block scalar (`|`, `|-`, `>`, `>-`, ...): the lines indented
+        // past `expr:`.
+        if rest.starts_with('|') || rest.starts_with('>') {
             while let Some(next) = lines.peek() {
                 let indent = next.len() - next.trim_start().len();
                 if !next.trim().is_empty() && indent <= at {

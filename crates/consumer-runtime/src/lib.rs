@@ -155,12 +155,19 @@ impl From<tokio_postgres::Error> for HandlerError {
 /// SQLSTATEs no event can cause, only the deployment: the handlers' SQL is
 /// fixed text, so a missing table, column or function, a privilege revoked
 /// (class `42`), a missing database or schema (`3D`, `3F`) is a migration
-/// not run or botched, or a grant lost. Retried in place (the message held,
+/// not run or botched, or a grant lost; a read-only transaction (`25006`)
+/// is the pool on a standby after a failover; `0A000` is a prepared
+/// statement whose table an online migration changed (cached plan must not
+/// change result type). Retried in place (the message held,
 /// alert `ConsumerRetryingInPlace`) until the deployment is repaired,
 /// instead of each event counting its attempts and every order ending
 /// dead-lettered and parked.
 pub fn deployment_fault(code: &str) -> bool {
-    code.starts_with("42") || code.starts_with("3D") || code.starts_with("3F")
+    code.starts_with("42")
+        || code.starts_with("3D")
+        || code.starts_with("3F")
+        || code == "25006"
+        || code == "0A000"
 }
 
 /// What a consumer service is, beyond the shared runtime: its names, its
@@ -509,7 +516,9 @@ mod tests {
     #[test]
     fn only_what_the_deployment_causes_is_a_deployment_fault() {
         // undefined table, column, function; privilege; database; schema
-        for code in ["42P01", "42703", "42883", "42501", "3D000", "3F000"] {
+        for code in [
+            "42P01", "42703", "42883", "42501", "3D000", "3F000", "25006", "0A000",
+        ] {
             assert!(deployment_fault(code), "{code}");
         }
         // what an event can cause (a constraint, a value, a trigger's

@@ -394,7 +394,8 @@ struct Channels<'a> {
 }
 
 /// A partition's confirm channel for its retry, deferral and dead-letter
-/// copies, on the connection it consumes from.
+/// copies, on the process's publishing connection (never the consuming
+/// one: see `run_connection`).
 struct Publisher {
     connection: Arc<Connection>,
     channel: lapin::Channel,

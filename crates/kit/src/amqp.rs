@@ -57,7 +57,9 @@ pub async fn close_bounded(channel: &Channel, reason: &str) {
 /// Whether a service currently holds a working broker connection (for
 /// `/readyz`): up, and not blocked by the broker (a memory or disk alarm
 /// blocks every connection that publishes until it clears: the relay then
-/// publishes nothing, a consumer can neither retry nor dead-letter).
+/// publishes nothing). A consumer watches its consuming connection, which
+/// never publishes (its copies go out on a second one), so it is not
+/// blocked: an alarm holds only the messages that need a copy.
 #[derive(Clone, Debug, Default)]
 pub struct Connected(Arc<ConnectedState>);
 
@@ -190,11 +192,12 @@ pub async fn connect(
         };
         match attempt {
             Ok(connection) => {
-                tracing::info!(url = %redact_url(&settings.url), "connected to RabbitMQ");
+                tracing::info!(url = %redact_url(&settings.url), connection = connection_name, "connected to RabbitMQ");
                 return Ok(connection);
             }
             Err(error) => tracing::warn!(
                 url = %redact_url(&settings.url),
+                connection = connection_name,
                 %error,
                 retry_in_ms = delay.as_millis() as u64,
                 "RabbitMQ not reachable"
