@@ -2311,6 +2311,112 @@ async fn a_receipt_names_whatever_an_order_can_name() {
     assert_eq!(receipts, 1);
 }
 
+/// A database of its own for a consumer test that alters its tables: (its
+/// name, its URL). Dropped by [`drop_own_database`].
+async fn own_database(db: Database) -> (String, String) {
+    let name = format!(
+        "{}_{}",
+        db.name(),
+        &Uuid::new_v4().simple().to_string()[..12]
+    );
+    pg(db)
+        .await
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create database");
+    let shared = system_tests::pg_url(db);
+    let (address, query) = shared.split_once('?').unwrap_or((&shared, ""));
+    let (server, _) = address.rsplit_once('/').expect("a database URL");
+    let url = match query {
+        "" => format!("{server}/{name}"),
+        query => format!("{server}/{name}?{query}"),
+    };
+    (name, url)
+}
+
+async fn drop_own_database(db: Database, name: &str) {
+    pg(db)
+        .await
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await
+        .expect("drop database");
+}
+
+async fn connect_url(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the own database");
+    tokio::spawn(connection);
+    client
+}
+
+/// A prepared statement an online migration invalidated (a column's type
+/// changed: "cached plan must not change result type", 0A000) fails on
+/// the session that prepared it for as long as that session lives: the
+/// retry in place closes the connection and runs on a fresh session, where
+/// the event applies. (On the same session it was retried forever.) One
+/// partition and a pool of one connection, so the delivery runs where the
+/// statement was prepared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
+    let (database, url) = own_database(Database::Loyalty).await;
+    let name = unique("t5-plan-loy");
+    let tenant = unique("t5-plan");
+    let loyalty = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            extra: vec![
+                ("LOYALTY_CONSUMER__DATABASE__URL".into(), url.clone()),
+                ("LOYALTY_CONSUMER__DATABASE__POOL_SIZE".into(), "1".into()),
+            ],
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    let own = connect_url(&url).await;
+    let entries = || async {
+        own.query_one(
+            "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("count")
+        .get::<_, i64>(0)
+    };
+    let publisher = Publisher::connect().await;
+    let first = story(&tenant);
+    for message in [&first.placed, &first.paid, &first.delivered] {
+        publisher.to_consumer(&name, message).await;
+    }
+    eventually("the first delivery's points", WAIT, || async {
+        (entries().await == 1).then_some(())
+    })
+    .await;
+
+    own.batch_execute("ALTER TABLE loyalty_orders ALTER COLUMN customer_id TYPE varchar(255)")
+        .await
+        .expect("the migration");
+    let second = story(&tenant);
+    for message in [&second.placed, &second.paid, &second.delivered] {
+        publisher.to_consumer(&name, message).await;
+    }
+    eventually("the second delivery's points", WAIT, || async {
+        (entries().await == 2).then_some(())
+    })
+    .await;
+    assert!(
+        loyalty.metric("consumer_retried_in_place_total", "").await >= 1.0,
+        "the invalidated statement failed once"
+    );
+    for metric in ["consumer_retried_total", "consumer_dead_lettered_total"] {
+        assert_eq!(loyalty.metric(metric, "").await, 0.0, "{metric}");
+    }
+    drop(loyalty);
+    drop(own);
+    drop_own_database(Database::Loyalty, &database).await;
+}
+
 /// What only the deployment causes (a table a migration should have made,
 /// here renamed away: SQLSTATE 42P01) is retried in place, not counted as
 /// the event's attempts: the message is held, nothing is dead-lettered or
@@ -2319,19 +2425,7 @@ async fn a_receipt_names_whatever_an_order_can_name() {
 /// consumer runs on a database of its own, which the test alters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_table_is_retried_in_place_not_counted_against_the_event() {
-    let database = format!("loyalty_{}", &Uuid::new_v4().simple().to_string()[..12]);
-    let admin = pg(Database::Loyalty).await;
-    admin
-        .batch_execute(&format!("CREATE DATABASE {database}"))
-        .await
-        .expect("create database");
-    let shared = system_tests::pg_url(Database::Loyalty);
-    let (address, query) = shared.split_once('?').unwrap_or((&shared, ""));
-    let (server, _) = address.rsplit_once('/').expect("a database URL");
-    let url = match query {
-        "" => format!("{server}/{database}"),
-        query => format!("{server}/{database}?{query}"),
-    };
+    let (database, url) = own_database(Database::Loyalty).await;
     let name = unique("t5-deploy-loy");
     let tenant = unique("t5-deploy");
     let loyalty = Consumer::start(
@@ -2343,10 +2437,7 @@ async fn a_missing_table_is_retried_in_place_not_counted_against_the_event() {
         },
     )
     .await;
-    let (own, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .expect("connect to the own database");
-    tokio::spawn(connection);
+    let own = connect_url(&url).await;
     own.batch_execute("ALTER TABLE loyalty_orders RENAME TO loyalty_orders_away")
         .await
         .expect("rename");
@@ -2384,10 +2475,7 @@ async fn a_missing_table_is_retried_in_place_not_counted_against_the_event() {
     assert_eq!(loyalty.metric("consumer_retried_total", "").await, 0.0);
     drop(loyalty);
     drop(own);
-    admin
-        .batch_execute(&format!("DROP DATABASE {database} WITH (FORCE)"))
-        .await
-        .expect("drop database");
+    drop_own_database(Database::Loyalty, &database).await;
 }
 
 /// Every amount fits in i64 minor units, their totals need not: an entry

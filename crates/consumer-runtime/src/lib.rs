@@ -106,6 +106,10 @@ pub type Transaction<'a> = kit::db::Transaction<'a>;
 pub struct HandlerError {
     message: String,
     transient: bool,
+    /// The failure belongs to the session (a prepared statement an online
+    /// migration invalidated, a session on a standby): the connection is
+    /// closed, not returned to the pool, so the retry gets a fresh one.
+    fresh_session: bool,
 }
 
 impl HandlerError {
@@ -114,6 +118,7 @@ impl HandlerError {
         Self {
             message: message.into(),
             transient: false,
+            fresh_session: false,
         }
     }
 
@@ -122,11 +127,17 @@ impl HandlerError {
         Self {
             message: message.into(),
             transient: true,
+            fresh_session: false,
         }
     }
 
     pub fn is_transient(&self) -> bool {
         self.transient
+    }
+
+    /// Whether the retry needs another session than this one's.
+    pub fn needs_fresh_session(&self) -> bool {
+        self.fresh_session
     }
 }
 
@@ -145,7 +156,10 @@ impl From<tokio_postgres::Error> for HandlerError {
             .code()
             .is_some_and(|code| deployment_fault(code.code()));
         if kit::db::transient(&error) || deployment {
-            Self::transient(message)
+            Self {
+                fresh_session: deployment,
+                ..Self::transient(message)
+            }
         } else {
             Self::new(message)
         }
@@ -158,7 +172,10 @@ impl From<tokio_postgres::Error> for HandlerError {
 /// not run or botched, or a grant lost; a read-only transaction (`25006`)
 /// is the pool on a standby after a failover; `0A000` is a prepared
 /// statement whose table an online migration changed (cached plan must not
-/// change result type). Retried in place (the message held,
+/// change result type). Both of the last stay with their session, so the
+/// connection is closed, not pooled (`HandlerError::needs_fresh_session`),
+/// and the retry runs on a new one (a cache of new statements, the primary
+/// the name points to now). Retried in place (the message held,
 /// alert `ConsumerRetryingInPlace`) until the deployment is repaired,
 /// instead of each event counting its attempts and every order ending
 /// dead-lettered and parked.

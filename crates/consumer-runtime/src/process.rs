@@ -563,7 +563,13 @@ impl<D: Domain> Processor<D> {
                 if let Err(rollback) = tx.rollback().await {
                     tracing::warn!(%rollback, "rollback after a handler error");
                 }
-                drop(client);
+                if error.needs_fresh_session() {
+                    // Closed with its session (its prepared statements, its
+                    // server), not handed to the next message.
+                    drop(deadpool_postgres::Object::take(client));
+                } else {
+                    drop(client);
+                }
                 if error.is_transient() {
                     return Err(Infra::Database(error.to_string()));
                 }

@@ -788,7 +788,11 @@ fn describe_journal(
         (None, Some(_)) => "unexpected",
         // Entries that cancel out: a reversal without its right entry.
         (Some(_), Some((m, _))) if m > 1 && found_net.is_empty() => "reversed",
-        (Some((n, _)), Some((m, _))) if m > n => "doubled",
+        // More entries whose amounts grow with their number: the same
+        // entry posted again (not a correction that is still off).
+        (Some((n, d)), Some((m, fd))) if m > n && fd * i128::from(n) == d * i128::from(m) => {
+            "doubled"
+        }
         _ => "wrong",
     };
     // Several entries (a correction among them): what they come to.
