@@ -2417,6 +2417,69 @@ async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
     drop_own_database(Database::Loyalty, &database).await;
 }
 
+/// A session on a standby (after a failover, the pool's sessions opened
+/// read-only: 25006 at the inbox insert, every message's first write) stays
+/// read-only for its life: the retry in place closes it and opens a fresh
+/// one, which writes once the database does. Here the consumer's sessions
+/// are ended while its database is set read-only, then the setting is
+/// reset (new sessions only). (On the same session it was retried forever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_session_is_retried_on_a_fresh_session() {
+    let (database, url) = own_database(Database::Loyalty).await;
+    let name = unique("t5-readonly-loy");
+    let tenant = unique("t5-readonly");
+    let loyalty = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            extra: vec![
+                ("LOYALTY_CONSUMER__DATABASE__URL".into(), url.clone()),
+                ("LOYALTY_CONSUMER__DATABASE__POOL_SIZE".into(), "1".into()),
+            ],
+            ..Options::one_partition()
+        },
+    )
+    .await;
+    let own = connect_url(&url).await;
+    own.batch_execute(&format!(
+        "ALTER DATABASE {database} SET default_transaction_read_only = on"
+    ))
+    .await
+    .expect("read-only");
+    own.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        &[],
+    )
+    .await
+    .expect("end the consumer's sessions");
+
+    let placed = story(&tenant).placed;
+    Publisher::connect().await.to_consumer(&name, &placed).await;
+    loyalty
+        .wait_metric("consumer_retried_in_place_total", "", 2.0)
+        .await;
+    assert_eq!(
+        loyalty.metric("consumer_events_applied_total", "").await,
+        0.0
+    );
+
+    own.batch_execute(&format!(
+        "ALTER DATABASE {database} RESET default_transaction_read_only"
+    ))
+    .await
+    .expect("writable");
+    loyalty
+        .wait_metric("consumer_events_applied_total", "", 1.0)
+        .await;
+    for metric in ["consumer_retried_total", "consumer_dead_lettered_total"] {
+        assert_eq!(loyalty.metric(metric, "").await, 0.0, "{metric}");
+    }
+    drop(loyalty);
+    drop(own);
+    drop_own_database(Database::Loyalty, &database).await;
+}
+
 /// What only the deployment causes (a table a migration should have made,
 /// here renamed away: SQLSTATE 42P01) is retried in place, not counted as
 /// the event's attempts: the message is held, nothing is dead-lettered or

@@ -173,8 +173,9 @@ impl From<tokio_postgres::Error> for HandlerError {
 /// is the pool on a standby after a failover; `0A000` is a prepared
 /// statement whose table an online migration changed (cached plan must not
 /// change result type). Both of the last stay with their session, so the
-/// connection is closed, not pooled (`HandlerError::needs_fresh_session`),
-/// and the retry runs on a new one (a cache of new statements, the primary
+/// connection is closed, not pooled (`HandlerError::needs_fresh_session`
+/// for a handler's statement; the runtime's inbox insert, a read-only
+/// session's first write, likewise), and the retry runs on a new one (a cache of new statements, the primary
 /// the name points to now). Retried in place (the message held,
 /// alert `ConsumerRetryingInPlace`) until the deployment is repaired,
 /// instead of each event counting its attempts and every order ending

@@ -429,7 +429,20 @@ impl<D: Domain> Processor<D> {
         let opened = match open_message(&tx, self.name(), raw).await {
             Ok(opened) => opened,
             Err(error) => {
-                let reason = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
+                let Some(reason) = the_event_s_own(&error) else {
+                    rollback(tx).await;
+                    if error
+                        .code()
+                        .is_some_and(|code| crate::deployment_fault(code.code()))
+                    {
+                        // A session on a standby (25006: the inbox insert is
+                        // the first write), a statement a migration
+                        // invalidated (0A000): closed with its session, so
+                        // the retry in place runs on a fresh one.
+                        drop(deadpool_postgres::Object::take(client));
+                    }
+                    return Err(Infra::from(error));
+                };
                 rollback(tx).await;
                 drop(client);
                 return self.failed(publisher, incoming, raw, &reason).await;

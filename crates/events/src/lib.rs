@@ -13,7 +13,8 @@
 //!
 //! - `event_id` is a UUID fixed when the outbox row is written and never
 //!   changed on retry; consumers de-duplicate on it.
-//! - `aggregate_id` is the order id (hyphenated UUID) and
+//! - `aggregate_id` is the order id (lower-case hyphenated UUID, its only
+//!   accepted spelling) and
 //!   `aggregate_sequence` numbers that order's events 1, 2, 3 ... without gaps.
 //! - `occurred_at` (and every other timestamp) is RFC 3339.
 //! - Unknown envelope and payload fields are ignored on read.

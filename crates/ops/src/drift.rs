@@ -4,16 +4,19 @@
 //! - every order: inventory reserve movements summing to the order's quantity
 //!   per SKU; the ledger and loyalty consumers know nothing before payment or
 //!   delivery;
-//! - paid (or delivered): exactly one PaymentReceived journal entry of the
-//!   total, debiting the payment method's clearing account and crediting
-//!   customer deposits;
-//! - delivered: sale movements summing to minus the quantity per SKU, exactly
-//!   one ParcelDelivered journal entry of total + cost of goods, account by
-//!   account as seed 003 books it (deposits debited the total; sales,
-//!   shipping income and tax payable credited; cost of goods debited and
-//!   inventory credited the cost), exactly one loyalty entry of the
+//! - paid (or delivered): PaymentReceived journal entries netting, per
+//!   account in the order's currency, to the total debited to the payment
+//!   method's clearing account and credited to customer deposits (one entry,
+//!   or a wrong one, its reversal and the right one: a correction by hand);
+//! - delivered: sale movements summing to minus the quantity per SKU;
+//!   ParcelDelivered journal entries netting to total + cost of goods,
+//!   account by account as seed 003 books it (deposits debited the total;
+//!   sales, shipping income and tax payable credited; cost of goods debited
+//!   and inventory credited the cost); loyalty entries netting to the
 //!   merchandise's whole units for the customer;
-//! - not delivered: none of those.
+//! - not delivered: none of those (entries netting to zero are none);
+//! - no entries in another currency, or under a type no event posts, that
+//!   do not net to zero.
 //!
 //! Orders changed within `grace` are skipped (their events may be in flight).
 
