@@ -2350,6 +2350,34 @@ async fn connect_url(url: &str) -> tokio_postgres::Client {
     client
 }
 
+/// A loyalty consumer on database `url` (its own), with one partition and
+/// a pool of one connection: every statement runs on one session.
+async fn loyalty_on_one_session(name: &str, url: &str) -> Consumer {
+    Consumer::start(
+        Kind::Loyalty,
+        name,
+        Options {
+            extra: vec![
+                ("LOYALTY_CONSUMER__DATABASE__URL".into(), url.to_owned()),
+                ("LOYALTY_CONSUMER__DATABASE__POOL_SIZE".into(), "1".into()),
+            ],
+            ..Options::one_partition()
+        },
+    )
+    .await
+}
+
+/// No attempt was counted and nothing dead-lettered; then the consumer
+/// stopped and its own database dropped.
+async fn no_attempt_counted(loyalty: Consumer, own: tokio_postgres::Client, database: &str) {
+    for metric in ["consumer_retried_total", "consumer_dead_lettered_total"] {
+        assert_eq!(loyalty.metric(metric, "").await, 0.0, "{metric}");
+    }
+    drop(loyalty);
+    drop(own);
+    drop_own_database(Database::Loyalty, database).await;
+}
+
 /// A prepared statement an online migration invalidated (a column's type
 /// changed: "cached plan must not change result type", 0A000) fails on
 /// the session that prepared it for as long as that session lives: the
@@ -2362,18 +2390,7 @@ async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
     let (database, url) = own_database(Database::Loyalty).await;
     let name = unique("t5-plan-loy");
     let tenant = unique("t5-plan");
-    let loyalty = Consumer::start(
-        Kind::Loyalty,
-        &name,
-        Options {
-            extra: vec![
-                ("LOYALTY_CONSUMER__DATABASE__URL".into(), url.clone()),
-                ("LOYALTY_CONSUMER__DATABASE__POOL_SIZE".into(), "1".into()),
-            ],
-            ..Options::one_partition()
-        },
-    )
-    .await;
+    let loyalty = loyalty_on_one_session(&name, &url).await;
     let own = connect_url(&url).await;
     let entries = || async {
         own.query_one(
@@ -2409,12 +2426,7 @@ async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
         loyalty.metric("consumer_retried_in_place_total", "").await >= 1.0,
         "the invalidated statement failed once"
     );
-    for metric in ["consumer_retried_total", "consumer_dead_lettered_total"] {
-        assert_eq!(loyalty.metric(metric, "").await, 0.0, "{metric}");
-    }
-    drop(loyalty);
-    drop(own);
-    drop_own_database(Database::Loyalty, &database).await;
+    no_attempt_counted(loyalty, own, &database).await;
 }
 
 /// A session on a standby (after a failover, the pool's sessions opened
@@ -2428,18 +2440,7 @@ async fn a_read_only_session_is_retried_on_a_fresh_session() {
     let (database, url) = own_database(Database::Loyalty).await;
     let name = unique("t5-readonly-loy");
     let tenant = unique("t5-readonly");
-    let loyalty = Consumer::start(
-        Kind::Loyalty,
-        &name,
-        Options {
-            extra: vec![
-                ("LOYALTY_CONSUMER__DATABASE__URL".into(), url.clone()),
-                ("LOYALTY_CONSUMER__DATABASE__POOL_SIZE".into(), "1".into()),
-            ],
-            ..Options::one_partition()
-        },
-    )
-    .await;
+    let loyalty = loyalty_on_one_session(&name, &url).await;
     let own = connect_url(&url).await;
     own.batch_execute(&format!(
         "ALTER DATABASE {database} SET default_transaction_read_only = on"
@@ -2472,12 +2473,7 @@ async fn a_read_only_session_is_retried_on_a_fresh_session() {
     loyalty
         .wait_metric("consumer_events_applied_total", "", 1.0)
         .await;
-    for metric in ["consumer_retried_total", "consumer_dead_lettered_total"] {
-        assert_eq!(loyalty.metric(metric, "").await, 0.0, "{metric}");
-    }
-    drop(loyalty);
-    drop(own);
-    drop_own_database(Database::Loyalty, &database).await;
+    no_attempt_counted(loyalty, own, &database).await;
 }
 
 /// What only the deployment causes (a table a migration should have made,
