@@ -26,6 +26,48 @@ pub fn amqp_url() -> String {
 /// A plain tokio-postgres client to `db`, whose schema is migrated first (once
 /// per test process): a test never depends on another test, or a service it
 /// happens to start, having created the tables — CI runs on a fresh cluster.
+/// A new, empty database on `db`'s server, for a test that alters its
+/// tables or must be alone on them: (its name, its URL, with `db`'s
+/// options). Drop it with [`drop_database`].
+pub async fn create_database(db: Database) -> (String, String) {
+    let name = format!(
+        "{}_{}",
+        db.name(),
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    pg(db)
+        .await
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create database");
+    let shared = pg_url(db);
+    let (address, options) = shared.split_once('?').unwrap_or((&shared, ""));
+    let (server, _) = address.rsplit_once('/').expect("a database URL");
+    let url = match options {
+        "" => format!("{server}/{name}"),
+        options => format!("{server}/{name}?{options}"),
+    };
+    (name, url)
+}
+
+/// Drop a database [`create_database`] made (its sessions ended first).
+pub async fn drop_database(db: Database, name: &str) {
+    pg(db)
+        .await
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .await
+        .expect("drop database");
+}
+
+/// A connection to `url`, driven in the background.
+pub async fn connect_url(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the database");
+    tokio::spawn(connection);
+    client
+}
+
 pub async fn pg(db: Database) -> tokio_postgres::Client {
     ensure_migrated(db).await;
     let (client, connection) = tokio_postgres::connect(&pg_url(db), tokio_postgres::NoTls)

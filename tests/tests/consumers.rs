@@ -2311,45 +2311,6 @@ async fn a_receipt_names_whatever_an_order_can_name() {
     assert_eq!(receipts, 1);
 }
 
-/// A database of its own for a consumer test that alters its tables: (its
-/// name, its URL). Dropped by [`drop_own_database`].
-async fn own_database(db: Database) -> (String, String) {
-    let name = format!(
-        "{}_{}",
-        db.name(),
-        &Uuid::new_v4().simple().to_string()[..12]
-    );
-    pg(db)
-        .await
-        .batch_execute(&format!("CREATE DATABASE {name}"))
-        .await
-        .expect("create database");
-    let shared = system_tests::pg_url(db);
-    let (address, query) = shared.split_once('?').unwrap_or((&shared, ""));
-    let (server, _) = address.rsplit_once('/').expect("a database URL");
-    let url = match query {
-        "" => format!("{server}/{name}"),
-        query => format!("{server}/{name}?{query}"),
-    };
-    (name, url)
-}
-
-async fn drop_own_database(db: Database, name: &str) {
-    pg(db)
-        .await
-        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
-        .await
-        .expect("drop database");
-}
-
-async fn connect_url(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .expect("connect to the own database");
-    tokio::spawn(connection);
-    client
-}
-
 /// A loyalty consumer on database `url` (its own), with one partition and
 /// a pool of one connection: every statement runs on one session.
 async fn loyalty_on_one_session(name: &str, url: &str) -> Consumer {
@@ -2375,7 +2336,7 @@ async fn no_attempt_counted(loyalty: Consumer, own: tokio_postgres::Client, data
     }
     drop(loyalty);
     drop(own);
-    drop_own_database(Database::Loyalty, database).await;
+    system_tests::drop_database(Database::Loyalty, database).await;
 }
 
 /// A prepared statement an online migration invalidated (a column's type
@@ -2387,11 +2348,11 @@ async fn no_attempt_counted(loyalty: Consumer, own: tokio_postgres::Client, data
 /// statement was prepared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
-    let (database, url) = own_database(Database::Loyalty).await;
+    let (database, url) = system_tests::create_database(Database::Loyalty).await;
     let name = unique("t5-plan-loy");
     let tenant = unique("t5-plan");
     let loyalty = loyalty_on_one_session(&name, &url).await;
-    let own = connect_url(&url).await;
+    let own = system_tests::connect_url(&url).await;
     let entries = || async {
         own.query_one(
             "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
@@ -2437,11 +2398,11 @@ async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
 /// reset (new sessions only). (On the same session it was retried forever.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_session_is_retried_on_a_fresh_session() {
-    let (database, url) = own_database(Database::Loyalty).await;
+    let (database, url) = system_tests::create_database(Database::Loyalty).await;
     let name = unique("t5-readonly-loy");
     let tenant = unique("t5-readonly");
     let loyalty = loyalty_on_one_session(&name, &url).await;
-    let own = connect_url(&url).await;
+    let own = system_tests::connect_url(&url).await;
     own.batch_execute(&format!(
         "ALTER DATABASE {database} SET default_transaction_read_only = on"
     ))
@@ -2484,7 +2445,7 @@ async fn a_read_only_session_is_retried_on_a_fresh_session() {
 /// consumer runs on a database of its own, which the test alters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_table_is_retried_in_place_not_counted_against_the_event() {
-    let (database, url) = own_database(Database::Loyalty).await;
+    let (database, url) = system_tests::create_database(Database::Loyalty).await;
     let name = unique("t5-deploy-loy");
     let tenant = unique("t5-deploy");
     let loyalty = Consumer::start(
@@ -2496,7 +2457,7 @@ async fn a_missing_table_is_retried_in_place_not_counted_against_the_event() {
         },
     )
     .await;
-    let own = connect_url(&url).await;
+    let own = system_tests::connect_url(&url).await;
     own.batch_execute("ALTER TABLE loyalty_orders RENAME TO loyalty_orders_away")
         .await
         .expect("rename");
@@ -2534,7 +2495,7 @@ async fn a_missing_table_is_retried_in_place_not_counted_against_the_event() {
     assert_eq!(loyalty.metric("consumer_retried_total", "").await, 0.0);
     drop(loyalty);
     drop(own);
-    drop_own_database(Database::Loyalty, &database).await;
+    system_tests::drop_database(Database::Loyalty, &database).await;
 }
 
 /// Every amount fits in i64 minor units, their totals need not: an entry

@@ -584,43 +584,24 @@ struct OwnOrdersDatabase {
 
 impl OwnOrdersDatabase {
     async fn create() -> Self {
-        let name = format!(
-            "orders_{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..12]
-        );
-        pg(Database::Orders)
-            .await
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .expect("create database");
-        let shared = system_tests::pg_url(Database::Orders);
-        let (address, options) = shared.split_once('?').unwrap_or((&shared, ""));
-        let (server, _) = address.rsplit_once('/').expect("a database URL");
-        let url = match options {
-            "" => format!("{server}/{name}"),
-            options => format!("{server}/{name}?{options}"),
-        };
+        let (name, url) = system_tests::create_database(Database::Orders).await;
         Self { name, url }
     }
 
     async fn connect(&self) -> tokio_postgres::Client {
-        let (client, connection) = tokio_postgres::connect(&self.url, tokio_postgres::NoTls)
-            .await
-            .expect("connect to the own database");
-        tokio::spawn(connection);
-        client
+        system_tests::connect_url(&self.url).await
     }
 }
 
 impl Drop for OwnOrdersDatabase {
     fn drop(&mut self) {
-        let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        let name = self.name.clone();
         let _ = std::thread::spawn(move || {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .expect("runtime")
-                .block_on(async { pg(Database::Orders).await.batch_execute(&drop).await })
+                .block_on(system_tests::drop_database(Database::Orders, &name))
         })
         .join();
     }

@@ -376,21 +376,17 @@ pub async fn check(
         };
         let journal = (key.clone(), "PaymentReceived".to_owned());
         let (found, found_net) = (postings.get(&journal), nets.get(&journal));
-        if paid && order.method.is_none() && payment.copied() == expected_payment {
+        let no_payment_row = paid && order.method.is_none();
+        if no_payment_row && payment.copied() == expected_payment {
             drift(t, id, "paid, but the order has no payment row".into());
-        } else if (paid && order.method.is_none())
-            || found_net.cloned().unwrap_or_default() != net_of(expected.as_ref(), &order.currency)
-        {
-            if payment.copied() != expected_payment {
-                drift(
-                    t,
-                    id,
-                    describe_journal("payment", expected_payment, payment.copied(), found_net),
-                );
-            } else if let Some(expected) = expected.as_ref().filter(|e| found != Some(*e)) {
-                drift(t, id, describe_postings("payment", expected, found));
-            }
-            // Else the right amounts in another currency: said above.
+        } else if let Some(finding) = journal_finding(
+            "payment",
+            (expected_payment, expected.as_ref()),
+            (payment.copied(), found, found_net),
+            &order.currency,
+            no_payment_row,
+        ) {
+            drift(t, id, finding);
         }
         let delivery = journals.get(&(key.clone(), "ParcelDelivered".into()));
         let expected_delivery =
@@ -410,16 +406,14 @@ pub async fn check(
         });
         let journal = (key.clone(), "ParcelDelivered".to_owned());
         let (found, found_net) = (postings.get(&journal), nets.get(&journal));
-        if found_net.cloned().unwrap_or_default() != net_of(expected.as_ref(), &order.currency) {
-            if delivery.copied() != expected_delivery {
-                drift(
-                    t,
-                    id,
-                    describe_journal("delivery", expected_delivery, delivery.copied(), found_net),
-                );
-            } else if let Some(expected) = expected.as_ref().filter(|e| found != Some(*e)) {
-                drift(t, id, describe_postings("delivery", expected, found));
-            }
+        if let Some(finding) = journal_finding(
+            "delivery",
+            (expected_delivery, expected.as_ref()),
+            (delivery.copied(), found, found_net),
+            &order.currency,
+            false,
+        ) {
+            drift(t, id, finding);
         }
         let loyalty = points.get(key);
         // One entry of the merchandise's whole units; none when that is 0
@@ -742,6 +736,35 @@ fn sum(row: &tokio_postgres::Row, index: usize) -> anyhow::Result<i128> {
     let text: String = row.get(index);
     text.parse()
         .map_err(|e| anyhow::anyhow!("sum {text:?} in column {index}: {e}"))
+}
+
+/// What is off in an order's journal of one event type, if anything:
+/// nothing when its entries net, per account in the order's `currency`, to
+/// the `expected` postings (unless `suspect`: they are wrong whatever they
+/// net to); else the entries by count and amount when those differ, else
+/// account by account (nothing when only the currency is wrong: the
+/// currency finding says so).
+fn journal_finding(
+    what: &str,
+    (expected_entries, expected): (Option<(i64, i128)>, Option<&Postings>),
+    (found_entries, found, found_net): (Option<(i64, i128)>, Option<&Postings>, Option<&Net>),
+    currency: &str,
+    suspect: bool,
+) -> Option<String> {
+    if !suspect && found_net.cloned().unwrap_or_default() == net_of(expected, currency) {
+        return None;
+    }
+    if found_entries != expected_entries {
+        return Some(describe_journal(
+            what,
+            expected_entries,
+            found_entries,
+            found_net,
+        ));
+    }
+    expected
+        .filter(|e| found != Some(*e))
+        .map(|expected| describe_postings(what, expected, found))
 }
 
 /// What a journal nets to per (account, currency): debits minus credits,
