@@ -160,6 +160,9 @@ async fn a_blocked_broker_holds_events_back_loses_nothing_and_does_not_hold_shut
 /// partition holding a copy the broker will not take does not stop the
 /// other partitions' acknowledgements (on a shared connection they all
 /// waited for the alarm to end, then for the broker's consumer_timeout).
+/// Nor does it stop a partition set up after it: every partition's channels
+/// are open before any worker starts (a publishing channel opened after the
+/// held copy was never answered, and its partition never consumed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledgements() {
     use system_tests::consumers::{
@@ -170,7 +173,14 @@ async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledge
     system_tests::wait_for_quiet_machine("broker_alarm").await;
     let tenant = unique("alarm-copy");
     let name = unique("alarm-copy-led");
-    let options = Options::default();
+    // The consumer delays its second partition's set-up by 2 s: time for
+    // the first partition's worker, were it started already, to send the
+    // copy the alarm holds (after which the broker answers nothing on the
+    // publishing connection, a channel open included).
+    let options = Options {
+        failpoints: Some("consumer.partition_set_up=1*return(2000)".to_owned()),
+        ..Options::default()
+    };
     assert_eq!(options.partitions, 2);
     let _topology = TopologyGuard::new(&name, &options);
 
@@ -192,22 +202,24 @@ async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledge
     assert!(stopped.is_some(), "the first consumer stopped");
 
     // A payment whose order was never placed here: its partition defers it
-    // (a copy to a retry tier), which the alarm holds.
+    // (a copy to a retry tier), which the alarm holds. Put straight into the
+    // first partition, the one set up first.
     let publisher = Publisher::connect().await;
     let held = uuid::Uuid::now_v7();
-    publisher
-        .to_consumer(&name, &payment_received(&tenant, held, 2, "53.00"))
-        .await;
     let partitions = [format!("{name}.p0"), format!("{name}.p1")];
+    publisher
+        .publish_raw(
+            "",
+            &partitions[0],
+            &payment_received(&tenant, held, 2, "53.00"),
+        )
+        .await
+        .expect("the payment is put into the first partition");
     let depths = |queues: [String; 2]| async move {
         [queue_depth(&queues[0]).await, queue_depth(&queues[1]).await]
     };
-    let with_held = depths(partitions.clone()).await;
-    let held_on = with_held
-        .iter()
-        .position(|&d| d == 1)
-        .expect("the payment is in one partition");
-    let other = 1 - held_on;
+    assert_eq!(depths(partitions.clone()).await, [1, 0]);
+    let other = 1;
     // Orders placed behind it, until at least 3 are in the other partition.
     let mut placed = 0;
     while depths(partitions.clone()).await[other] < 3 {

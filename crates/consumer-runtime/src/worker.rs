@@ -123,20 +123,25 @@ async fn consume<D: Domain>(
     // A token of this connection's workers: cancelled on shutdown or when one
     // of them fails (then all stop and the connection is rebuilt).
     let stop = shutdown.child_token();
-    let mut workers = JoinSet::new();
+    // Every partition's channels are open before any worker starts: once a
+    // worker publishes a copy the broker's alarm holds, the broker reads
+    // nothing more from the publishing connection, and a publishing channel
+    // opened after that (another partition's) is never answered: that
+    // partition would never consume.
+    let mut partitions = Vec::new();
     for partition in 0..processor.topology.partitions {
         let queue = processor.topology.partition_queue(partition);
         let consume_channel = connection.create_channel().await?;
         consume_channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await?;
-        let mut publisher = Publisher::open(publishing.clone()).await?;
+        let publisher = Publisher::open(publishing.clone()).await?;
         let tag = format!(
             "{}-{}-p{partition}",
             processor.topology.name,
             std::process::id()
         );
-        let mut consumer = consume_channel
+        let consumer = consume_channel
             .basic_consume(
                 queue.as_str().into(),
                 tag.as_str().into(),
@@ -144,6 +149,14 @@ async fn consume<D: Domain>(
                 FieldTable::default(),
             )
             .await?;
+        partitions.push((queue, consume_channel, publisher, consumer));
+        // Fail point: a test delays the next partition's set-up here (the
+        // first partition's messages were handled meanwhile when its worker
+        // started before the others were set up).
+        kit::failpoint::delay_point("consumer.partition_set_up").await;
+    }
+    let mut workers = JoinSet::new();
+    for (queue, consume_channel, mut publisher, mut consumer) in partitions {
         let processor = processor.clone();
         let stop = stop.clone();
         workers.spawn(async move {

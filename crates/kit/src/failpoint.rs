@@ -37,6 +37,22 @@ pub fn hold_point(name: &'static str) {
     let _ = name;
 }
 
+/// A named point where a test delays this task without blocking its thread
+/// (armed with `return(<ms>)`, e.g. `1*return(2000)`), to let other tasks
+/// run first: an interleaving made certain instead of left to the
+/// scheduler. A no-op without the `failpoints` feature.
+pub async fn delay_point(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    if let Some(ms) =
+        fail::eval(name, |ms| ms.and_then(|ms| ms.trim().parse::<u64>().ok())).flatten()
+    {
+        tracing::warn!(name, ms, "fail point: delaying");
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
+
 /// A named fault that is not a crash: whether the caller should fail here,
 /// as the fault the point names would make it fail (armed with `return`,
 /// or `N*return`). Always `false` without the `failpoints` feature.
