@@ -789,7 +789,9 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
         ("ORDER_API__DATABASE__URL", database.url.clone()),
         (
             "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "500".to_owned(),
+            // Long enough for the probe below to see the read wait on the
+            // lock before the budget ends it, on a slow machine too.
+            "3000".to_owned(),
         ),
         (
             "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",

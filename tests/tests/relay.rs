@@ -977,11 +977,11 @@ async fn a_crash_after_the_mark_publishes_nothing_again() {
 }
 
 /// A relay held between its batch's confirms and its mark
-/// (`relay.after_ack_before_mark`, 30 s) past its 3 s lease: another relay
+/// (`relay.after_ack_before_mark`, 30 s) past its 6 s lease: another relay
 /// takes the rows over, publishes them again and marks them. The held
 /// relay's mark then finds none of them under its lease: it marks nothing
 /// and counts all three in `outbox_mark_lost_total`, the copies it caused.
-/// (The taker has the 27 s left to start and take the rows over: if the
+/// (The taker has the 24 s left to start and take the rows over: if the
 /// held relay woke first, it would mark its own rows and the test fail.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mark_after_a_takeover_marks_nothing_and_counts_the_rows_lost() {
@@ -992,8 +992,8 @@ async fn a_mark_after_a_takeover_marks_nothing_and_counts_the_rows_lost() {
     let held = Relay::start(
         &tenant,
         &[
-            ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
-            ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "1000".to_owned()),
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "6000".to_owned()),
+            ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "4000".to_owned()),
             ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
             (
                 "FAILPOINTS",
@@ -1091,8 +1091,12 @@ async fn a_relay_cut_off_from_the_database_past_its_lease_marks_its_rows_when_it
         &tenant,
         &[
             ("OUTBOX_RELAY__DATABASE__URL", proxy.url.clone()),
-            ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
-            ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "2000".to_owned()),
+            // After the 1.5 s hold, 4.5 s for a batch's publish, confirms
+            // and mark before its lease runs out (the second events are
+            // claimed after the restore: a takeover of them would be a
+            // duplicate), on a slow machine too.
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "6000".to_owned()),
+            ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "4000".to_owned()),
             ("OUTBOX_RELAY__RELAY__WORKERS", "2".to_owned()),
             // Each batch is held 1.5 s between its claim and its publish:
             // the test cuts the database off while the first events are
@@ -1301,8 +1305,9 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
                 "FAILPOINTS",
                 "relay.before_publish=sleep(600000)".to_owned(),
             ),
-            // Long enough for the taker to be running before it runs out.
-            ("OUTBOX_RELAY__RELAY__LEASE_MS", "10000".to_owned()),
+            // Long enough for the taker to be running before it runs out,
+            // on a slow machine too.
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "20000".to_owned()),
             ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "1000".to_owned()),
             ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
         ],
@@ -1391,8 +1396,11 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
             "FAILPOINTS",
             format!("relay.preparing_row=return({deadly});relay.holding_batch=return(800)"),
         ),
-        ("OUTBOX_RELAY__RELAY__LEASE_MS", "3000".to_owned()),
-        ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "500".to_owned()),
+        // A healthy batch has 5 s after its hold to be published and
+        // marked: a lease of one run out on a stalled machine would be a
+        // second lease expiry counted.
+        ("OUTBOX_RELAY__RELAY__LEASE_MS", "6000".to_owned()),
+        ("OUTBOX_RELAY__RELAY__CONFIRM_TIMEOUT_MS", "4000".to_owned()),
         // Two workers (the default). A suspect goes to the first only, so
         // a healthy suspect is never in flight beside the deadly one.
         ("OUTBOX_RELAY__RELAY__WORKERS", "2".to_owned()),
@@ -1407,7 +1415,7 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
     // over, and the third count quarantines it: exactly five deaths.
     let quarantined =
         "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND quarantined_at IS NOT NULL";
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + Duration::from_secs(180);
     let mut relay = Relay::start(&tenant, &env);
     let mut deaths = 0;
     while count(&db, quarantined, &tenant).await == 0 {
@@ -1422,7 +1430,7 @@ async fn a_row_the_relay_dies_on_is_quarantined_and_the_rows_claimed_with_it_go_
         }
         assert!(
             Instant::now() < deadline,
-            "not quarantined after 120 s ({deaths} deaths)"
+            "not quarantined after 180 s ({deaths} deaths)"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1850,7 +1858,7 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
     let due_at = "(extract(epoch FROM available_at) * 1000000)::bigint";
     let inserted_due: i64 = the_row(&db, &tenant, due_at).await.get(0);
 
-    Relay::crashed_at(&tenant, "relay.after_mark_failed", &[]);
+    Relay::crashed_at(&tenant, "relay.after_mark_failed", &patient());
     let row = the_row(
         &db,
         &tenant,
@@ -1883,7 +1891,7 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
     // succeeds.
     let queue = bound_queue(&channel, &tenant, &[&unroutable]).await;
     let collector = Collector::start(&channel, std::slice::from_ref(&queue), &tenant).await;
-    let relay = Relay::start(&tenant, &[]);
+    let relay = Relay::start(&tenant, &patient());
     wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
     collector.wait_distinct(1, Duration::from_secs(30)).await;
     let received = collector.snapshot();
@@ -1947,21 +1955,22 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
 
     let max_attempts = 5;
     let base_ms = 1000_u32;
-    let relay = Relay::start(
-        &tenant,
-        &[
-            (
-                "OUTBOX_RELAY__RELAY__MAX_ATTEMPTS",
-                max_attempts.to_string(),
-            ),
-            ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", base_ms.to_string()),
-            ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "60000".to_owned()),
-            (
-                "OUTBOX_RELAY__RELAY__CLAIM_FLOOR_MARGIN_MS",
-                "1000".to_owned(),
-            ),
-        ],
-    );
+    // Patient: a confirm timed out on a stalled machine would be an
+    // attempt of its own.
+    let mut settings = patient();
+    settings.extend([
+        (
+            "OUTBOX_RELAY__RELAY__MAX_ATTEMPTS",
+            max_attempts.to_string(),
+        ),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", base_ms.to_string()),
+        ("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "60000".to_owned()),
+        (
+            "OUTBOX_RELAY__RELAY__CLAIM_FLOOR_MARGIN_MS",
+            "1000".to_owned(),
+        ),
+    ]);
+    let relay = Relay::start(&tenant, &settings);
 
     // Watch the stuck event: failed attempt n sets available_at = now() +
     // backoff(n), between base * 2^(n-1) / 2 and base * 2^(n-1). What is
@@ -2284,13 +2293,14 @@ async fn rows_the_broker_cannot_take_are_quarantined_with_the_reason_and_nothing
     .await
     .expect("the traced row");
     insert(&db, &tenant, &traced[1..]).await;
-    let mut relay = Relay::start(
-        &tenant,
-        &[
-            ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "2".to_owned()),
-            ("OUTBOX_RELAY__RELAY__MAX_MESSAGE_BYTES", "4000".to_owned()),
-        ],
-    );
+    // Patient: a confirm timed out on a stalled machine would be an
+    // attempt of its own.
+    let mut settings = patient();
+    settings.extend([
+        ("OUTBOX_RELAY__RELAY__MAX_ATTEMPTS", "2".to_owned()),
+        ("OUTBOX_RELAY__RELAY__MAX_MESSAGE_BYTES", "4000".to_owned()),
+    ]);
+    let mut relay = Relay::start(&tenant, &settings);
     relay.ready().await;
     // The healthy order (events[3], events[7]) is published, in order.
     collector.wait_distinct(2, Duration::from_secs(30)).await;
@@ -2520,7 +2530,7 @@ async fn relay_backends(db: &Client, instance: &str) -> (i64, f64) {
 /// bytes) the relay waits on the confirms of a claimed batch, and none of
 /// its connections sits `idle in transaction` for 1 s: the claim
 /// committed before the publish. The probe is checked first on a relay
-/// held for 1.5 s inside its claim's transaction (a fail point), where it
+/// held for 3 s inside its claim's transaction (a fail point), where it
 /// must see exactly that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_transaction_stays_open_while_the_relay_publishes() {
@@ -2531,7 +2541,7 @@ async fn no_transaction_stays_open_while_the_relay_publishes() {
     // The control: held inside the claim's transaction.
     insert(&db, &tenant, &orders_with_events(3, 1, &event_type)).await;
     let mut settings = patient();
-    settings.push(("FAILPOINTS", "relay.claim=1*sleep(1500)".to_owned()));
+    settings.push(("FAILPOINTS", "relay.claim=1*sleep(3000)".to_owned()));
     let relay = Relay::start(&tenant, &settings);
     let (mut seen, mut longest) = (0, 0.0_f64);
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -2549,7 +2559,7 @@ async fn no_transaction_stays_open_while_the_relay_publishes() {
     );
     assert!(
         longest >= 1_000.0,
-        "the claim held open for 1.5 s is seen idle in transaction: {longest} ms"
+        "the claim held open for 3 s is seen idle in transaction: {longest} ms"
     );
 
     // A stalled broker: a batch claimed and published, its confirms held.
@@ -2579,7 +2589,7 @@ async fn no_transaction_stays_open_while_the_relay_publishes() {
     .await;
     let (mut seen, mut longest) = (0, 0.0_f64);
     let stalled = Instant::now();
-    while stalled.elapsed() < Duration::from_secs(3) {
+    while stalled.elapsed() < Duration::from_secs(5) {
         let (backends, idle) = relay_backends(&db, &relay.instance).await;
         seen += backends.min(1);
         longest = longest.max(idle);
@@ -2595,10 +2605,10 @@ async fn no_transaction_stays_open_while_the_relay_publishes() {
         "the relay's connections are named in pg_stat_activity"
     );
     // A claim open through the stall would be idle in transaction for
-    // close to the 3 s sampled; 1 s leaves room for a relay stalled between
+    // close to the 5 s sampled; 2 s leaves room for a relay stalled between
     // two statements of its short gauge transaction on a loaded machine.
     assert!(
-        longest < 1_000.0,
+        longest < 2_000.0,
         "a relay connection stayed idle in transaction for {longest} ms while publishing"
     );
     proxy.resume();
