@@ -162,7 +162,10 @@ async fn a_blocked_broker_holds_events_back_loses_nothing_and_does_not_hold_shut
 /// waited for the alarm to end, then for the broker's consumer_timeout).
 /// Nor does it stop a partition set up after it: every partition's channels
 /// are open before any worker starts (a publishing channel opened after the
-/// held copy was never answered, and its partition never consumed).
+/// held copy was never answered, and its partition never consumed). Nor
+/// does a second copy wait for the end of the alarm: its publish, never
+/// written, gives up and the message is held, counted, with the messages
+/// settled before it acknowledged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledgements() {
     use system_tests::consumers::{
@@ -233,12 +236,27 @@ async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledge
         placed += 1;
     }
     let on_other = f64::from(depths(partitions.clone()).await[other]);
+    // Behind the other partition's orders, a payment of its own: a second
+    // copy, due once the first has made the broker block the publishing
+    // connection. lapin writes nothing on a blocked connection: the publish
+    // gives up after 5 s and the message is held, counted (the alert
+    // ConsumerRetryingInPlace), and the orders settled before it are
+    // acknowledged meanwhile. Before, its publish waited unseen, deaf to a
+    // shutdown, for the end of the alarm, and so did their acknowledgements.
+    publisher
+        .publish_raw(
+            "",
+            &partitions[other],
+            &payment_received(&tenant, uuid::Uuid::now_v7(), 2, "54.00"),
+        )
+        .await
+        .expect("a second payment is put into the other partition");
 
     system_tests::wait_for_quiet_machine("broker_alarm").await;
     let alarm = MemoryAlarm::raise().await;
     let consumer = Consumer::start(Kind::Ledger, &name, options.clone()).await;
-    // The other partition applies and acknowledges its orders while the
-    // held partition waits for the broker to take its copy.
+    // The other partition applies and acknowledges its orders while both
+    // partitions wait for the broker to take their copies.
     consumer
         .wait_metric("consumer_messages_acknowledged_total", "", on_other)
         .await;
@@ -250,12 +268,16 @@ async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledge
         "only the other partition's orders are acknowledged during the alarm"
     );
     assert_eq!(consumer.metric("consumer_deferred_total", "").await, 0.0);
+    assert!(
+        consumer.metric("consumer_retried_in_place_total", "").await >= 1.0,
+        "the second copy is held and counted"
+    );
 
     drop(alarm);
-    // The copy goes out once the alarm clears; the held partition's orders
+    // The copies go out once the alarm clears; the held partition's orders
     // follow.
     consumer
-        .wait_metric("consumer_deferred_total", "", 1.0)
+        .wait_metric("consumer_deferred_total", "", 2.0)
         .await;
     consumer
         .wait_metric("consumer_events_applied_total", "", f64::from(placed))

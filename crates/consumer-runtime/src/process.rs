@@ -492,8 +492,8 @@ impl<D: Domain> Processor<D> {
             // that lock, then finds in the DLQ every event dead-lettered
             // behind the park (its follow-up pass moves them). Released
             // first, a letter could land after the follow-up's drain. (The
-            // publish is bounded by the confirm timeout, 30 s, within the
-            // session's idle-in-transaction limit, 60 s.) Crash window: a
+            // publish is bounded by the send and confirm timeouts, 5 + 30 s,
+            // within the session's idle-in-transaction limit, 60 s.) Crash window: a
             // death before the confirm ends the session and its transaction
             // and the message is redelivered and dead-lettered then; after
             // it, `consumer.after_dead_letter_before_ack` (in
@@ -992,8 +992,21 @@ pub(crate) async fn publish(
     confirmed(confirm, routing_key).await
 }
 
+/// How long a copy's frames may wait to be written. lapin writes nothing on
+/// a connection the broker blocks (a memory or disk alarm: the broker
+/// blocks a connection once it publishes, so the first copy is written and
+/// every later one waits), and `basic_publish` resolves only once its
+/// frames are written: without this bound, a second partition's copy waited
+/// for the end of the alarm, deaf to shutdown, uncounted. Past it the
+/// publish has failed (`Infra::Broker`) and the worker holds the message
+/// until the connection is unblocked (`worker::settle`). The frames stay
+/// queued in lapin and go out when the alarm ends: one more copy, which the
+/// inbox, the progress row or the redrive recognises as any other.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Publish (persistent, mandatory) without waiting for the confirm: its
-/// future, for [`confirmed`].
+/// future, for [`confirmed`]. Fails when the frames are not written within
+/// [`SEND_TIMEOUT`].
 pub(crate) async fn send(
     channel: &Channel,
     exchange: &str,
@@ -1006,18 +1019,23 @@ pub(crate) async fn send(
         .clone()
         .with_headers(headers)
         .with_delivery_mode(2);
-    channel
-        .basic_publish(
-            ShortString::from(exchange),
-            ShortString::from(routing_key),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            body,
-            properties,
-        )
+    let publish = channel.basic_publish(
+        ShortString::from(exchange),
+        ShortString::from(routing_key),
+        BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        },
+        body,
+        properties,
+    );
+    tokio::time::timeout(SEND_TIMEOUT, publish)
         .await
+        .map_err(|_| {
+            Infra::Broker(format!(
+                "a copy for {routing_key} not written within {SEND_TIMEOUT:?} (the broker blocks the connection?)"
+            ))
+        })?
         .map_err(|e| Infra::Broker(e.to_string()))
 }
 

@@ -6,6 +6,7 @@
 //! copies of themselves (see [`keep`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
 
 use kit::{db::PgPool, CancellationToken};
 use lapin::{
@@ -162,10 +163,23 @@ fn continuing(last: i64, sequences: &[i64]) -> (usize, Option<i64>) {
     (sequences.len(), None)
 }
 
+/// How long an acknowledgement (or a return) may wait to be written: lapin
+/// writes nothing on a connection the broker blocks (a memory or disk
+/// alarm, which the redrive's own publishes may have tripped), and the run
+/// must end with its report rather than wait for the alarm to end.
+const SETTLE_WAIT: Duration = Duration::from_secs(5);
+
 /// Acknowledge `delivery`; `lost` says what it means when the channel
-/// closed first (the broker returns the message to the queue).
+/// closed first, or the acknowledgement could not be written (the broker
+/// returns the message to the queue when the connection goes).
 async fn acknowledge(delivery: &Delivery, lost: impl FnOnce() -> String) -> anyhow::Result<()> {
-    let acknowledged = delivery.acker.ack(BasicAckOptions::default()).await?;
+    let acknowledged =
+        match tokio::time::timeout(SETTLE_WAIT, delivery.acker.ack(BasicAckOptions::default()))
+            .await
+        {
+            Ok(acknowledged) => acknowledged?,
+            Err(_) => false,
+        };
     anyhow::ensure!(acknowledged, "{}", lost());
     Ok(())
 }
@@ -181,8 +195,8 @@ async fn discard(report: &mut Report, letter: Letter, line: String) -> anyhow::R
     kit::failpoint::crash_point("consumer.redrive.before_discard");
     acknowledge(&letter.delivery, || {
         format!(
-            "letter {} could not be acknowledged (the channel closed): it stays in the DLQ; \
-             run redrive again",
+            "letter {} could not be acknowledged (the channel closed, or the broker blocks the \
+             connection): it stays in the DLQ; run redrive again",
             letter.event_id
         )
     })
@@ -267,16 +281,21 @@ async fn keep(
         if broken {
             // Best effort: on a closed channel the broker returns it anyway,
             // and the move's own error is the one to report.
-            if let Err(error) = letter
-                .delivery
-                .acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    multiple: false,
-                })
-                .await
-            {
-                tracing::debug!(%error, event_id = letter.event_id, "returning a letter failed");
+            let returning = letter.delivery.acker.nack(BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            });
+            match tokio::time::timeout(SETTLE_WAIT, returning).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, event_id = letter.event_id, "returning a letter failed");
+                }
+                Err(_) => {
+                    tracing::debug!(
+                        event_id = letter.event_id,
+                        "returning a letter: not written (blocked?)"
+                    );
+                }
             }
             continue;
         }
@@ -314,7 +333,7 @@ async fn keep(
         acknowledge(&letter.delivery, || {
             format!(
                 "dead letter {} was kept as a copy but could not be acknowledged (the channel \
-                 closed): it is in the DLQ twice",
+                 closed, or the broker blocks the connection): it is in the DLQ twice",
                 letter.event_id
             )
         })
@@ -375,7 +394,7 @@ pub async fn redrive(
     if let Some(channel) = opened {
         kit::amqp::close_bounded(&channel, "redrive done").await;
     }
-    let _ = connection.close(200, "redrive done".into()).await;
+    kit::amqp::close_connection_bounded(&connection, "redrive done").await;
     (report, result)
 }
 
@@ -658,7 +677,8 @@ async fn move_letters(
                     acknowledge(&letter.delivery, || {
                         format!(
                             "dead letter {} of order {order} was sent back but could not be \
-                             acknowledged (the channel closed): it stays in the DLQ; run \
+                             acknowledged (the channel closed, or the broker blocks the \
+                             connection): it stays in the DLQ; run \
                              redrive again (the copy already sent is a duplicate the inbox skips)",
                             letter.event_id
                         )

@@ -69,12 +69,17 @@ pub(crate) async fn run_connection<D: Domain>(
             match kit::amqp::connect(&amqp, &publishing_name, &shutdown).await {
                 Ok(publishing) => {
                     let publishing = Arc::new(publishing);
-                    ready.watch(&connection);
-                    ready.set(true);
-                    let consumed =
-                        consume(&connection, &publishing, processor, prefetch, &shutdown).await;
+                    let consumed = consume(
+                        &connection,
+                        &publishing,
+                        processor,
+                        prefetch,
+                        &shutdown,
+                        &ready,
+                    )
+                    .await;
                     ready.set(false);
-                    close_connection(&publishing).await;
+                    kit::amqp::close_connection_bounded(&publishing, "bye").await;
                     consumed
                 }
                 // Shut down while connecting.
@@ -94,23 +99,8 @@ pub(crate) async fn run_connection<D: Domain>(
             Ok(())
         }
     };
-    close_connection(&connection).await;
+    kit::amqp::close_connection_bounded(&connection, "bye").await;
     result
-}
-
-/// Close `connection` if it is up, bounded: a broker that does not answer
-/// must not hold up a shutdown (unacknowledged messages are requeued when
-/// the socket goes anyway).
-async fn close_connection(connection: &Connection) {
-    if connection.status().connected() {
-        match tokio::time::timeout(Duration::from_secs(3), connection.close(200, "bye".into()))
-            .await
-        {
-            Ok(Ok(())) => tracing::debug!("broker connection closed"),
-            Ok(Err(error)) => tracing::debug!(%error, "closing the broker connection"),
-            Err(_) => tracing::warn!("the broker did not confirm the connection close in 3 s"),
-        }
-    }
 }
 
 async fn consume<D: Domain>(
@@ -119,42 +109,21 @@ async fn consume<D: Domain>(
     processor: Arc<Processor<D>>,
     prefetch: u16,
     shutdown: &CancellationToken,
+    ready: &kit::amqp::Connected,
 ) -> Result<(), lapin::Error> {
     // A token of this connection's workers: cancelled on shutdown or when one
     // of them fails (then all stop and the connection is rebuilt).
     let stop = shutdown.child_token();
-    // Every partition's channels are open before any worker starts: once a
-    // worker publishes a copy the broker's alarm holds, the broker reads
-    // nothing more from the publishing connection, and a publishing channel
-    // opened after that (another partition's) is never answered: that
-    // partition would never consume.
-    let mut partitions = Vec::new();
-    for partition in 0..processor.topology.partitions {
-        let queue = processor.topology.partition_queue(partition);
-        let consume_channel = connection.create_channel().await?;
-        consume_channel
-            .basic_qos(prefetch, BasicQosOptions::default())
-            .await?;
-        let publisher = Publisher::open(publishing.clone()).await?;
-        let tag = format!(
-            "{}-{}-p{partition}",
-            processor.topology.name,
-            std::process::id()
-        );
-        let consumer = consume_channel
-            .basic_consume(
-                queue.as_str().into(),
-                tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        partitions.push((queue, consume_channel, publisher, consumer));
-        // Fail point: a test delays the next partition's set-up here (the
-        // first partition's messages were handled meanwhile when its worker
-        // started before the others were set up).
-        kit::failpoint::delay_point("consumer.partition_set_up").await;
-    }
+    // A broker that stops answering during the set-up is found by the
+    // heartbeat (minutes): a shutdown meanwhile does not wait for it.
+    let set_up = tokio::select! {
+        _ = shutdown.cancelled() => return Ok(()),
+        set_up = set_up(connection, publishing, &processor, prefetch) => set_up?,
+    };
+    let SetUp {
+        partitions,
+        monitor_channel,
+    } = set_up;
     let mut workers = JoinSet::new();
     for (queue, consume_channel, mut publisher, mut consumer) in partitions {
         let processor = processor.clone();
@@ -191,8 +160,12 @@ async fn consume<D: Domain>(
         partitions = processor.topology.partitions,
         "consuming"
     );
+    // Ready once every partition consumes (the consuming connection is the
+    // one watched: it never publishes, so an alarm does not block it).
+    ready.watch(connection);
+    ready.set(true);
     let mut monitor = tokio::spawn(watch_dead_letters(
-        connection.create_channel().await?,
+        monitor_channel,
         processor.topology.dead_letter_queue(),
         processor.metrics.dlq_depth.clone(),
         stop.clone(),
@@ -249,6 +222,58 @@ async fn consume<D: Domain>(
     }
 }
 
+/// A connection's channels, every one open before any worker starts.
+struct SetUp {
+    /// Per partition: its queue, consuming channel, publisher and consumer.
+    partitions: Vec<(String, lapin::Channel, Publisher, lapin::Consumer)>,
+    /// For the dead-letter queue's depth.
+    monitor_channel: lapin::Channel,
+}
+
+/// Open every partition's channels (and the monitor's) before any worker
+/// starts: once a worker publishes a copy the broker's alarm holds, the
+/// broker reads nothing more from the publishing connection, and a
+/// publishing channel opened after that (another partition's) was never
+/// answered: that partition never consumed.
+async fn set_up<D: Domain>(
+    connection: &Connection,
+    publishing: &Arc<Connection>,
+    processor: &Processor<D>,
+    prefetch: u16,
+) -> Result<SetUp, lapin::Error> {
+    let mut partitions = Vec::new();
+    for partition in 0..processor.topology.partitions {
+        let queue = processor.topology.partition_queue(partition);
+        let consume_channel = connection.create_channel().await?;
+        consume_channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await?;
+        let publisher = Publisher::open(publishing.clone()).await?;
+        let tag = format!(
+            "{}-{}-p{partition}",
+            processor.topology.name,
+            std::process::id()
+        );
+        let consumer = consume_channel
+            .basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        partitions.push((queue, consume_channel, publisher, consumer));
+        // Fail point: a test delays the next partition's set-up here (the
+        // first partition's messages were handled meanwhile when its worker
+        // started before the others were set up).
+        kit::failpoint::delay_point("consumer.partition_set_up").await;
+    }
+    Ok(SetUp {
+        partitions,
+        monitor_channel: connection.create_channel().await?,
+    })
+}
+
 async fn partition_worker<D: Domain>(
     processor: Arc<Processor<D>>,
     queue: &str,
@@ -291,7 +316,7 @@ async fn partition_worker<D: Domain>(
             crate::topology::str_header(headers, events::headers::TRACESTATE).as_deref(),
         );
         // The in-flight message is always finished: no cancellation inside.
-        let settled = match settle(&processor, &mut channels, &delivery, stop)
+        let settled = match settle(&processor, &mut channels, &delivery, stop, &mut acks)
             .instrument(span)
             .await
         {
@@ -465,6 +490,8 @@ impl Publisher {
 
 /// Settle one delivery (the caller acknowledges it). `Ok(false)`: stopped
 /// before it could be settled (never acknowledged: the broker redelivers it).
+/// `acks` (the partition's settled deliveries before this one) are
+/// acknowledged as soon as this one is held.
 ///
 /// A failure the database or a publish of a copy (retry, deferral, dead
 /// letter) reports while the connection stays up is retried in place, with
@@ -485,6 +512,7 @@ async fn settle<D: Domain>(
     channels: &mut Channels<'_>,
     delivery: &lapin::message::Delivery,
     stop: &CancellationToken,
+    acks: &mut PendingAcks,
 ) -> Result<bool, lapin::Error> {
     let mut pause = Duration::from_millis(100);
     loop {
@@ -505,6 +533,10 @@ async fn settle<D: Domain>(
                     return Ok(false);
                 }
                 processor.metrics.retried_in_place.inc();
+                // The messages settled before this one are acknowledged
+                // while it is held (on the consuming channel, which an
+                // alarm does not block), not only once it settles.
+                acks.flush().await?;
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
             }
@@ -518,6 +550,7 @@ async fn settle<D: Domain>(
                 }
                 tracing::warn!(%error, retry_in_ms = pause.as_millis() as u64, "publish failed: retrying the message in place");
                 processor.metrics.retried_in_place.inc();
+                acks.flush().await?;
                 tokio::select! {
                     _ = stop.cancelled() => return Ok(false),
                     _ = tokio::time::sleep(pause) => {}

@@ -54,6 +54,30 @@ pub async fn close_bounded(channel: &Channel, reason: &str) {
     }
 }
 
+/// How long closing a connection may wait for the broker's answer.
+pub const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(3);
+
+/// Close `connection` if it is up, waiting at most [`CONNECTION_CLOSE_WAIT`]:
+/// a broker that does not answer (stalled, or blocking the connection under
+/// an alarm: lapin then writes nothing, the close included) must not hold
+/// up a shutdown or the end of a command. Unacknowledged messages are
+/// returned when the socket goes anyway.
+pub async fn close_connection_bounded(connection: &Connection, reason: &str) {
+    if !connection.status().connected() {
+        return;
+    }
+    let closing = connection.close(200, reason.into());
+    match tokio::time::timeout(CONNECTION_CLOSE_WAIT, closing).await {
+        Ok(Ok(())) => tracing::debug!(reason, "broker connection closed"),
+        Ok(Err(error)) => tracing::debug!(reason, %error, "closing the broker connection"),
+        Err(_) => tracing::warn!(
+            reason,
+            waited_secs = CONNECTION_CLOSE_WAIT.as_secs(),
+            "the broker did not confirm the connection close in time"
+        ),
+    }
+}
+
 /// Whether a service currently holds a working broker connection (for
 /// `/readyz`): up, and not blocked by the broker (a memory or disk alarm
 /// blocks every connection that publishes until it clears: the relay then

@@ -99,6 +99,13 @@ pub async fn connect(
 /// search_path=...`): both apply, and a setting the URL names again wins
 /// (PostgreSQL takes the last `-c` of a name), as URL values do in
 /// [`bound_network_waits`].
+/// Give a session opened outside a pool the services' server-side bounds
+/// ([`SESSION_LIMITS`]); options the URL sets come after them, so they win.
+pub fn bound_session(config: &mut tokio_postgres::Config) {
+    let merged = merged_options(SESSION_LIMITS, config.get_options());
+    config.options(&merged);
+}
+
 fn merged_options(ours: &str, url: Option<&str>) -> String {
     match url.map(str::trim).filter(|url| !url.is_empty()) {
         Some(url) => format!("{ours} {url}"),

@@ -210,17 +210,7 @@ impl Application {
                             return Err(error);
                         }
                         let result = relay.run_on(&connection, &shutdown).await;
-                        // Bounded: a broker that does not answer must not
-                        // hold up a shutdown (the socket goes anyway).
-                        let closing = connection.close(200, "relay stopping".into());
-                        if tokio::time::timeout(std::time::Duration::from_secs(3), closing)
-                            .await
-                            .is_err()
-                        {
-                            tracing::warn!(
-                                "the broker did not confirm the connection close in 3 s"
-                            );
-                        }
+                        kit::amqp::close_connection_bounded(&connection, "relay stopping").await;
                         result
                     }
                 })

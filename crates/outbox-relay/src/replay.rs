@@ -340,7 +340,9 @@ pub async fn replay(
             started.elapsed().as_millis()
         );
     }
-    let _ = channel.close(200, "replay done".into()).await;
-    let _ = connection.close(200, "replay done".into()).await;
+    // Bounded: a replay that tripped the broker's alarm with its last wave
+    // is done, and must not wait for the alarm to end to say so.
+    kit::amqp::close_bounded(&channel, "replay done").await;
+    kit::amqp::close_connection_bounded(&connection, "replay done").await;
     Ok(summary)
 }
