@@ -63,7 +63,10 @@
 //!   every event, `return(<order id or event id>)` for one order or event,
 //!   `N*return(...)` for the first N evaluations;
 //! - `consumer.handler_panic`: the handler panics (a bug in domain code),
-//!   with the same arguments: caught, a failed attempt of the event.
+//!   with the same arguments: caught, a failed attempt of the event;
+//! - `consumer.partition_set_up`: `return(<ms>)` delays the set-up after a
+//!   partition's channels are open (not a crash: an interleaving a test
+//!   makes certain).
 
 // Endpoints return kit::http::Problem (problem+json) as their error type.
 #![allow(clippy::result_large_err)]

@@ -196,7 +196,8 @@ async fn discard(report: &mut Report, letter: Letter, line: String) -> anyhow::R
     acknowledge(&letter.delivery, || {
         format!(
             "letter {} could not be acknowledged (the channel closed, or the broker blocks the \
-             connection): it stays in the DLQ; run redrive again",
+             connection): it stays in the DLQ (unless a blocked acknowledgement is written \
+             later); run redrive again",
             letter.event_id
         )
     })
@@ -277,8 +278,14 @@ async fn keep(
 ) -> anyhow::Result<()> {
     let dlq = topology.dead_letter_queue();
     let mut sent = Vec::new();
+    // Returns are written until one is not (a blocked connection): the
+    // rest are left to the connection's close, which returns them too.
+    let mut writable = true;
     for letter in letters {
         if broken {
+            if !writable {
+                continue;
+            }
             // Best effort: on a closed channel the broker returns it anyway,
             // and the move's own error is the one to report.
             let returning = letter.delivery.acker.nack(BasicNackOptions {
@@ -293,8 +300,9 @@ async fn keep(
                 Err(_) => {
                     tracing::debug!(
                         event_id = letter.event_id,
-                        "returning a letter: not written (blocked?)"
+                        "returning a letter: not written (blocked?); the connection's close returns the rest"
                     );
+                    writable = false;
                 }
             }
             continue;
@@ -333,7 +341,8 @@ async fn keep(
         acknowledge(&letter.delivery, || {
             format!(
                 "dead letter {} was kept as a copy but could not be acknowledged (the channel \
-                 closed, or the broker blocks the connection): it is in the DLQ twice",
+                 closed, or the broker blocks the connection): it is in the DLQ twice (unless a \
+                 blocked acknowledgement is written later)",
                 letter.event_id
             )
         })
@@ -678,7 +687,8 @@ async fn move_letters(
                         format!(
                             "dead letter {} of order {order} was sent back but could not be \
                              acknowledged (the channel closed, or the broker blocks the \
-                             connection): it stays in the DLQ; run \
+                             connection): it stays in the DLQ (unless a blocked \
+                             acknowledgement is written later); run \
                              redrive again (the copy already sent is a duplicate the inbox skips)",
                             letter.event_id
                         )

@@ -7,7 +7,8 @@
 //! Acknowledgements are cumulative (`multiple`): a settled message (committed,
 //! or republished with a confirm) is acknowledged together with the ones
 //! before it when the partition has nothing more waiting, when half the
-//! prefetch window is settled, or before the worker stops. Every message is
+//! prefetch window is settled, when a later message is held (retried in
+//! place), or before the worker stops. Every message is
 //! still acknowledged only after it is settled; one that was settled but not
 //! yet acknowledged when the process dies is redelivered and is a duplicate
 //! for the inbox: at most half a prefetch window of them per partition. On a
@@ -115,15 +116,26 @@ async fn consume<D: Domain>(
     // of them fails (then all stop and the connection is rebuilt).
     let stop = shutdown.child_token();
     // A broker that stops answering during the set-up is found by the
-    // heartbeat (minutes): a shutdown meanwhile does not wait for it.
-    let set_up = tokio::select! {
-        _ = shutdown.cancelled() => return Ok(()),
-        set_up = set_up(connection, publishing, &processor, prefetch) => set_up?,
+    // heartbeat (minutes): a shutdown meanwhile does not wait for it. What
+    // was opened is closed first either way (dropped open, a channel and
+    // its consumer close in the background, racing the connection's close:
+    // lapin logged an ERROR).
+    let mut opened = SetUp::default();
+    let outcome = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        outcome = set_up(connection, publishing, &processor, prefetch, &mut opened) => Some(outcome),
     };
-    let SetUp {
-        partitions,
-        monitor_channel,
-    } = set_up;
+    let monitor_channel = match (outcome, opened.monitor_channel.take()) {
+        (Some(Ok(())), Some(channel)) => channel,
+        (outcome, monitor_channel) => {
+            opened.close(monitor_channel).await;
+            return match outcome {
+                Some(Err(error)) => Err(error),
+                _ => Ok(()),
+            };
+        }
+    };
+    let partitions = std::mem::take(&mut opened.partitions);
     let mut workers = JoinSet::new();
     for (queue, consume_channel, mut publisher, mut consumer) in partitions {
         let processor = processor.clone();
@@ -223,11 +235,27 @@ async fn consume<D: Domain>(
 }
 
 /// A connection's channels, every one open before any worker starts.
+#[derive(Default)]
 struct SetUp {
     /// Per partition: its queue, consuming channel, publisher and consumer.
     partitions: Vec<(String, lapin::Channel, Publisher, lapin::Consumer)>,
-    /// For the dead-letter queue's depth.
-    monitor_channel: lapin::Channel,
+    /// For the dead-letter queue's depth (opened last).
+    monitor_channel: Option<lapin::Channel>,
+}
+
+impl SetUp {
+    /// Close what a set-up cut short (a shutdown, an error) had opened, as a
+    /// worker closes its own: the channels, then the consumers.
+    async fn close(self, monitor_channel: Option<lapin::Channel>) {
+        for (_, consume_channel, publisher, consumer) in self.partitions {
+            kit::amqp::close_bounded(&consume_channel, "bye").await;
+            kit::amqp::close_bounded(&publisher.channel, "bye").await;
+            drop(consumer);
+        }
+        if let Some(channel) = monitor_channel {
+            kit::amqp::close_bounded(&channel, "bye").await;
+        }
+    }
 }
 
 /// Open every partition's channels (and the monitor's) before any worker
@@ -240,8 +268,8 @@ async fn set_up<D: Domain>(
     publishing: &Arc<Connection>,
     processor: &Processor<D>,
     prefetch: u16,
-) -> Result<SetUp, lapin::Error> {
-    let mut partitions = Vec::new();
+    opened: &mut SetUp,
+) -> Result<(), lapin::Error> {
     for partition in 0..processor.topology.partitions {
         let queue = processor.topology.partition_queue(partition);
         let consume_channel = connection.create_channel().await?;
@@ -262,16 +290,16 @@ async fn set_up<D: Domain>(
                 FieldTable::default(),
             )
             .await?;
-        partitions.push((queue, consume_channel, publisher, consumer));
+        opened
+            .partitions
+            .push((queue, consume_channel, publisher, consumer));
         // Fail point: a test delays the next partition's set-up here (the
         // first partition's messages were handled meanwhile when its worker
         // started before the others were set up).
         kit::failpoint::delay_point("consumer.partition_set_up").await;
     }
-    Ok(SetUp {
-        partitions,
-        monitor_channel: connection.create_channel().await?,
-    })
+    opened.monitor_channel = Some(connection.create_channel().await?);
+    Ok(())
 }
 
 async fn partition_worker<D: Domain>(

@@ -95,10 +95,6 @@ pub async fn connect(
     config.connect(NoTls).await
 }
 
-/// The service's session options followed by the URL's own (`options=-c
-/// search_path=...`): both apply, and a setting the URL names again wins
-/// (PostgreSQL takes the last `-c` of a name), as URL values do in
-/// [`bound_network_waits`].
 /// Give a session opened outside a pool the services' server-side bounds
 /// ([`SESSION_LIMITS`]); options the URL sets come after them, so they win.
 pub fn bound_session(config: &mut tokio_postgres::Config) {
@@ -106,6 +102,10 @@ pub fn bound_session(config: &mut tokio_postgres::Config) {
     config.options(&merged);
 }
 
+/// The service's session options followed by the URL's own (`options=-c
+/// search_path=...`): both apply, and a setting the URL names again wins
+/// (PostgreSQL takes the last `-c` of a name), as URL values do in
+/// [`bound_network_waits`].
 fn merged_options(ours: &str, url: Option<&str>) -> String {
     match url.map(str::trim).filter(|url| !url.is_empty()) {
         Some(url) => format!("{ours} {url}"),
