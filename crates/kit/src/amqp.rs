@@ -142,20 +142,26 @@ fn with_connect_timeout(url: &str) -> Option<lapin::uri::AMQPUri> {
 
 /// One connection attempt whose TCP connect to each of the host's
 /// addresses ends at the URL's `connection_timeout` (else
-/// [`CONNECT_TIMEOUT_MS`]). lapin reads that
-/// setting only on its blocking connect path, never on the async one it
-/// uses, so the bound is ours: the connect lapin's I/O thread runs is given
-/// a timeout (it runs in the Tokio runtime's context, `block_on` on its
-/// handle), and nothing outlives it (no socket or I/O loop is left behind
-/// by an attempt that times out, as a timeout around the whole attempt
-/// would leave lapin's thread).
+/// [`CONNECT_TIMEOUT_MS`]), and then its AMQP handshake at the same bound.
+/// lapin reads that setting only on its blocking connect path, never on the
+/// async one it uses, and bounds no handshake, so the bounds are ours: the
+/// connect lapin's I/O thread runs is given a timeout (it runs in the Tokio
+/// runtime's context, `block_on` on its handle); a handshake the peer never
+/// answers (a frozen broker, a proxy before a dead one) ends with the
+/// socket shut down, which ends lapin's I/O loop too: nothing outlives the
+/// attempt (a timeout that only dropped the attempt would leave lapin's
+/// thread and socket behind, one per retry).
 async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Result<Connection> {
     let Some(uri) = with_connect_timeout(url) else {
         return Connection::connect(url, properties).await;
     };
     let bound = Duration::from_millis(uri.query.connection_timeout.unwrap_or(CONNECT_TIMEOUT_MS));
     let runtime = lapin::runtime::default_runtime()?;
-    Connection::connector(
+    // The connected socket (a duplicate of its descriptor), handed over
+    // once the TCP connect is done: the handshake's bound starts then.
+    let (connected, tcp_up) = tokio::sync::oneshot::channel::<Option<socket2::Socket>>();
+    let connected = std::sync::Mutex::new(Some(connected));
+    let connecting = Connection::connector(
         uri,
         runtime,
         async move |uri, runtime| {
@@ -175,7 +181,18 @@ async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Res
                 let connect =
                     one.connect_with_config_async(lapin::tcp::TLSConfig::default(), &runtime);
                 match tokio::time::timeout(bound, connect).await {
-                    Ok(Ok(stream)) => return Ok(stream),
+                    Ok(Ok(stream)) => {
+                        let socket = match &stream {
+                            lapin::tcp::AsyncTcpStream::Plain(plain) => {
+                                socket2::SockRef::from(plain.get_ref()).try_clone().ok()
+                            }
+                            _ => None,
+                        };
+                        if let Some(connected) = connected.lock().ok().and_then(|mut c| c.take()) {
+                            let _ = connected.send(socket);
+                        }
+                        return Ok(stream);
+                    }
                     Ok(Err(error)) => last = error,
                     Err(_) => {
                         last = std::io::Error::new(
@@ -191,8 +208,28 @@ async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Res
             Err(last.into())
         },
         properties,
-    )
-    .await
+    );
+    tokio::pin!(connecting);
+    let socket = tokio::select! {
+        // Done (or failed) without a TCP connection handed over.
+        attempt = &mut connecting => return attempt,
+        socket = tcp_up => socket.ok().flatten(),
+    };
+    match tokio::time::timeout(bound, connecting).await {
+        Ok(attempt) => attempt,
+        Err(_) => {
+            if let Some(socket) = socket {
+                let _ = socket.shutdown(std::net::Shutdown::Both);
+            }
+            Err(lapin::Error::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the AMQP handshake was not answered within {} ms",
+                    bound.as_millis()
+                ),
+            )))
+        }
+    }
 }
 
 /// Connect, retrying with capped exponential backoff (100 ms .. 5 s) until the
@@ -200,7 +237,8 @@ async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Res
 /// once on shutdown. The TCP connect of an attempt is bounded (the URL's
 /// `connection_timeout`, else [`CONNECT_TIMEOUT_MS`]: [`connect_once`]): a
 /// broker address that drops packets would hold it for the kernel's SYN
-/// retries (~2 min).
+/// retries (~2 min); so is its AMQP handshake (a peer that never answers it
+/// held the attempt forever, never retried).
 pub async fn connect(
     settings: &AmqpSettings,
     connection_name: &str,
@@ -460,5 +498,48 @@ mod tests {
             started.elapsed()
         );
         drop(listener);
+    }
+
+    /// A peer that takes the TCP connection and never answers the AMQP
+    /// handshake (a frozen broker, a proxy in front of a dead one) ends an
+    /// attempt at the URL's `connection_timeout`, with its socket closed
+    /// (lapin's I/O loop ends with it): the peer reads the end of the
+    /// stream. lapin bounds no handshake: the attempt waited forever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handshake_never_answered_ends_at_the_timeout_and_closes_the_socket() {
+        use tokio::io::AsyncReadExt as _;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let url = format!("amqp://app:app@{address}/%2f?connection_timeout=1000");
+        let started = std::time::Instant::now();
+        let attempt =
+            tokio::spawn(async move { connect_once(&url, ConnectionProperties::default()).await });
+        let (mut peer, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+            .await
+            .expect("the attempt connects within 10 s")
+            .expect("accept");
+        // The client's protocol header arrives; nothing is answered.
+        let mut header = [0_u8; 8];
+        peer.read_exact(&mut header).await.expect("protocol header");
+        assert_eq!(&header[..4], b"AMQP");
+        let attempt = tokio::time::timeout(Duration::from_secs(60), attempt)
+            .await
+            .expect("the attempt ends within 60 s")
+            .expect("join");
+        assert!(attempt.is_err(), "nothing answered the handshake");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the attempt took {:?}: its handshake is not bounded",
+            started.elapsed()
+        );
+        let mut rest = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(10), peer.read_to_end(&mut rest)).await;
+        assert!(
+            matches!(closed, Ok(Ok(_))),
+            "the attempt's socket was left open: {closed:?}"
+        );
     }
 }
