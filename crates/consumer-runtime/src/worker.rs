@@ -50,11 +50,16 @@ pub(crate) async fn run_connection<D: Domain>(
     ready: kit::amqp::Connected,
 ) -> Result<(), lapin::Error> {
     let connection = Arc::new(connection);
-    let result = match processor
-        .topology
-        .check_and_declare(&connection, false)
-        .await
-    {
+    // A broker that stops answering here is found by the heartbeat
+    // (minutes): a shutdown does not wait for it.
+    let declared = tokio::select! {
+        _ = shutdown.cancelled() => {
+            kit::amqp::close_connection_bounded(&connection, "bye").await;
+            return Ok(());
+        }
+        declared = processor.topology.check_and_declare(&connection, false) => declared,
+    };
+    let result = match declared {
         Ok(()) => {
             // The copies (retries, deferrals, dead letters) go out on a
             // connection of their own: under a memory or disk alarm the

@@ -195,7 +195,16 @@ impl Application {
                     let exchange = exchange.clone();
                     let fatal = Arc::clone(&fatal);
                     async move {
-                        if let Err(error) = declare_or_refuse(&connection, &exchange).await {
+                        // A broker that stops answering here is found by the
+                        // heartbeat (minutes): a shutdown does not wait for it.
+                        let declared = tokio::select! {
+                            _ = shutdown.cancelled() => {
+                                kit::amqp::close_connection_bounded(&connection, "relay stopping").await;
+                                return Ok(());
+                            }
+                            declared = declare_or_refuse(&connection, &exchange) => declared,
+                        };
+                        if let Err(error) = declared {
                             if kit::amqp::reply_code(&error) == Some(kit::amqp::PRECONDITION_FAILED)
                             {
                                 let why = format!(
