@@ -246,20 +246,32 @@ struct SetUp {
     partitions: Vec<(String, lapin::Channel, Publisher, lapin::Consumer)>,
     /// For the dead-letter queue's depth (opened last).
     monitor_channel: Option<lapin::Channel>,
+    /// The channels of the partition being set up (until it is complete).
+    loose: Vec<lapin::Channel>,
 }
 
 impl SetUp {
     /// Close what a set-up cut short (a shutdown, an error) had opened, as a
-    /// worker closes its own: the channels, then the consumers.
+    /// worker closes its own: the channels, then the consumers; all at once
+    /// (each close waits up to 2 s for a broker that may not answer).
     async fn close(self, monitor_channel: Option<lapin::Channel>) {
-        for (_, consume_channel, publisher, consumer) in self.partitions {
-            kit::amqp::close_bounded(&consume_channel, "bye").await;
-            kit::amqp::close_bounded(&publisher.channel, "bye").await;
-            drop(consumer);
-        }
-        if let Some(channel) = monitor_channel {
-            kit::amqp::close_bounded(&channel, "bye").await;
-        }
+        let partitions = self.partitions.into_iter().map(
+            |(_, consume_channel, publisher, consumer)| async move {
+                kit::amqp::close_bounded(&consume_channel, "bye").await;
+                kit::amqp::close_bounded(&publisher.channel, "bye").await;
+                drop(consumer);
+            },
+        );
+        let channels = self
+            .loose
+            .into_iter()
+            .chain(monitor_channel)
+            .map(|channel| async move { kit::amqp::close_bounded(&channel, "bye").await });
+        futures_util::future::join(
+            futures_util::future::join_all(partitions),
+            futures_util::future::join_all(channels),
+        )
+        .await;
     }
 }
 
@@ -278,10 +290,11 @@ async fn set_up<D: Domain>(
     for partition in 0..processor.topology.partitions {
         let queue = processor.topology.partition_queue(partition);
         let consume_channel = connection.create_channel().await?;
+        opened.loose.push(consume_channel.clone());
         consume_channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await?;
-        let publisher = Publisher::open(publishing.clone()).await?;
+        let publisher = Publisher::open(publishing.clone(), &mut opened.loose).await?;
         let tag = format!(
             "{}-{}-p{partition}",
             processor.topology.name,
@@ -295,6 +308,7 @@ async fn set_up<D: Domain>(
                 FieldTable::default(),
             )
             .await?;
+        opened.loose.clear();
         opened
             .partitions
             .push((queue, consume_channel, publisher, consumer));
@@ -477,8 +491,18 @@ struct Publisher {
 const RENEW_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Publisher {
-    async fn open(connection: Arc<Connection>) -> Result<Self, lapin::Error> {
-        let channel = Self::confirm_channel(&connection).await?;
+    /// A publisher on a new confirm channel of `connection`; the channel is
+    /// also put in `opened` as soon as it exists (closed by the caller if
+    /// the set-up is cut short).
+    async fn open(
+        connection: Arc<Connection>,
+        opened: &mut Vec<lapin::Channel>,
+    ) -> Result<Self, lapin::Error> {
+        let channel = connection.create_channel().await?;
+        opened.push(channel.clone());
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
         Ok(Self {
             connection,
             channel,

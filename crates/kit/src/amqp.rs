@@ -148,9 +148,11 @@ fn with_connect_timeout(url: &str) -> Option<lapin::uri::AMQPUri> {
 /// connect lapin's I/O thread runs is given a timeout (it runs in the Tokio
 /// runtime's context, `block_on` on its handle); a handshake the peer never
 /// answers (a frozen broker, a proxy before a dead one) ends with the
-/// socket shut down, which ends lapin's I/O loop too: nothing outlives the
+/// socket shut down, which ends lapin's I/O loop too, and so does an
+/// attempt dropped during its handshake (a shutdown): nothing outlives the
 /// attempt (a timeout that only dropped the attempt would leave lapin's
-/// thread and socket behind, one per retry).
+/// thread and socket behind, one per retry). lapin may log the end of that
+/// socket at ERROR.
 async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Result<Connection> {
     let Some(uri) = with_connect_timeout(url) else {
         return Connection::connect(url, properties).await;
@@ -161,11 +163,26 @@ async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Res
     // once the TCP connect is done: the handshake's bound starts then.
     let (connected, tcp_up) = tokio::sync::oneshot::channel::<Option<socket2::Socket>>();
     let connected = std::sync::Mutex::new(Some(connected));
+    // lapin calls the closure once per attempt (its default backoff retries
+    // nothing); should it call it again after the attempt was abandoned
+    // (a reconnect of the I/O loop it ended), it connects nowhere.
+    let abandoned = Arc::new(AtomicBool::new(false));
+    let mut guard = Abandon {
+        socket: None,
+        abandoned: abandoned.clone(),
+    };
     let connecting = Connection::connector(
         uri,
         runtime,
         async move |uri, runtime| {
             use lapin::tcp::AMQPUriTcpExt as _;
+            if abandoned.load(Ordering::Relaxed) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "the connection attempt was abandoned",
+                )
+                .into());
+            }
             // Each address of the name on its own bound (as lapin's blocking
             // path does): a name with several addresses whose first drops
             // packets still reaches the others.
@@ -184,7 +201,13 @@ async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Res
                     Ok(Ok(stream)) => {
                         let socket = match &stream {
                             lapin::tcp::AsyncTcpStream::Plain(plain) => {
-                                socket2::SockRef::from(plain.get_ref()).try_clone().ok()
+                                match socket2::SockRef::from(plain.get_ref()).try_clone() {
+                                    Ok(socket) => Some(socket),
+                                    Err(error) => {
+                                        tracing::warn!(%error, "cannot duplicate the AMQP socket: its handshake is not bounded");
+                                        None
+                                    }
+                                }
                             }
                             _ => None,
                         };
@@ -210,24 +233,41 @@ async fn connect_once(url: &str, properties: ConnectionProperties) -> lapin::Res
         properties,
     );
     tokio::pin!(connecting);
-    let socket = tokio::select! {
+    guard.socket = tokio::select! {
         // Done (or failed) without a TCP connection handed over.
         attempt = &mut connecting => return attempt,
         socket = tcp_up => socket.ok().flatten(),
     };
     match tokio::time::timeout(bound, connecting).await {
-        Ok(attempt) => attempt,
-        Err(_) => {
-            if let Some(socket) = socket {
-                let _ = socket.shutdown(std::net::Shutdown::Both);
-            }
-            Err(lapin::Error::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "the AMQP handshake was not answered within {} ms",
-                    bound.as_millis()
-                ),
-            )))
+        Ok(attempt) => {
+            // Done: the socket is lapin's (the duplicate is only closed).
+            guard.socket = None;
+            attempt
+        }
+        // `guard` shuts the socket down.
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the AMQP handshake was not answered within {} ms",
+                bound.as_millis()
+            ),
+        ))),
+    }
+}
+
+/// An attempt's socket (a duplicated descriptor) while its handshake runs:
+/// shut down when the attempt is abandoned (its bound passed, or the
+/// attempt dropped), which ends lapin's I/O loop on it.
+struct Abandon {
+    socket: Option<socket2::Socket>,
+    abandoned: Arc<AtomicBool>,
+}
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        if let Some(socket) = self.socket.take() {
+            self.abandoned.store(true, Ordering::Relaxed);
+            let _ = socket.shutdown(std::net::Shutdown::Both);
         }
     }
 }
@@ -540,6 +580,13 @@ mod tests {
         assert!(
             matches!(closed, Ok(Ok(_))),
             "the attempt's socket was left open: {closed:?}"
+        );
+        // Nothing connects again for the abandoned attempt.
+        assert!(
+            tokio::time::timeout(Duration::from_secs(2), listener.accept())
+                .await
+                .is_err(),
+            "the abandoned attempt connected again"
         );
     }
 }
