@@ -758,14 +758,19 @@ pub async fn inbox_count(db: Database, name: &str) -> i64 {
 
 /// Number of messages ready in `queue`.
 pub async fn queue_depth(queue: &str) -> u32 {
+    live_counts(queue).await.0
+}
+
+/// (ready messages, consumers) of `queue`, straight from the broker (a
+/// passive declare: exact, unlike the management API's lagging stats).
+pub async fn live_counts(queue: &str) -> (u32, u32) {
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
-    let depth = kit::amqp::passive_declare(&channel, queue)
+    let declared = kit::amqp::passive_declare(&channel, queue)
         .await
-        .map(|q| q.message_count())
         .unwrap_or_else(|e| panic!("queue {queue}: {e}"));
     let _ = connection.close(200, "ok".into()).await;
-    depth
+    (declared.message_count(), declared.consumer_count())
 }
 
 /// GET `path` of the RabbitMQ management API (`/api/...`).

@@ -169,21 +169,14 @@ async fn a_blocked_broker_holds_events_back_loses_nothing_and_does_not_hold_shut
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledgements() {
     use system_tests::consumers::{
-        order_placed, payment_received, queue_depth, unique, wait_for_topology, Consumer, Kind,
-        Options, Publisher, TopologyGuard,
+        live_counts, order_placed, payment_received, queue_depth, unique, wait_for_topology,
+        Consumer, Kind, Options, Publisher, TopologyGuard,
     };
     let _serial = SERIAL.lock().await;
     system_tests::wait_for_quiet_machine("broker_alarm").await;
     let tenant = unique("alarm-copy");
     let name = unique("alarm-copy-led");
-    // The consumer delays its second partition's set-up by 2 s: time for
-    // the first partition's worker, were it started already, to send the
-    // copy the alarm holds (after which the broker answers nothing on the
-    // publishing connection, a channel open included).
-    let options = Options {
-        failpoints: Some("consumer.partition_set_up=1*return(2000)".to_owned()),
-        ..Options::default()
-    };
+    let options = Options::default();
     assert_eq!(options.partitions, 2);
     let _topology = TopologyGuard::new(&name, &options);
 
@@ -254,7 +247,24 @@ async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledge
 
     system_tests::wait_for_quiet_machine("broker_alarm").await;
     let alarm = MemoryAlarm::raise().await;
-    let consumer = Consumer::start(Kind::Ledger, &name, options.clone()).await;
+    // The consumer delays its second partition's set-up by 10 s: time for
+    // the first partition's worker, were it started already, to send the
+    // copy the alarm holds (after which the broker answers nothing on the
+    // publishing connection, a channel open included), and for the test to
+    // see a consumer ready before its second partition consumes.
+    let delayed = Options {
+        failpoints: Some("consumer.partition_set_up=1*return(10000)".to_owned()),
+        ..options.clone()
+    };
+    let consumer = Consumer::start(Kind::Ledger, &name, delayed).await;
+    // Ready only once every partition consumes.
+    for queue in &partitions {
+        assert_eq!(
+            live_counts(queue).await.1,
+            1,
+            "{queue} has its consumer when the consumer is ready"
+        );
+    }
     // The other partition applies and acknowledges its orders while both
     // partitions wait for the broker to take their copies.
     consumer

@@ -10,10 +10,10 @@ use serde_json::{json, Value};
 use system_tests::{
     bin,
     consumers::{
-        drain_dead_letters, eventually, inbox_count, management, message, order_placed,
-        parcel_delivered, payment_received, queue_consumers, queue_depth, return_a_dead_letter,
-        story, unique, Consumer, Kind, Message, Options, Publisher, Story, TopologyGuard,
-        TEST_TOKEN,
+        drain_dead_letters, eventually, inbox_count, live_counts, management, message,
+        order_placed, parcel_delivered, payment_received, queue_consumers, queue_depth,
+        return_a_dead_letter, story, unique, Consumer, Kind, Message, Options, Publisher, Story,
+        TopologyGuard, TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -3818,17 +3818,6 @@ async fn inside_its_transaction(admin: &tokio_postgres::Client, application_name
         (busy > 0).then_some(())
     })
     .await;
-}
-
-/// (ready messages, consumers) of `queue`, straight from the broker.
-async fn live_counts(queue: &str) -> (u32, u32) {
-    let connection = system_tests::consumers::connect().await;
-    let channel = connection.create_channel().await.expect("channel");
-    let declared = kit::amqp::passive_declare(&channel, queue)
-        .await
-        .expect("passive declare");
-    let _ = connection.close(200, "ok".into()).await;
-    (declared.message_count(), declared.consumer_count())
 }
 
 /// The one-statement reservation: an order listing a sku twice and a second

@@ -992,21 +992,14 @@ pub(crate) async fn publish(
     confirmed(confirm, routing_key).await
 }
 
-/// How long a copy's frames may wait to be written. lapin writes nothing on
-/// a connection the broker blocks (a memory or disk alarm: the broker
-/// blocks a connection once it publishes, so the first copy is written and
-/// every later one waits), and `basic_publish` resolves only once its
-/// frames are written: without this bound, a second partition's copy waited
-/// for the end of the alarm, deaf to shutdown, uncounted. Past it the
-/// publish has failed (`Infra::Broker`) and the worker holds the message
-/// until the connection is unblocked (`worker::settle`). The frames stay
-/// queued in lapin and go out when the alarm ends: one more copy, which the
-/// inbox, the progress row or the redrive recognises as any other.
-const SEND_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// Publish (persistent, mandatory) without waiting for the confirm: its
 /// future, for [`confirmed`]. Fails when the frames are not written within
-/// [`SEND_TIMEOUT`].
+/// [`kit::amqp::WRITE_WAIT`] (under an alarm only the first copy is
+/// written; without the bound, a second partition's copy waited for the
+/// end of the alarm, uncounted): the worker then holds the message until
+/// the connection is unblocked (`worker::settle`), and the queued copy,
+/// written when the alarm ends, is one the inbox, the progress row or the
+/// redrive recognises as any other.
 pub(crate) async fn send(
     channel: &Channel,
     exchange: &str,
@@ -1029,11 +1022,12 @@ pub(crate) async fn send(
         body,
         properties,
     );
-    tokio::time::timeout(SEND_TIMEOUT, publish)
+    tokio::time::timeout(kit::amqp::WRITE_WAIT, publish)
         .await
         .map_err(|_| {
             Infra::Broker(format!(
-                "a copy for {routing_key} not written within {SEND_TIMEOUT:?} (the broker blocks the connection?)"
+                "a copy for {routing_key} not written within {:?} (the broker blocks the connection?)",
+                kit::amqp::WRITE_WAIT
             ))
         })?
         .map_err(|e| Infra::Broker(e.to_string()))

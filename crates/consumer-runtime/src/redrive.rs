@@ -6,7 +6,6 @@
 //! copies of themselves (see [`keep`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::time::Duration;
 
 use kit::{db::PgPool, CancellationToken};
 use lapin::{
@@ -163,23 +162,21 @@ fn continuing(last: i64, sequences: &[i64]) -> (usize, Option<i64>) {
     (sequences.len(), None)
 }
 
-/// How long an acknowledgement (or a return) may wait to be written: lapin
-/// writes nothing on a connection the broker blocks (a memory or disk
-/// alarm, which the redrive's own publishes may have tripped), and the run
-/// must end with its report rather than wait for the alarm to end.
-const SETTLE_WAIT: Duration = Duration::from_secs(5);
-
 /// Acknowledge `delivery`; `lost` says what it means when the channel
 /// closed first, or the acknowledgement could not be written (the broker
-/// returns the message to the queue when the connection goes).
+/// returns the message to the queue when the connection goes). Bounded by
+/// [`kit::amqp::WRITE_WAIT`]: under an alarm (which the redrive's own
+/// publishes may have tripped) the run ends with its report.
 async fn acknowledge(delivery: &Delivery, lost: impl FnOnce() -> String) -> anyhow::Result<()> {
-    let acknowledged =
-        match tokio::time::timeout(SETTLE_WAIT, delivery.acker.ack(BasicAckOptions::default()))
-            .await
-        {
-            Ok(acknowledged) => acknowledged?,
-            Err(_) => false,
-        };
+    let acknowledged = match tokio::time::timeout(
+        kit::amqp::WRITE_WAIT,
+        delivery.acker.ack(BasicAckOptions::default()),
+    )
+    .await
+    {
+        Ok(acknowledged) => acknowledged?,
+        Err(_) => false,
+    };
     anyhow::ensure!(acknowledged, "{}", lost());
     Ok(())
 }
@@ -292,7 +289,7 @@ async fn keep(
                 requeue: true,
                 multiple: false,
             });
-            match tokio::time::timeout(SETTLE_WAIT, returning).await {
+            match tokio::time::timeout(kit::amqp::WRITE_WAIT, returning).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(error)) => {
                     tracing::debug!(%error, event_id = letter.event_id, "returning a letter failed");

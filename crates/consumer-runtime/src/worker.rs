@@ -130,19 +130,18 @@ async fn consume<D: Domain>(
         _ = shutdown.cancelled() => None,
         outcome = set_up(connection, publishing, &processor, prefetch, &mut opened) => Some(outcome),
     };
-    let monitor_channel = match (outcome, opened.monitor_channel.take()) {
-        (Some(Ok(())), Some(channel)) => channel,
-        (outcome, monitor_channel) => {
-            opened.close(monitor_channel).await;
-            return match outcome {
+    let monitor_channel = match outcome {
+        Some(Ok(channel)) => channel,
+        cut_short => {
+            opened.close().await;
+            return match cut_short {
                 Some(Err(error)) => Err(error),
                 _ => Ok(()),
             };
         }
     };
-    let partitions = std::mem::take(&mut opened.partitions);
     let mut workers = JoinSet::new();
-    for (queue, consume_channel, mut publisher, mut consumer) in partitions {
+    for (queue, consume_channel, mut publisher, mut consumer) in opened.partitions {
         let processor = processor.clone();
         let stop = stop.clone();
         workers.spawn(async move {
@@ -244,8 +243,6 @@ async fn consume<D: Domain>(
 struct SetUp {
     /// Per partition: its queue, consuming channel, publisher and consumer.
     partitions: Vec<(String, lapin::Channel, Publisher, lapin::Consumer)>,
-    /// For the dead-letter queue's depth (opened last).
-    monitor_channel: Option<lapin::Channel>,
     /// The channels of the partition being set up (until it is complete).
     loose: Vec<lapin::Channel>,
 }
@@ -254,7 +251,7 @@ impl SetUp {
     /// Close what a set-up cut short (a shutdown, an error) had opened, as a
     /// worker closes its own: the channels, then the consumers; all at once
     /// (each close waits up to 2 s for a broker that may not answer).
-    async fn close(self, monitor_channel: Option<lapin::Channel>) {
+    async fn close(self) {
         let partitions = self.partitions.into_iter().map(
             |(_, consume_channel, publisher, consumer)| async move {
                 kit::amqp::close_bounded(&consume_channel, "bye").await;
@@ -265,7 +262,6 @@ impl SetUp {
         let channels = self
             .loose
             .into_iter()
-            .chain(monitor_channel)
             .map(|channel| async move { kit::amqp::close_bounded(&channel, "bye").await });
         futures_util::future::join(
             futures_util::future::join_all(partitions),
@@ -279,14 +275,15 @@ impl SetUp {
 /// starts: once a worker publishes a copy the broker's alarm holds, the
 /// broker reads nothing more from the publishing connection, and a
 /// publishing channel opened after that (another partition's) was never
-/// answered: that partition never consumed.
+/// answered: that partition never consumed. Returns the monitor's channel,
+/// opened last; the partitions are in `opened`.
 async fn set_up<D: Domain>(
     connection: &Connection,
     publishing: &Arc<Connection>,
     processor: &Processor<D>,
     prefetch: u16,
     opened: &mut SetUp,
-) -> Result<(), lapin::Error> {
+) -> Result<lapin::Channel, lapin::Error> {
     for partition in 0..processor.topology.partitions {
         let queue = processor.topology.partition_queue(partition);
         let consume_channel = connection.create_channel().await?;
@@ -317,8 +314,7 @@ async fn set_up<D: Domain>(
         // started before the others were set up).
         kit::failpoint::delay_point("consumer.partition_set_up").await;
     }
-    opened.monitor_channel = Some(connection.create_channel().await?);
-    Ok(())
+    connection.create_channel().await
 }
 
 async fn partition_worker<D: Domain>(

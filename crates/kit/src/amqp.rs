@@ -54,6 +54,15 @@ pub async fn close_bounded(channel: &Channel, reason: &str) {
     }
 }
 
+/// How long a frame (a publish, an acknowledgement, a return) may wait to be
+/// written. lapin writes nothing on a connection the broker blocks (a
+/// memory or disk alarm: the broker blocks a connection once it publishes),
+/// and its publish, ack and nack resolve only once their frames are
+/// written: unbounded, they waited for the end of the alarm, deaf to
+/// shutdown. A frame past it stays queued in lapin and goes out when the
+/// alarm ends (a publish retried meanwhile is then one more copy).
+pub const WRITE_WAIT: Duration = Duration::from_secs(5);
+
 /// How long closing a connection may wait for the broker's answer.
 pub const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(3);
 
