@@ -3945,6 +3945,53 @@ async fn a_clean_stop_logs_no_error() {
     system_tests::assert_clean_stop(&system_tests::take_log(&log), "consumer stopped");
 }
 
+/// SIGTERM while a consumer sets up its partitions (the set-up after the
+/// first partition's channels and consumer are open delayed 60 s by
+/// `consumer.partition_set_up`): the set-up is cut short and what it opened
+/// is closed, so the stop is clean: status 0 within seconds, not after the
+/// delay or the stop grace, no error logged (a channel dropped open is
+/// closed by lapin in the background, which logs at ERROR once its
+/// connection is gone), and it never consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_the_partitions_set_up_is_clean() {
+    let name = unique("t-setup-stop");
+    let log = std::env::temp_dir().join(format!("{name}.log"));
+    let options = Options {
+        failpoints: Some("consumer.partition_set_up=1*return(60000)".into()),
+        extra: vec![("RUST_LOG".into(), "info".into())],
+        log: Some(log.clone()),
+        ..Options::default()
+    };
+    let _topology = TopologyGuard::new(&name, &options);
+    let mut service = Consumer::spawn(Kind::Loyalty, &name, system_tests::free_port(), &options);
+    eventually(
+        "the set-up delayed after the first partition",
+        WAIT,
+        || async {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("fail point: delaying")
+                .then_some(())
+        },
+    )
+    .await;
+    let signalled = std::time::Instant::now();
+    service.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || service.wait_exit(WAIT))
+        .await
+        .expect("join")
+        .expect("exits after SIGTERM");
+    let output = system_tests::take_log(&log);
+    assert!(status.success(), "clean exit: {status}\n{output}");
+    assert!(
+        signalled.elapsed() < Duration::from_secs(15),
+        "stopped within seconds, not after the delay: {:?}",
+        signalled.elapsed()
+    );
+    assert!(!output.contains("\"consuming\""), "{output}");
+    system_tests::assert_clean_stop(&output, "consumer stopped");
+}
+
 /// A consumer refuses to run on a topology of another shape (a
 /// configuration error no reconnect repairs): fewer partitions than the
 /// broker has, whose extra queues the hash exchange still feeds and nobody

@@ -935,6 +935,95 @@ async fn a_misspelled_setting_stops_the_service_and_names_it() {
     }
 }
 
+/// A SIGTERM while a service waits at start-up for another instance's
+/// migration (the advisory lock, held here by the test) stops it at once,
+/// as a clean stop: exit status 0, no error logged, and its session no
+/// longer queued for the lock. Before, the wait ignored the signal: the
+/// service stopped only once the other migration ended, or when the
+/// orchestrator killed it. Each service on a database of its own kind, made
+/// for the test (the lock is per database, so no other test waits on it).
+#[tokio::test]
+async fn a_sigterm_while_waiting_for_another_migration_stops_the_service_cleanly() {
+    for (name, prefix, db) in [
+        ("order-api", "ORDER_API", Database::Orders),
+        ("outbox-relay", "OUTBOX_RELAY", Database::Orders),
+        ("ledger-consumer", "LEDGER_CONSUMER", Database::Ledger),
+    ] {
+        let (database, url) = system_tests::create_database(db).await;
+        let holder = system_tests::connect_url(&url).await;
+        holder
+            .execute(
+                "SELECT pg_advisory_lock($1)",
+                &[&kit::migrations::MIGRATION_LOCK_KEY],
+            )
+            .await
+            .expect("hold the migration lock");
+        let log = std::env::temp_dir().join(format!("{database}.log"));
+        let mut service = Service::start_with_output(
+            name,
+            &[],
+            &[
+                (&format!("{prefix}__DATABASE__URL"), url.clone()),
+                (&format!("{prefix}__HTTP__PORT"), free_port().to_string()),
+                ("RUST_LOG", "info".to_owned()),
+                ("LOG_FORMAT", "json".to_owned()),
+            ],
+            Some(&log),
+        );
+        let waiting = "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+                       WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = $1";
+        let queued = |expected: i64| {
+            let (holder, database) = (&holder, &database);
+            move || async move {
+                let row = holder
+                    .query_one(waiting, &[database])
+                    .await
+                    .expect("pg_locks");
+                (row.get::<_, i64>(0) == expected).then_some(())
+            }
+        };
+        system_tests::consumers::eventually(
+            &format!("{name} waiting for the migration lock"),
+            Duration::from_secs(60),
+            queued(1),
+        )
+        .await;
+        let signalled = std::time::Instant::now();
+        service.signal("TERM");
+        let status = tokio::task::spawn_blocking(move || {
+            let status = service.wait_exit(Duration::from_secs(60));
+            (status, service)
+        })
+        .await
+        .expect("join");
+        let (status, _service) = status;
+        let status = status.unwrap_or_else(|| panic!("{name} still waiting 60 s after SIGTERM"));
+        // Well within the stop grace (25 s), which would end it with status 1.
+        assert!(
+            signalled.elapsed() < Duration::from_secs(15),
+            "{name} took {:?} to stop",
+            signalled.elapsed()
+        );
+        let output = system_tests::take_log(&log);
+        assert!(status.success(), "{name}: {status}\n{output}");
+        system_tests::assert_clean_stop(&output, "stopped by a signal during start-up");
+        assert!(
+            output.contains("shut down while waiting for another instance's migration"),
+            "{name}: {output}"
+        );
+        // Its wait cancelled, not left queued until the lock is released
+        // (the server does not notice a closed connection while it waits).
+        system_tests::consumers::eventually(
+            &format!("{name}'s session no longer queued for the lock"),
+            Duration::from_secs(10),
+            queued(0),
+        )
+        .await;
+        drop(holder);
+        system_tests::drop_database(db, &database).await;
+    }
+}
+
 /// Orders V6 and V7 on a database holding lines from before them: V6 (the
 /// expand step) leaves the old lines as they are and fills in the tenant of
 /// a line an older binary writes without one; V7 gives every old line its

@@ -1642,6 +1642,76 @@ async fn sigterm_while_a_worker_sets_up_its_channel_logs_no_error() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A stop that cannot finish (a batch held in flight for 2 minutes by hold
+/// point `relay.holding_batch`, as a broker that never confirms would hold
+/// it) ends after the stop grace (`kit::shutdown::GRACE`, 25 s) with status
+/// 1 and the error logged, and the batch is left under its lease, unmarked,
+/// for a takeover: what a crash there leaves. Before, a relay's stop had no
+/// bound (the consumers' had): it ran until the orchestrator's SIGKILL,
+/// which leaves no trace of why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_that_cannot_finish_ends_after_the_grace_with_an_error() {
+    let (tenant, event_type, db, connection, channel, _collector) =
+        subscribed("RelayTestGrace").await;
+    let events = orders_with_events(2, 1, &event_type);
+    insert(&db, &tenant, &events).await;
+    let (mut relay, log) = Relay::start_logged(
+        &tenant,
+        &[
+            (
+                "FAILPOINTS",
+                "relay.holding_batch=return(120000)".to_owned(),
+            ),
+            ("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()),
+            ("OUTBOX_RELAY__RELAY__LEASE_MS", "600000".to_owned()),
+            ("LOG_FORMAT", "json".to_owned()),
+        ],
+    );
+    wait_db(
+        &db,
+        "claimed, held before publishing",
+        Duration::from_secs(60),
+        "SELECT count(*) FROM outbox_events WHERE tenant_id = $1 AND claimed_by IS NOT NULL AND published_at IS NULL",
+        &tenant,
+        2,
+    )
+    .await;
+    let signalled = Instant::now();
+    relay.service.signal("TERM");
+    let status = relay
+        .service
+        .wait_exit(Duration::from_secs(90))
+        .expect("the relay exits within 90 s of SIGTERM");
+    let took = signalled.elapsed();
+    let output = system_tests::take_log(&log);
+    assert_eq!(status.code(), Some(1), "{status:?}\n{output}");
+    assert!(
+        took >= Duration::from_secs(24),
+        "it waited for the batch in flight first ({took:?})"
+    );
+    let errors = system_tests::error_lines(&output);
+    assert!(
+        errors
+            .iter()
+            .any(|line| line.contains("shutdown did not finish in time: exiting")),
+        "{output}"
+    );
+    assert!(!output.contains("\"relay stopped\""), "{output}");
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1
+               AND published_at IS NULL AND claim_until > now()",
+            &tenant
+        )
+        .await,
+        2,
+        "the batch is left leased and unmarked"
+    );
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// Quarantine counts the message's own failures only: an event that already
 /// failed ten times for the infrastructure's reasons (broker timeouts during
 /// an outage, simulated by its `attempt_count`) and is then returned as

@@ -264,9 +264,6 @@ fn topology_of(settings: &Settings) -> anyhow::Result<Topology> {
     })
 }
 
-/// How long a graceful shutdown may take before the process exits anyway.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
-
 /// A built consumer: database migrated, HTTP listener bound.
 pub struct Application<D: Domain> {
     settings: Settings,
@@ -291,7 +288,7 @@ impl<D: Domain> Application<D> {
             &format!("{} {}", D::SERVICE, topology.name),
         )?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
-        kit::migrations::run(&pool, D::DATABASE).await?;
+        kit::migrations::run_until(&pool, D::DATABASE, shutdown).await?;
         let registry = kit::metrics::registry(D::SERVICE);
         let metrics = metrics::Metrics::new(&registry, &topology.name, topology.tiers.len())?;
         let domain = Arc::new(D::new(&registry));
@@ -356,22 +353,6 @@ impl<D: Domain> Application<D> {
     /// Serve until `shutdown`: HTTP, the partition workers (connection kept up,
     /// rebuilt when it drops) and the inbox cleanup.
     pub async fn run_until_stopped(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        // A shutdown must end: if something is stuck (a dependency that never
-        // answers), exit anyway once the grace period is over.
-        {
-            let shutdown = shutdown.clone();
-            tokio::spawn(async move {
-                shutdown.cancelled().await;
-                std::thread::spawn(|| {
-                    std::thread::sleep(SHUTDOWN_GRACE);
-                    tracing::error!(
-                        grace_secs = SHUTDOWN_GRACE.as_secs(),
-                        "shutdown did not finish in time: exiting"
-                    );
-                    std::process::exit(1);
-                });
-            });
-        }
         let broker = {
             let shutdown = shutdown.clone();
             let settings = self.settings.amqp.clone();
@@ -428,12 +409,9 @@ impl<D: Domain> Application<D> {
         ));
         let http = kit::http::run_until_stopped(self.server, shutdown.clone()).await;
         tracing::info!("http server stopped");
-        // The workers finish their in-flight messages before this returns
-        // (bounded, so a stuck dependency cannot keep the process alive).
-        match tokio::time::timeout(SHUTDOWN_GRACE, broker).await {
-            Ok(joined) => joined???,
-            Err(_) => tracing::error!("the broker side did not stop in time; exiting anyway"),
-        }
+        // The workers finish their in-flight messages before this returns;
+        // a stuck dependency is cut off by `kit::shutdown::GRACE`.
+        broker.await???;
         tracing::info!("consumer stopped");
         cleanup.abort();
         http?;
@@ -517,7 +495,7 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
             }
             Command::Migrate => {
                 let pool = kit::db::pool(&settings.database)?;
-                let applied = kit::migrations::run(&pool, D::DATABASE).await?;
+                let applied = kit::migrations::run_until(&pool, D::DATABASE, &shutdown).await?;
                 println!(
                     "{}: {} migration(s) applied",
                     D::DATABASE.name(),

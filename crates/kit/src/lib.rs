@@ -18,7 +18,8 @@ pub mod telemetry;
 pub use tokio_util::sync::CancellationToken;
 
 /// The start-up every service binary shares: telemetry, fail points, signal
-/// handling; then `run` with the shutdown token. Keeps each `main.rs` thin.
+/// handling bounded by [`shutdown::GRACE`]; then `run` with the shutdown
+/// token. Keeps each `main.rs` thin.
 pub async fn service_main<F, Fut>(service: &'static str, run: F) -> anyhow::Result<()>
 where
     F: FnOnce(CancellationToken) -> Fut,
@@ -27,9 +28,33 @@ where
     let _telemetry = telemetry::init(service);
     failpoint::init_from_env();
     let shutdown = shutdown::on_signals()?;
+    // From start-up on (a migration waiting for a lock included), whatever
+    // the command: no stop overruns its grace.
+    shutdown::exit_after_grace(shutdown.clone(), shutdown::GRACE);
     let result = run(shutdown).await;
-    if let Err(error) = &result {
-        tracing::error!(error = format!("{error:#}"), "exiting with an error");
+    match &result {
+        Err(error) if stopped_during_start_up(error) => {
+            tracing::info!(reason = %error, "stopped by a signal during start-up");
+            return Ok(());
+        }
+        Err(error) => {
+            tracing::error!(error = format!("{error:#}"), "exiting with an error");
+        }
+        Ok(()) => {}
     }
     result
+}
+
+/// Whether `error` is a start-up wait ended by the shutdown signal (for the
+/// database, another instance's migration, the broker): a clean stop, not
+/// a failure, so it logs no error and exits with status 0.
+fn stopped_during_start_up(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        matches!(cause.downcast_ref(), Some(db::DbError::Cancelled))
+            || matches!(
+                cause.downcast_ref(),
+                Some(migrations::MigrationError::Cancelled { .. })
+            )
+            || matches!(cause.downcast_ref(), Some(amqp::AmqpError::Cancelled))
+    })
 }

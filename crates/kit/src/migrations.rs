@@ -11,6 +11,7 @@
 //! tables (`migrations/<database>/`, refinery's default history table).
 
 use deadpool_postgres::Pool;
+use tokio_util::sync::CancellationToken;
 
 mod embedded {
     pub mod orders {
@@ -88,6 +89,8 @@ pub enum MigrationError {
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("advisory lock: {0}")]
     Lock(#[from] tokio_postgres::Error),
+    #[error("shut down while waiting for another instance's migration of {database}")]
+    Cancelled { database: &'static str },
     #[error("migrating {database}: {source}")]
     Refinery {
         database: &'static str,
@@ -132,8 +135,21 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
 /// exclusive locks only for instants (expand in one, backfill and validate
 /// in the next: orders V6 and V7).
 pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, MigrationError> {
+    run_until(pool, database, &CancellationToken::new()).await
+}
+
+/// [`run`], except that a `shutdown` while it waits for another instance's
+/// migration (the advisory lock) ends the wait at once
+/// ([`MigrationError::Cancelled`]) instead of after that migration, which
+/// may take long, or after the process's stop grace. Once the lock is
+/// held, the migrations run to their end: each commits or rolls back whole.
+pub async fn run_until(
+    pool: &Pool,
+    database: Database,
+    shutdown: &CancellationToken,
+) -> Result<Vec<String>, MigrationError> {
     let mut client = pool.get().await?;
-    let result = migrate(&mut client, database).await;
+    let result = migrate(&mut client, database, shutdown).await;
     // The connection goes back to the pool only with the pool's own bounds.
     if result.is_err()
         || client
@@ -153,6 +169,7 @@ pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, Migrati
 async fn migrate(
     client: &mut deadpool_postgres::Object,
     database: Database,
+    shutdown: &CancellationToken,
 ) -> Result<Vec<String>, MigrationError> {
     client
         .batch_execute("SET lock_timeout = 0; SET statement_timeout = 0")
@@ -160,9 +177,26 @@ async fn migrate(
     // Session-level lock on this connection; released explicitly below, or by the
     // server when the connection dies (a crash mid-migration releases it too, and
     // refinery's per-migration transactions leave no half-applied migration).
-    client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
-        .await?;
+    tokio::select! {
+        locked = client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY]) => {
+            locked?;
+        }
+        _ = shutdown.cancelled() => {
+            // The server would keep this session queued for the lock, and
+            // take it when granted, until it notices the connection gone
+            // (`run` closes it): cancel the wait itself. Best effort; the
+            // closed connection ends the session in any case.
+            let cancel = client.cancel_token();
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(2),
+                cancel.cancel_query(tokio_postgres::NoTls),
+            )
+            .await;
+            return Err(MigrationError::Cancelled {
+                database: database.name(),
+            });
+        }
+    }
     client
         .batch_execute(&format!(
             "SET lock_timeout = {}",

@@ -1,9 +1,39 @@
 //! Graceful shutdown: the first SIGTERM or SIGINT cancels the returned token
 //! (services stop taking work, finish what is in flight, then exit); a second
-//! signal exits the process at once.
+//! signal exits the process at once, and so does the end of [`GRACE`].
+
+use std::time::Duration;
 
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
+
+/// How long a graceful stop may take: shorter than the 30 s
+/// `stop_grace_period` of `deploy/docker-compose.yml`, so that a stop that
+/// overruns is logged and ends with status 1 before the orchestrator's
+/// SIGKILL, which would leave no trace.
+pub const GRACE: Duration = Duration::from_secs(25);
+
+/// Once `shutdown` is cancelled, exit the process (status 1, an error
+/// logged) if it is still running `grace` later: a stop must end even when
+/// something it waits for never answers (a broker that stopped reading, a
+/// lock held elsewhere, a fail point holding a batch in a test). Work cut
+/// off here is work a crash cuts off: every service resumes it from its
+/// durable state (a claimed batch's lease runs out, an unacknowledged
+/// message is redelivered). A thread, not a task: it fires even when every
+/// runtime worker is blocked.
+pub fn exit_after_grace(shutdown: CancellationToken, grace: Duration) {
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        std::thread::spawn(move || {
+            std::thread::sleep(grace);
+            tracing::error!(
+                grace_secs = grace.as_secs(),
+                "shutdown did not finish in time: exiting"
+            );
+            std::process::exit(1);
+        });
+    });
+}
 
 /// Install the signal handlers and return the token they cancel.
 /// Must be called inside a tokio runtime.

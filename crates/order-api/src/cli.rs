@@ -49,13 +49,14 @@ pub async fn main() -> anyhow::Result<()> {
             }
             Command::Migrate => {
                 let pool = crate::pool(&settings)?;
-                let applied = kit::migrations::run(&pool, Database::Orders).await?;
+                let applied =
+                    kit::migrations::run_until(&pool, Database::Orders, &shutdown).await?;
                 println!("orders: {} migration(s) applied", applied.len());
                 Ok(())
             }
             Command::ApiKey(ApiKeyCommand::Create { tenant }) => {
                 let pool = crate::pool(&settings)?;
-                kit::migrations::run(&pool, Database::Orders).await?;
+                kit::migrations::run_until(&pool, Database::Orders, &shutdown).await?;
                 let key = crate::auth::create_key(&pool, &tenant).await?;
                 eprintln!("API key for tenant {tenant} (shown once; only its hash is stored):");
                 println!("{key}");

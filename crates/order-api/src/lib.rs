@@ -102,7 +102,7 @@ impl Application {
         // plus these connections.
         let shared_pool = pool_of_size(&settings, SHARED_POOL_SIZE)?;
         kit::db::wait_until_ready(&shared_pool, shutdown).await?;
-        kit::migrations::run(&shared_pool, Database::Orders).await?;
+        kit::migrations::run_until(&shared_pool, Database::Orders, shutdown).await?;
         let metrics = metrics::Metrics::new(SERVICE);
         let health = Health {
             service: SERVICE,

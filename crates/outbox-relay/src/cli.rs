@@ -101,7 +101,7 @@ pub async fn main() -> anyhow::Result<()> {
             }
             Command::Migrate => {
                 let pool = kit::db::pool(&settings.database)?;
-                let applied = kit::migrations::run(&pool, Database::Orders).await?;
+                let applied = kit::migrations::run_until(&pool, Database::Orders, &shutdown).await?;
                 println!("orders: {} migration(s) applied", applied.len());
                 Ok(())
             }

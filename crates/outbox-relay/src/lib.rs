@@ -88,7 +88,7 @@ impl Application {
         kit::db::wait_until_ready(&pool, shutdown).await?;
         // The outbox table belongs to the orders schema; migrating here too (under
         // the advisory lock) means the relay does not depend on start order.
-        kit::migrations::run(&pool, Database::Orders).await?;
+        kit::migrations::run_until(&pool, Database::Orders, shutdown).await?;
         let connected = Connected::default();
         let registry = kit::metrics::registry(SERVICE);
         let metrics = Metrics::new(&registry);
