@@ -1,8 +1,11 @@
 //! The rule for the names an event carries: a customer id, a location, a
 //! sku, a checkout, payment, delivery or receipt id: 1 to 255 bytes of
-//! UTF-8, no control characters.
+//! UTF-8, no control characters; and for a payment's method
+//! ([`check_method`]).
 //!
-//! order-api checks every name it writes into an event with [`check`], and
+//! order-api checks every name it writes into an event with [`check`], each
+//! payload's `check` holds its names to it (a payload written by hand into
+//! the outbox, the runbook's repair, is poison when it breaks it), and
 //! the consumers' write endpoints (a stock receipt) check theirs with the
 //! same function: whatever an order can name, a receipt can name too, so a
 //! sale that waits for stock can always be given it (a receipt refused for a
@@ -55,9 +58,42 @@ pub fn check(value: &str) -> Result<(), NameError> {
     Ok(())
 }
 
+/// The rule for a payment's `method`: a lowercase identifier (`card`,
+/// `cash`, `bank_transfer`) of 1 to 32 bytes of `a-z`, `0-9` and `_`. The
+/// ledger names the payment's clearing account after it.
+pub fn check_method(value: &str) -> Result<(), &'static str> {
+    let ok = !value.is_empty()
+        && value.len() <= 32
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err("must be a lowercase identifier such as card, cash or bank_transfer")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_method_is_a_short_lowercase_identifier() {
+        for good in ["card", "cash", "bank_transfer", "upi2", &"a".repeat(32)] {
+            assert_eq!(check_method(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "",
+            "Card",
+            "bank transfer",
+            "card-1",
+            "कार्ड",
+            &"a".repeat(33),
+        ] {
+            assert!(check_method(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn the_limit_counts_bytes_not_characters() {

@@ -140,6 +140,12 @@ fn not_negative(field: &str, value: Money) -> Result<(), String> {
     Ok(())
 }
 
+/// `Err` naming `field` when `value` breaks the rule for names
+/// ([`crate::name::check`]), as order-api would have refused it.
+fn named(field: &str, value: &str) -> Result<(), String> {
+    crate::name::check(value).map_err(|why| format!("{field} {why}"))
+}
+
 /// `Err` naming `field` when `qty` is 0.
 fn at_least_one(field: &str, qty: u32) -> Result<(), String> {
     if qty == 0 {
@@ -153,10 +159,16 @@ impl EventPayload for OrderPlacedV1 {
     const SCHEMA_VERSION: u32 = 1;
 
     fn check(&self) -> Result<(), String> {
+        named("customer_id", &self.customer_id)?;
+        if let Some(checkout) = &self.checkout_id {
+            named("checkout_id", checkout)?;
+        }
+        named("location", &self.location)?;
         if self.lines.is_empty() {
             return Err("an order has at least one line".to_owned());
         }
         for (i, line) in self.lines.iter().enumerate() {
+            named(&format!("lines[{i}].sku"), &line.sku)?;
             at_least_one(&format!("lines[{i}].qty"), line.qty)?;
             not_negative(&format!("lines[{i}].unit_price"), line.unit_price)?;
             not_negative(&format!("lines[{i}].unit_cost"), line.unit_cost)?;
@@ -172,10 +184,11 @@ impl EventPayload for PaymentReceivedV1 {
     const SCHEMA_VERSION: u32 = 1;
 
     fn check(&self) -> Result<(), String> {
+        named("payment_id", &self.payment_id)?;
         if self.amount.is_negative() || self.amount.is_zero() {
             return Err(format!("amount must be positive, got {}", self.amount));
         }
-        Ok(())
+        crate::name::check_method(&self.method).map_err(|why| format!("method {why}"))
     }
 }
 
@@ -184,10 +197,12 @@ impl EventPayload for ParcelDeliveredV1 {
     const SCHEMA_VERSION: u32 = 1;
 
     fn check(&self) -> Result<(), String> {
+        named("delivery_id", &self.delivery_id)?;
         if self.lines.is_empty() {
             return Err("a delivery has at least one line".to_owned());
         }
         for (i, line) in self.lines.iter().enumerate() {
+            named(&format!("lines[{i}].sku"), &line.sku)?;
             at_least_one(&format!("lines[{i}].qty"), line.qty)?;
         }
         crate::timestamp::check_range("delivered_at", &self.delivered_at)

@@ -348,6 +348,104 @@ fn other_payload_errors_are_invalid_payload() {
     assert_contains(&text, "invalid type: null, expected a string");
 }
 
+/// The names an event carries and a payment's method, held to the rules
+/// order-api refuses a request by (`events::name`): a payload written by
+/// hand into the outbox (the runbook's repair) that breaks one is poison,
+/// dead-lettered at once with the reason, instead of applied (an order at
+/// location "" whose sale no receipt can ever serve) or failing its
+/// handler through every retry tier (a sku holding NUL).
+#[test]
+fn names_and_methods_breaking_the_producer_s_rules_are_invalid_payload() {
+    let long = "x".repeat(256);
+    for (file, pointer, value, expected) in [
+        (
+            ORDER_PLACED_JSON,
+            "/payload/customer_id",
+            json!(""),
+            "customer_id must not be empty",
+        ),
+        (
+            ORDER_PLACED_JSON,
+            "/payload/location",
+            json!(""),
+            "location must not be empty",
+        ),
+        (
+            ORDER_PLACED_JSON,
+            "/payload/location",
+            json!(long),
+            "location must be at most 255 bytes of UTF-8",
+        ),
+        (
+            ORDER_PLACED_JSON,
+            "/payload/lines/0/sku",
+            json!("JKT\u{0}M"),
+            "lines[0].sku must not contain control characters",
+        ),
+        (
+            PAYMENT_RECEIVED_JSON,
+            "/payload/payment_id",
+            json!(""),
+            "payment_id must not be empty",
+        ),
+        (
+            PAYMENT_RECEIVED_JSON,
+            "/payload/method",
+            json!("Card"),
+            "method must be a lowercase identifier",
+        ),
+        (
+            PAYMENT_RECEIVED_JSON,
+            "/payload/method",
+            json!(""),
+            "method must be a lowercase identifier",
+        ),
+        (
+            PARCEL_DELIVERED_JSON,
+            "/payload/delivery_id",
+            json!("311\n"),
+            "delivery_id must not contain control characters",
+        ),
+        (
+            PARCEL_DELIVERED_JSON,
+            "/payload/lines/0/sku",
+            json!(""),
+            "lines[0].sku must not be empty",
+        ),
+    ] {
+        let text = invalid_payload(&set(file, pointer, value));
+        assert_contains(&text, expected);
+    }
+    let text = invalid_payload(&edited(ORDER_PLACED_JSON, |v| {
+        v["payload"]["checkout_id"] = json!("");
+    }));
+    assert_contains(&text, "checkout_id must not be empty");
+    // At the limits order-api takes, still an event (85 Devanagari letters
+    // are 255 bytes; white space alone is a name).
+    for (file, pointer, value) in [
+        (
+            ORDER_PLACED_JSON,
+            "/payload/location",
+            json!("क".repeat(85)),
+        ),
+        (ORDER_PLACED_JSON, "/payload/lines/0/sku", json!("   ")),
+        (
+            PAYMENT_RECEIVED_JSON,
+            "/payload/method",
+            json!("bank_transfer"),
+        ),
+    ] {
+        let bytes = set(file, pointer, value);
+        assert!(
+            RawEnvelope::parse_raw(&bytes)
+                .expect("parse")
+                .decode()
+                .is_ok(),
+            "{pointer}"
+        );
+    }
+}
+
 #[test]
 fn payloads_breaking_the_version_s_rules_are_invalid_payload() {
     for (pointer, value, expected) in [

@@ -263,19 +263,7 @@ impl PaymentRequest {
         if self.amount.is_negative() || self.amount.is_zero() {
             return Err(ApiError::validation("amount", "must be positive"));
         }
-        let method_ok = !self.method.is_empty()
-            && self.method.len() <= 32
-            && self
-                .method
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-        if !method_ok {
-            return Err(ApiError::validation(
-                "method",
-                "must be a lowercase identifier such as card, cash or bank_transfer",
-            ));
-        }
-        Ok(())
+        events::name::check_method(&self.method).map_err(|why| ApiError::validation("method", why))
     }
 
     pub fn fingerprint(&self, order_id: Uuid) -> String {
