@@ -777,6 +777,200 @@ async fn a_body_slower_than_the_budget_is_answered_at_the_budget() {
     assert_eq!(stored, 0);
 }
 
+/// Bytes no HTTP request can hold (`Content-Length: abc`, a chunked body
+/// with a length too) are refused 400 by actix's own parser, before any
+/// route runs, and log no ERROR line: before, each such connection logged
+/// `stream error: request parse error` at ERROR (target
+/// `actix_http::h1::dispatcher`), so any client could fill the logs with
+/// ERROR lines at will. The service goes on serving.
+#[tokio::test]
+async fn requests_that_break_http_framing_are_refused_without_error_lines() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let log = std::env::temp_dir().join(format!("{}.log", unique_tenant("framing")));
+    let api = OrderApi::start_with_output(
+        &[
+            ("RUST_LOG", "info".to_owned()),
+            ("LOG_FORMAT", "json".to_owned()),
+        ],
+        Some(&log),
+    )
+    .await;
+    let address = api.base.trim_start_matches("http://").to_owned();
+    for head in [
+        "POST /orders HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        "POST /orders HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\
+         Content-Length: 5\r\n\r\nx",
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(&address)
+            .await
+            .expect("connect");
+        stream.write_all(head.as_bytes()).await.expect("write");
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+            .await
+            .expect("answered and closed within 10 s")
+            .expect("read");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{head:?}: {answer:?}");
+    }
+    let health = reqwest::get(api.url("/healthz")).await.expect("healthz");
+    assert!(health.status().is_success(), "still serving");
+    drop(api);
+    let output = system_tests::take_log(&log);
+    let errors = system_tests::error_lines(&output);
+    assert!(errors.is_empty(), "error lines: {errors:#?}");
+}
+
+/// A POST whose database stops answering (a network partition: the proxy
+/// in front of it holds every byte, the cancel request's included) is
+/// answered at its budget, 503 `deadline_exceeded`, nothing stored: when
+/// BEGIN gets no answer, and when the claim, waiting on a lock, gets none
+/// (the server's `statement_timeout` ends it, but its error is held too).
+/// Before, both waited until the database answered again (TCP gives up on
+/// nothing here: the proxy's end acknowledges every byte), past the budget
+/// the client was promised an answer within.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
+    let database = OwnOrdersDatabase::create().await;
+    let proxy = system_tests::PausableProxy::start(&database.url).await;
+    let api = OrderApi::start(&[
+        ("ORDER_API__DATABASE__URL", proxy.url.clone()),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "3000".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+        // The key is read once, before the partition, then cached; one
+        // worker, so the POST gets the connection that read it (a worker
+        // opening a new one is bounded by the pool's wait, not this).
+        ("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned()),
+        ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
+    ])
+    .await;
+    let tenant = unique_tenant("partition");
+    let output = api_key_command(&tenant)
+        .env("ORDER_API__DATABASE__URL", &database.url)
+        .output()
+        .expect("api-key create");
+    assert!(output.status.success(), "api-key create failed");
+    let key = String::from_utf8(output.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned();
+    let client = Client::new();
+    let get = client
+        .get(api.url(&format!("/orders/{}", uuid::Uuid::now_v7())))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(
+        get.status(),
+        StatusCode::NOT_FOUND,
+        "the key read and cached"
+    );
+    let post = |idempotency_key: &'static str| {
+        client
+            .post(api.url("/orders"))
+            .bearer_auth(&key)
+            .header("Idempotency-Key", idempotency_key)
+            .header("Content-Type", "application/json")
+            .body(SEED_ORDER)
+            .timeout(Duration::from_secs(30))
+            .send()
+    };
+    let answered_at_the_budget = |started: std::time::Instant, what: &str| {
+        let waited = started.elapsed();
+        assert!(
+            waited < Duration::from_secs(10),
+            "{what}: answered after {waited:?} (budget 3 s)"
+        );
+    };
+
+    // BEGIN gets no answer.
+    proxy.pause();
+    let started = std::time::Instant::now();
+    let response = post("partition-begin")
+        .await
+        .expect("an answer before the database answers again");
+    answered_at_the_budget(started, "BEGIN");
+    expect_problem(
+        response,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "deadline_exceeded",
+    )
+    .await;
+    proxy.resume();
+
+    // The claim waits on a lock, then the database stops answering.
+    let mut holder = database.connect().await;
+    let tx = holder.transaction().await.expect("begin");
+    tx.batch_execute("LOCK TABLE idempotency_requests IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock");
+    let holder_pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let observer = database.connect().await;
+    let started = std::time::Instant::now();
+    let partitioned = async {
+        eventually(
+            "the claim waiting on the lock",
+            Duration::from_secs(30),
+            || async {
+                observer
+                    .query_opt(
+                        "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                        &[&holder_pid],
+                    )
+                    .await
+                    .expect("pg_stat_activity")
+                    .map(|_| ())
+            },
+        )
+        .await;
+        proxy.pause();
+    };
+    let (response, ()) = tokio::join!(post("partition-claim"), partitioned);
+    let response = response.expect("an answer before the database answers again");
+    answered_at_the_budget(started, "the claim");
+    expect_problem(
+        response,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "deadline_exceeded",
+    )
+    .await;
+    tx.rollback().await.expect("rollback");
+    proxy.resume();
+
+    // Nothing stored; the service goes on.
+    let stored = |tenant: String| {
+        let observer = &observer;
+        async move {
+            observer
+                .query_one(
+                    "SELECT (SELECT count(*) FROM orders WHERE tenant_id = $1) \
+                          + (SELECT count(*) FROM idempotency_requests WHERE tenant_id = $1)",
+                    &[&tenant],
+                )
+                .await
+                .expect("count")
+                .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(stored(tenant.clone()).await, 0, "nothing stored");
+    let response = post("partition-after").await.expect("post");
+    assert_eq!(response.status(), StatusCode::CREATED, "served again");
+    assert_eq!(stored(tenant.clone()).await, 2, "the order and its key");
+}
+
 /// Reads before a request's transaction (the caller's key, a GET's order)
 /// end at the request budget as the transaction does: behind a table locked
 /// past it, the answer is 503 `deadline_exceeded` at about the budget, not

@@ -107,9 +107,11 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     opentelemetry::global::set_tracer_provider(provider.clone());
     let tracer = provider.tracer(service);
 
-    let filter = never_logged(EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
-    }));
+    let filter = client_faults_unlogged(never_logged(
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+            EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
+        }),
+    ));
     // Without an exporter the spans only carry the trace context (stored and
     // propagated): log events are not recorded into them.
     let exporting = endpoint.is_some() && export_error.is_none();
@@ -181,6 +183,22 @@ fn never_logged(filter: EnvFilter) -> EnvFilter {
     NEVER_LOGGED.iter().fold(filter, |filter, directive| {
         filter.add_directive(directive.parse().expect("a valid directive"))
     })
+}
+
+/// actix-http's connection dispatcher logs at ERROR what a client's bytes
+/// cause before any route runs (`stream error: request parse error`: a
+/// malformed header, `Content-Length: abc`; answered 400 by actix itself),
+/// so any client could fill the logs with ERROR lines at will, and fire
+/// whatever watches them. Off unless `RUST_LOG` names `actix_http` (to
+/// debug a client's framing).
+const CLIENT_FAULTS: &str = "actix_http::h1::dispatcher=off";
+
+/// `filter` with [`CLIENT_FAULTS`] added, unless `RUST_LOG` names its crate.
+fn client_faults_unlogged(filter: EnvFilter) -> EnvFilter {
+    if std::env::var("RUST_LOG").is_ok_and(|spec| spec.contains("actix_http")) {
+        return filter;
+    }
+    filter.add_directive(CLIENT_FAULTS.parse().expect("a valid directive"))
 }
 
 /// W3C trace-context headers (`traceparent`, and `tracestate` when non-empty)

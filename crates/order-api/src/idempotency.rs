@@ -208,6 +208,16 @@ impl Deadline {
         u64::try_from(left.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// When work on the database past the deadline is given up on the
+    /// client's side: [`SERVER_BACKSTOP_MS`] after it, when the server's
+    /// own `statement_timeout` has ended the statement. Reached only when
+    /// neither the cancel nor the server's answer gets through (a network
+    /// partition, a server that froze): without it, the request waited for
+    /// TCP to give up instead of answering at its budget.
+    fn backstop(&self) -> tokio::time::Instant {
+        self.at + Duration::from_millis(SERVER_BACKSTOP_MS)
+    }
+
     fn passed(&self) -> bool {
         tokio::time::Instant::now() >= self.at
     }
@@ -269,7 +279,7 @@ impl Deadline {
         let Some(client) = held.client.as_ref() else {
             return Err(self.exceeded());
         };
-        let backstop = self.at + Duration::from_millis(SERVER_BACKSTOP_MS);
+        let backstop = self.backstop();
         let cancel = client.cancel_token();
         let bounded = self.bound(&cancel, work(client));
         let Ok((outcome, cancelled)) = tokio::time::timeout_at(backstop, bounded).await else {
@@ -388,7 +398,13 @@ pub async fn execute(
     let Some(client) = held.client.as_mut() else {
         return Err(deadline.exceeded());
     };
-    let tx = client.transaction().await?;
+    // BEGIN and the work are given up at the backstop (nothing committed:
+    // COMMIT is not sent), the connection closed, not pooled (`held`).
+    let backstop = deadline.backstop();
+    let Ok(tx) = tokio::time::timeout_at(backstop, client.transaction()).await else {
+        return Err(deadline.exceeded());
+    };
+    let tx = tx?;
     let in_progress = |why: &'static str| {
         metrics.in_progress.with_label_values(&[endpoint]).inc();
         tracing::info!(endpoint, key_hash, why, "idempotency key in progress");
@@ -571,7 +587,15 @@ pub async fn execute(
         }
         Ok(Step::Owner(stored, in_flight))
     };
-    let (outcome, cancelled) = deadline.bound(&tx.cancel_token(), work).await;
+    let Ok((outcome, cancelled)) =
+        tokio::time::timeout_at(backstop, deadline.bound(&tx.cancel_token(), work)).await
+    else {
+        // The statement may still run on the server until its
+        // statement_timeout; the transaction is never committed.
+        let error = deadline.exceeded();
+        rolled_back(&error);
+        return Err(error);
+    };
     // The work ended by itself: from here (answers, COMMIT) the connection
     // may go back to the pool.
     held.released = !cancelled;
