@@ -3308,6 +3308,85 @@ async fn shuffled_and_duplicated_events_of_many_orders_apply_once_in_sequence_or
     assert!(points.iter().all(|p| p.1 == 80));
 }
 
+/// Inventory sells an order's stock once, and only what it reserved: a
+/// second delivery of a delivered order, and a delivery whose lines differ
+/// from the order's, each fail five times and are dead-lettered with the
+/// reason, their orders parked, as the ledger and loyalty do (order-api
+/// refuses both; a payload written by hand into the outbox need not).
+/// Before, the second delivery sold the stock again (the books of the three
+/// consumers then disagreed), and the differing one sold 3 where 2 were
+/// reserved. The stock levels still equal their movements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inventory_dead_letters_a_second_delivery_and_one_that_differs_from_the_order() {
+    let tenant = unique("t5-sold");
+    let name = unique("t5-sold-inv");
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::default()).await;
+    let (status, body) = receipt(&inventory, &tenant, "r-sold", 10).await;
+    assert_eq!(status, 201, "{body}");
+    let publisher = Publisher::connect().await;
+
+    let good = story(&tenant);
+    let again = parcel_delivered(&tenant, good.order, 4, 2);
+    let differs = Uuid::now_v7();
+    let differs_placed = order_placed(&tenant, differs, 1, "78", 2);
+    let differs_paid = payment_received(&tenant, differs, 2, "93.00");
+    let differs_delivered = parcel_delivered(&tenant, differs, 3, 3);
+    for m in [
+        &good.placed,
+        &differs_placed,
+        &good.paid,
+        &differs_paid,
+        &good.delivered,
+        &differs_delivered,
+        &again,
+    ] {
+        publisher.to_consumer(&name, m).await;
+    }
+    inventory
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            2.0,
+        )
+        .await;
+    assert_eq!(
+        progress(Database::Inventory, &name, good.order).await,
+        Some((3, true)),
+        "the second delivery is parked for a human"
+    );
+    assert_eq!(
+        progress(Database::Inventory, &name, differs).await,
+        Some((2, true)),
+        "the differing delivery is parked for a human"
+    );
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    let reason_of = |order: Uuid| {
+        letters
+            .iter()
+            .find(|l| l.aggregate_id.as_deref() == Some(order.to_string().as_str()))
+            .map(|l| l.reason.clone())
+            .unwrap_or_default()
+    };
+    let reason = reason_of(good.order);
+    assert!(
+        reason.contains("failed 5 times")
+            && reason.contains(&format!(
+                "already delivered (event {}); not selling its stock twice",
+                good.delivered.event_id
+            )),
+        "{reason}"
+    );
+    let reason = reason_of(differs);
+    assert!(
+        reason.contains(r#"delivered {"JKT-M": 3}, but it reserved {"JKT-M": 2}"#),
+        "{reason}"
+    );
+    // 10 received, 2 sold once; the differing order's 2 still reserved.
+    assert_eq!(level(&tenant).await, Some((8, 2, 6)));
+    assert_levels_equal_movements(&tenant).await;
+}
+
 /// The ledger never books what does not add up: an order whose total differs
 /// from merchandise + shipping + tax (seed 003's "wrong tax code") fails its
 /// delivery five times and is dead-lettered with the reason; a second delivery

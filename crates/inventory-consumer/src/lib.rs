@@ -124,8 +124,40 @@ impl consumer_runtime::Domain for Inventory {
                         ))
                     })?;
                 let lines = by_sku(delivery.lines.iter().map(|l| (l.sku.as_str(), l.qty)));
+                let held = holdings(tx, &envelope.tenant_id, delivery.order_id).await?;
+                // One delivery per order, of what was ordered (order-api
+                // enforces both, as the ledger and loyalty check too): a
+                // second one would sell the stock again, and lines that
+                // differ would leave a reservation held for good. Stop for a
+                // human instead.
+                if let Some(first) = held.values().find_map(|h| h.sold_by) {
+                    return Err(HandlerError::new(format!(
+                        "order {} was already delivered (event {first}); not selling its stock twice",
+                        delivery.order_id
+                    )));
+                }
+                let reserved: BTreeMap<&str, i64> = held
+                    .iter()
+                    .map(|(sku, h)| (sku.as_str(), h.reserved))
+                    .collect();
+                if reserved != lines {
+                    return Err(HandlerError::new(format!(
+                        "order {} delivered {lines:?}, but it reserved {reserved:?}",
+                        delivery.order_id
+                    )));
+                }
                 for (sku, qty) in lines {
-                    sell(tx, envelope, delivery.order_id, &location, sku, qty).await?;
+                    let outstanding = held.get(sku).map_or(0, |h| h.outstanding);
+                    sell(
+                        tx,
+                        envelope,
+                        delivery.order_id,
+                        &location,
+                        sku,
+                        qty,
+                        outstanding,
+                    )
+                    .await?;
                 }
                 Ok(0)
             }
@@ -184,6 +216,51 @@ fn by_sku<'a>(lines: impl Iterator<Item = (&'a str, u32)>) -> BTreeMap<&'a str, 
         *map.entry(sku).or_insert(0) += i64::from(qty);
     }
     map
+}
+
+/// What an order's movements say of one sku: how many it reserved (the
+/// ordered quantity), how many of them it still holds reserved, and the
+/// event that sold it, if one did.
+struct Holding {
+    reserved: i64,
+    outstanding: i64,
+    sold_by: Option<Uuid>,
+}
+
+/// The order's [`Holding`] per sku, in one read of its movements (only its
+/// own events move them, one at a time: no lock needed).
+async fn holdings(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order_id: Uuid,
+) -> Result<BTreeMap<String, Holding>, HandlerError> {
+    let rows = tx
+        .query(
+            &tx.prepare_cached(
+                "SELECT sku, \
+                        coalesce(sum(qty) FILTER (WHERE movement_type = 'reserve'), 0)::bigint, \
+                        coalesce(sum(reserved_delta), 0)::bigint, \
+                        (array_agg(event_id ORDER BY movement_id) \
+                           FILTER (WHERE movement_type = 'sale'))[1] \
+                 FROM stock_movements WHERE tenant_id = $1 AND order_id = $2 GROUP BY sku",
+            )
+            .await?,
+            &[&tenant, &order_id],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            (
+                row.get(0),
+                Holding {
+                    reserved: row.get(1),
+                    outstanding: row.get(2),
+                    sold_by: row.get(3),
+                },
+            )
+        })
+        .collect())
 }
 
 /// Ensure the level row exists and lock it; returns (on_hand, reserved).
@@ -270,7 +347,8 @@ async fn record(tx: &Transaction<'_>, m: &Movement<'_>) -> Result<(), tokio_post
     Ok(())
 }
 
-/// Sell `qty` out of the reservation.
+/// Sell `qty` out of the reservation, of which the order still holds
+/// `outstanding` (other orders' reservations of the same sku are theirs).
 async fn sell(
     tx: &Transaction<'_>,
     envelope: &RawEnvelope,
@@ -278,21 +356,9 @@ async fn sell(
     location: &str,
     sku: &str,
     qty: i64,
+    outstanding: i64,
 ) -> Result<(), HandlerError> {
     let (on_hand, _reserved) = lock_level(tx, &envelope.tenant_id, sku, location).await?;
-    // What this order still holds reserved here (other orders' reservations
-    // of the same sku are theirs).
-    let outstanding: i64 = tx
-        .query_one(
-            &tx.prepare_cached(
-                "SELECT coalesce(sum(reserved_delta), 0)::bigint FROM stock_movements \
-             WHERE tenant_id = $1 AND order_id = $2 AND sku = $3 AND location = $4",
-            )
-            .await?,
-            &[&envelope.tenant_id, &order_id, &sku, &location],
-        )
-        .await?
-        .get(0);
     if on_hand < qty {
         // Physically delivered but not on the books: a receipt is missing.
         // Never negative stock: fail (retry, then dead letter for a human).
