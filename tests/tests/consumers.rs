@@ -3387,6 +3387,86 @@ async fn inventory_dead_letters_a_second_delivery_and_one_that_differs_from_the_
     assert_levels_equal_movements(&tenant).await;
 }
 
+/// The ledger books a payment only as the order's total in its currency
+/// (order-api refuses any other; a payload written by hand into the
+/// outbox need not be): one of 94.00 for a 93.00 order, and one of 93.00
+/// EUR for a USD order, each fail five times and are dead-lettered with the
+/// reason, their orders parked. Before, both were booked, leaving Customer
+/// deposits with a balance no delivery clears. The books stay balanced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_dead_letters_a_payment_that_differs_from_the_order() {
+    let tenant = unique("t5-paid");
+    let name = unique("t5-paid-led");
+    let ledger = Consumer::start(Kind::Ledger, &name, Options::default()).await;
+    let publisher = Publisher::connect().await;
+
+    let over = Uuid::now_v7();
+    let euro = Uuid::now_v7();
+    let mut euro_paid = payment_received(&tenant, euro, 2, "93.00");
+    let mut raw: Value = serde_json::from_slice(&euro_paid.body).expect("json");
+    raw["payload"]["currency"] = json!("EUR");
+    euro_paid.body = serde_json::to_vec(&raw).expect("json");
+    let good = story(&tenant);
+    for m in [
+        &order_placed(&tenant, over, 1, "77", 2),
+        &order_placed(&tenant, euro, 1, "78", 2),
+        &good.placed,
+        &payment_received(&tenant, over, 2, "94.00"),
+        &euro_paid,
+        &good.paid,
+        &good.delivered,
+    ] {
+        publisher.to_consumer(&name, m).await;
+    }
+    wait_sequence(Database::Ledger, &name, good.order, 3).await;
+    ledger
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            2.0,
+        )
+        .await;
+    for order in [over, euro] {
+        assert_eq!(
+            progress(Database::Ledger, &name, order).await,
+            Some((1, true)),
+            "placed, the payment dead-lettered, the order parked"
+        );
+        assert_eq!(journal(&tenant, order).await, vec![], "nothing booked");
+    }
+    let letters = drain_dead_letters(&name).await;
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    for (order, expected) in [
+        (
+            over,
+            format!("payment 9001 of 94.00 USD differs from order {over}'s total 93.00 USD"),
+        ),
+        (
+            euro,
+            format!("payment 9001 of 93.00 EUR differs from order {euro}'s total 93.00 USD"),
+        ),
+    ] {
+        assert!(
+            letters.iter().any(
+                |l| l.aggregate_id.as_deref() == Some(order.to_string().as_str())
+                    && l.reason.contains("failed 5 times")
+                    && l.reason.contains(&expected)
+            ),
+            "{expected}: {letters:?}"
+        );
+    }
+    assert_eq!(
+        journal(&tenant, good.order).await,
+        vec![
+            (good.paid.event_id, payment_lines()),
+            (good.delivered.event_id, delivery_lines()),
+        ]
+    );
+    let (status, tb) = ledger.get(&format!("/trial-balance?tenant={tenant}")).await;
+    assert_eq!(status, 200, "{tb}");
+    assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
+}
+
 /// The ledger never books what does not add up: an order whose total differs
 /// from merchandise + shipping + tax (seed 003's "wrong tax code") fails its
 /// delivery five times and is dead-lettered with the reason; a second delivery

@@ -180,6 +180,37 @@ impl consumer_runtime::Domain for Ledger {
                 Ok(())
             }
             Event::PaymentReceived(payment) => {
+                // The order's total, in its currency (order-api refuses any
+                // other payment): a payment that differs would leave
+                // Customer deposits with a balance the delivery never
+                // clears. Stop for a human instead.
+                let terms = tx
+                    .query_opt(
+                        &tx.prepare_cached(
+                            "SELECT currency, total FROM ledger_orders \
+                             WHERE tenant_id = $1 AND order_id = $2",
+                        )
+                        .await?,
+                        &[&tenant, &payment.order_id],
+                    )
+                    .await?
+                    .ok_or_else(|| {
+                        HandlerError::new(format!(
+                            "order {} paid but its terms are unknown (no OrderPlaced)",
+                            payment.order_id
+                        ))
+                    })?;
+                let (currency, total): (String, i64) = (terms.get(0), terms.get(1));
+                if currency != payment.currency.as_str() || total != payment.amount.minor() {
+                    return Err(HandlerError::new(format!(
+                        "payment {} of {} {} differs from order {}'s total {} {currency}",
+                        payment.payment_id,
+                        payment.amount,
+                        payment.currency.as_str(),
+                        payment.order_id,
+                        Money::from_minor(total)
+                    )));
+                }
                 let (code, name) = clearing_account(&payment.method);
                 ensure_accounts(tx, tenant, Some((&code, &name, "asset"))).await?;
                 let amount = payment.amount.minor();
