@@ -4110,7 +4110,9 @@ async fn a_clean_stop_logs_no_error() {
 /// is closed, so the stop is clean: status 0 within seconds, not after the
 /// delay or the stop grace, no error logged (a channel dropped open is
 /// closed by lapin in the background, which logs at ERROR once its
-/// connection is gone), and it never consumed.
+/// connection is gone), and it never consumed. (Session 26's change, tested
+/// here: with the cut-short set-up dropping its channels instead of closing
+/// them, it fails on the ERROR lines.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_during_the_partitions_set_up_is_clean() {
     let name = unique("t-setup-stop");

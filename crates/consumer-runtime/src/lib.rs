@@ -459,8 +459,11 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
         let settings = Settings::load::<D>()?;
         match cli.command.unwrap_or(Command::Serve) {
             Command::Serve => {
-                let app = Application::<D>::build(settings, &shutdown).await?;
-                app.run_until_stopped(shutdown).await
+                kit::serve(&shutdown, async {
+                    let app = Application::<D>::build(settings, &shutdown).await?;
+                    app.run_until_stopped(shutdown.clone()).await
+                })
+                .await
             }
             Command::Redrive { order, max } => {
                 let pool = kit::db::pool(&settings.database)?;

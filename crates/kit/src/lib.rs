@@ -18,8 +18,7 @@ pub mod telemetry;
 pub use tokio_util::sync::CancellationToken;
 
 /// The start-up every service binary shares: telemetry, fail points, signal
-/// handling bounded by [`shutdown::GRACE`]; then `run` with the shutdown
-/// token. Keeps each `main.rs` thin.
+/// handling; then `run` with the shutdown token. Keeps each `main.rs` thin.
 pub async fn service_main<F, Fut>(service: &'static str, run: F) -> anyhow::Result<()>
 where
     F: FnOnce(CancellationToken) -> Fut,
@@ -28,21 +27,32 @@ where
     let _telemetry = telemetry::init(service);
     failpoint::init_from_env();
     let shutdown = shutdown::on_signals()?;
-    // From start-up on (a migration waiting for a lock included), whatever
-    // the command: no stop overruns its grace.
-    shutdown::exit_after_grace(shutdown.clone(), shutdown::GRACE);
     let result = run(shutdown).await;
-    match &result {
-        Err(error) if stopped_during_start_up(error) => {
-            tracing::info!(reason = %error, "stopped by a signal during start-up");
-            return Ok(());
-        }
-        Err(error) => {
-            tracing::error!(error = format!("{error:#}"), "exiting with an error");
-        }
-        Ok(()) => {}
+    if let Err(error) = &result {
+        tracing::error!(error = format!("{error:#}"), "exiting with an error");
     }
     result
+}
+
+/// Run `service`, the long-running command of a binary (`serve`: the
+/// orchestrator's SIGTERM stops it), under the stop grace
+/// ([`shutdown::GRACE`]), from its start-up on (a migration waiting for a
+/// lock or running included); a signal during a start-up wait is a clean
+/// stop. The one-shot commands (`migrate`, `replay`, ...) are neither: an
+/// operator's signal during their start-up wait ends them with an error
+/// (nothing was done), and a second signal ends them at once.
+pub async fn serve(
+    shutdown: &CancellationToken,
+    service: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    shutdown::exit_after_grace(shutdown.clone(), shutdown::GRACE);
+    match service.await {
+        Err(error) if stopped_during_start_up(&error) => {
+            tracing::info!(reason = %error, "stopped by a signal during start-up");
+            Ok(())
+        }
+        result => result,
+    }
 }
 
 /// Whether `error` is a start-up wait ended by the shutdown signal (for the

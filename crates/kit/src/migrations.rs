@@ -142,7 +142,9 @@ pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, Migrati
 /// migration (the advisory lock) ends the wait at once
 /// ([`MigrationError::Cancelled`]) instead of after that migration, which
 /// may take long, or after the process's stop grace. Once the lock is
-/// held, the migrations run to their end: each commits or rolls back whole.
+/// held, the migrations run to their end, unless a service's stop grace
+/// ends the process first (`kit::serve`): each migration commits or rolls
+/// back whole.
 pub async fn run_until(
     pool: &Pool,
     database: Database,

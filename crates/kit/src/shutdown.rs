@@ -1,6 +1,7 @@
 //! Graceful shutdown: the first SIGTERM or SIGINT cancels the returned token
 //! (services stop taking work, finish what is in flight, then exit); a second
-//! signal exits the process at once, and so does the end of [`GRACE`].
+//! signal exits the process at once, and so does, for a service
+//! (`kit::serve`), the end of [`GRACE`].
 
 use std::time::Duration;
 
@@ -19,8 +20,10 @@ pub const GRACE: Duration = Duration::from_secs(25);
 /// lock held elsewhere, a fail point holding a batch in a test). Work cut
 /// off here is work a crash cuts off: every service resumes it from its
 /// durable state (a claimed batch's lease runs out, an unacknowledged
-/// message is redelivered). A thread, not a task: it fires even when every
-/// runtime worker is blocked.
+/// message is redelivered), a migration's transaction rolled back. The
+/// grace is timed by a thread, not a task: once the signal's task has
+/// cancelled `shutdown` and this one has started the thread, the exit comes
+/// even if every runtime worker is then blocked.
 pub fn exit_after_grace(shutdown: CancellationToken, grace: Duration) {
     tokio::spawn(async move {
         shutdown.cancelled().await;

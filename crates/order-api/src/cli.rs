@@ -44,8 +44,11 @@ pub async fn main() -> anyhow::Result<()> {
         let settings = Settings::load()?;
         match cli.command.unwrap_or(Command::Serve) {
             Command::Serve => {
-                let app = Application::build(settings, &shutdown).await?;
-                app.run_until_stopped(shutdown).await
+                kit::serve(&shutdown, async {
+                    let app = Application::build(settings, &shutdown).await?;
+                    app.run_until_stopped(shutdown.clone()).await
+                })
+                .await
             }
             Command::Migrate => {
                 let pool = crate::pool(&settings)?;

@@ -414,6 +414,8 @@ pub async fn execute(
         metrics.rollbacks.with_label_values(&[endpoint]).inc();
         tracing::warn!(endpoint, key_hash, %error, "owner transaction rolled back");
     };
+    // Whether the work became the key's owner (for the backstop's count).
+    let owner = std::sync::atomic::AtomicBool::new(false);
     let work = async {
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
             [&tenant, &endpoint, &key, &fingerprint, &ttl];
@@ -521,6 +523,7 @@ pub async fn execute(
         }
 
         // The owner. Any error below drops `tx` uncommitted: nothing is stored.
+        owner.store(true, std::sync::atomic::Ordering::Relaxed);
         let in_flight = state.in_flight.enter();
         let rollback = |error: ApiError| {
             let error = match &error {
@@ -593,7 +596,11 @@ pub async fn execute(
         // The statement may still run on the server until its
         // statement_timeout; the transaction is never committed.
         let error = deadline.exceeded();
-        rolled_back(&error);
+        if owner.load(std::sync::atomic::Ordering::Relaxed) {
+            rolled_back(&error);
+        } else {
+            tracing::warn!(endpoint, key_hash, %error, "no answer from the database: given up");
+        }
         return Err(error);
     };
     // The work ended by itself: from here (answers, COMMIT) the connection

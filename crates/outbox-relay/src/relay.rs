@@ -535,7 +535,11 @@ where
                 }
                 tokio::select! {
                     // Past the deadline only: before it, shutdown waits for
-                    // the batch to be settled, as it always did.
+                    // the batch to be settled, as it always did, within the
+                    // process's stop grace (`kit::shutdown::GRACE`, 25 s,
+                    // shorter than the default 30 s lease: a stop during a
+                    // database outage may end first, leaving the batch to a
+                    // takeover, as a crash there would).
                     _ = shutdown.cancelled(), if now >= deadline => {}
                     _ = tokio::time::sleep(delay) => {}
                 }
