@@ -591,6 +591,39 @@ impl OwnOrdersDatabase {
     async fn connect(&self) -> tokio_postgres::Client {
         system_tests::connect_url(&self.url).await
     }
+
+    /// The API key of `tenant`, created in this database.
+    fn api_key(&self, tenant: &str) -> String {
+        let output = api_key_command(tenant)
+            .env("ORDER_API__DATABASE__URL", &self.url)
+            .output()
+            .expect("api-key create");
+        assert!(output.status.success(), "api-key create failed");
+        String::from_utf8(output.stdout)
+            .expect("utf-8")
+            .trim()
+            .to_owned()
+    }
+}
+
+/// The pid of a session waiting on a lock the session `holder` holds, once
+/// there is one (at most 30 s), as `observer` sees it.
+async fn blocked_by(observer: &tokio_postgres::Client, holder: i32) -> i32 {
+    eventually(
+        "a backend waiting on the held lock",
+        Duration::from_secs(30),
+        || async {
+            observer
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                    &[&holder],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .map(|row| row.get::<_, i32>(0))
+        },
+    )
+    .await
 }
 
 impl Drop for OwnOrdersDatabase {
@@ -853,15 +886,7 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
     ])
     .await;
     let tenant = unique_tenant("partition");
-    let output = api_key_command(&tenant)
-        .env("ORDER_API__DATABASE__URL", &database.url)
-        .output()
-        .expect("api-key create");
-    assert!(output.status.success(), "api-key create failed");
-    let key = String::from_utf8(output.stdout)
-        .expect("utf-8")
-        .trim()
-        .to_owned();
+    let key = database.api_key(&tenant);
     let client = Client::new();
     let get = client
         .get(api.url(&format!("/orders/{}", uuid::Uuid::now_v7())))
@@ -921,21 +946,7 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
     let observer = database.connect().await;
     let started = std::time::Instant::now();
     let partitioned = async {
-        eventually(
-            "the claim waiting on the lock",
-            Duration::from_secs(30),
-            || async {
-                observer
-                    .query_opt(
-                        "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                        &[&holder_pid],
-                    )
-                    .await
-                    .expect("pg_stat_activity")
-                    .map(|_| ())
-            },
-        )
-        .await;
+        blocked_by(&observer, holder_pid).await;
         proxy.pause();
     };
     let (response, ()) = tokio::join!(post("partition-claim"), partitioned);
@@ -994,15 +1005,7 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
         ("ORDER_API__AUTH__KEY_CACHE_MS", "0".to_owned()),
     ])
     .await;
-    let output = api_key_command(&unique_tenant("budget-read"))
-        .env("ORDER_API__DATABASE__URL", &database.url)
-        .output()
-        .expect("api-key create");
-    assert!(output.status.success(), "api-key create failed");
-    let key = String::from_utf8(output.stdout)
-        .expect("utf-8")
-        .trim()
-        .to_owned();
+    let key = database.api_key(&unique_tenant("budget-read"));
     let client = Client::new();
     let get = || {
         client
@@ -1024,23 +1027,7 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
             .await
             .expect("pid")
             .get(0);
-        let blocked = async {
-            eventually(
-                "the read's backend waiting on the lock",
-                Duration::from_secs(30),
-                || async {
-                    observer
-                        .query_opt(
-                            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                            &[&holder],
-                        )
-                        .await
-                        .expect("pg_stat_activity")
-                        .map(|row| row.get::<_, i32>(0))
-                },
-            )
-            .await
-        };
+        let blocked = blocked_by(&observer, holder);
         let started = std::time::Instant::now();
         let (response, blocked) = tokio::join!(get(), blocked);
         let response = response.expect("get");
