@@ -62,6 +62,8 @@ test: up
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	# Again with the fail points compiled in (their code is cfg'd out above).
+	$(CARGO) clippy --workspace --all-targets $(FAILPOINTS_FEATURES) -- -D warnings
 	scripts/check-deploy.sh lint
 
 # Release binaries in their own target directory (never the debug binaries
