@@ -10,7 +10,8 @@
 //!    `ORDER_API__DATABASE__URL` or `INVENTORY_CONSUMER__HTTP__PORT`.
 //!
 //! A `<PREFIX>__...` variable that names no setting (a typo) stops the
-//! service at start-up with the list of its settings.
+//! service at start-up with the list of its settings, and so does a word
+//! of yes or no given to a number setting.
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
@@ -24,6 +25,9 @@ where
     // (`std::env::vars` would; config skips such names too).
     let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
     reject_unknown_variables(prefix, defaults, names)?;
+    let vars = std::env::vars_os()
+        .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)));
+    reject_words_for_numbers(prefix, defaults, vars)?;
     let mut builder = config::Config::builder().add_source(config::Config::try_from(defaults)?);
     if let Some(file) = config_file(prefix, std::env::vars_os())? {
         builder = builder.add_source(config::File::with_name(&file).required(true));
@@ -86,25 +90,8 @@ fn reject_unknown_variables<T: Serialize>(
     defaults: &T,
     names: impl Iterator<Item = String>,
 ) -> Result<(), config::ConfigError> {
-    fn leaves(value: &serde_json::Value, path: String, into: &mut Vec<String>) {
-        match value {
-            serde_json::Value::Object(fields) => {
-                for (name, value) in fields {
-                    let path = if path.is_empty() {
-                        name.clone()
-                    } else {
-                        format!("{path}__{name}")
-                    };
-                    leaves(value, path, into);
-                }
-            }
-            _ => into.push(path.to_uppercase()),
-        }
-    }
     let mut known = vec!["CONFIG_FILE".to_owned()];
-    let tree =
-        serde_json::to_value(defaults).map_err(|e| config::ConfigError::Message(e.to_string()))?;
-    leaves(&tree, String::new(), &mut known);
+    known.extend(settings_of(defaults)?.into_iter().map(|(name, _)| name));
     let start = format!("{prefix}__");
     // config matches the prefix in any case (it lowercases the names).
     let unknown: Vec<String> = names
@@ -125,6 +112,70 @@ fn reject_unknown_variables<T: Serialize>(
             .map(|k| format!("{start}{k}"))
             .collect::<Vec<_>>()
             .join(", ")
+    )))
+}
+
+/// The settings: the leaves of `defaults` (every field is serialized, an
+/// absent optional one as null), each by its variable's name after the
+/// prefix (`DATABASE__URL`), with its default.
+fn settings_of<T: Serialize>(
+    defaults: &T,
+) -> Result<Vec<(String, serde_json::Value)>, config::ConfigError> {
+    fn leaves(value: serde_json::Value, path: String, into: &mut Vec<(String, serde_json::Value)>) {
+        match value {
+            serde_json::Value::Object(fields) => {
+                for (name, value) in fields {
+                    let path = if path.is_empty() {
+                        name
+                    } else {
+                        format!("{path}__{name}")
+                    };
+                    leaves(value, path, into);
+                }
+            }
+            value => into.push((path.to_uppercase(), value)),
+        }
+    }
+    let tree =
+        serde_json::to_value(defaults).map_err(|e| config::ConfigError::Message(e.to_string()))?;
+    let mut settings = Vec::new();
+    leaves(tree, String::new(), &mut settings);
+    Ok(settings)
+}
+
+/// Fail on a word of yes or no given to a number setting
+/// (`..._POOL_SIZE=yes`): `config` reads `true`, `yes` and `on` as 1,
+/// `false`, `no` and `off` as 0, so a mistake ran on 1 or 0 (a pool of one
+/// connection, a batch of none) without a word.
+fn reject_words_for_numbers<T: Serialize>(
+    prefix: &str,
+    defaults: &T,
+    vars: impl Iterator<Item = (String, String)>,
+) -> Result<(), config::ConfigError> {
+    let numbers: Vec<String> = settings_of(defaults)?
+        .into_iter()
+        .filter(|(_, default)| default.is_number())
+        .map(|(name, _)| name)
+        .collect();
+    let start = format!("{prefix}__");
+    let refused: Vec<String> = vars
+        .filter(|(name, value)| {
+            name.to_uppercase()
+                .strip_prefix(&start)
+                .is_some_and(|key| numbers.iter().any(|n| n == key))
+                && matches!(
+                    value.trim().to_lowercase().as_str(),
+                    "true" | "false" | "yes" | "no" | "on" | "off"
+                )
+        })
+        .map(|(name, value)| format!("{name}={value}"))
+        .collect();
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(config::ConfigError::Message(format!(
+        "{}: a number is expected",
+        refused.join(", ")
     )))
 }
 
@@ -375,6 +426,54 @@ mod tests {
         let loaded: Demo = load("KIT_SETTINGS_TEXT_TEST", &defaults).expect("load");
         assert_eq!(loaded.name, "007");
         assert_eq!(loaded.database.pool_size, 3);
+    }
+
+    #[test]
+    fn a_word_of_yes_or_no_is_refused_for_a_number() {
+        let defaults = Demo {
+            database: DatabaseSettings::local("orders"),
+            http: HttpSettings::local(8080),
+            name: "x".into(),
+        };
+        let vars = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+                .collect::<Vec<_>>()
+                .into_iter()
+        };
+        for word in ["yes", "On", " true ", "no", "OFF", "false"] {
+            let error = reject_words_for_numbers(
+                "SVC",
+                &defaults,
+                vars(&[("SVC__DATABASE__POOL_SIZE", word)]),
+            )
+            .expect_err(word)
+            .to_string();
+            assert!(
+                error.contains(&format!(
+                    "SVC__DATABASE__POOL_SIZE={word}: a number is expected"
+                )),
+                "{error}"
+            );
+        }
+        // As `load` sees it (before, it loaded a pool of 1).
+        std::env::set_var("KIT_SETTINGS_WORD_TEST__DATABASE__POOL_SIZE", "yes");
+        let error = load("KIT_SETTINGS_WORD_TEST", &defaults)
+            .expect_err("a word for a number")
+            .to_string();
+        assert!(error.contains("a number is expected"), "{error}");
+        // Numbers, text settings and other prefixes are left to config.
+        assert!(reject_words_for_numbers(
+            "SVC",
+            &defaults,
+            vars(&[
+                ("SVC__DATABASE__POOL_SIZE", "3"),
+                ("SVC__NAME", "yes"),
+                ("OTHER__HTTP__PORT", "on"),
+            ]),
+        )
+        .is_ok());
     }
 
     #[test]
