@@ -122,6 +122,50 @@ async fn post(
     Ok(())
 }
 
+/// An order's terms as its OrderPlaced booked them (`ledger_orders`), in
+/// minor units of `currency`.
+struct Terms {
+    currency: String,
+    merchandise: i64,
+    shipping: i64,
+    tax: i64,
+    total: i64,
+    cogs: i64,
+}
+
+/// The terms of `order`, which was `what` (paid, delivered): a failure of
+/// the event when the ledger never booked its OrderPlaced.
+async fn terms(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order: Uuid,
+    what: &str,
+) -> Result<Terms, HandlerError> {
+    let row = tx
+        .query_opt(
+            &tx.prepare_cached(
+                "SELECT currency, merchandise, shipping, tax, total, cost_of_goods \
+                 FROM ledger_orders WHERE tenant_id = $1 AND order_id = $2",
+            )
+            .await?,
+            &[&tenant, &order],
+        )
+        .await?
+        .ok_or_else(|| {
+            HandlerError::new(format!(
+                "order {order} {what} but its terms are unknown (no OrderPlaced)"
+            ))
+        })?;
+    Ok(Terms {
+        currency: row.get(0),
+        merchandise: row.get(1),
+        shipping: row.get(2),
+        tax: row.get(3),
+        total: row.get(4),
+        cogs: row.get(5),
+    })
+}
+
 fn overflow(what: &str) -> HandlerError {
     HandlerError::new(format!("{what} overflows"))
 }
@@ -184,23 +228,9 @@ impl consumer_runtime::Domain for Ledger {
                 // other payment): a payment that differs would leave
                 // Customer deposits with a balance the delivery never
                 // clears. Stop for a human instead.
-                let terms = tx
-                    .query_opt(
-                        &tx.prepare_cached(
-                            "SELECT currency, total FROM ledger_orders \
-                             WHERE tenant_id = $1 AND order_id = $2",
-                        )
-                        .await?,
-                        &[&tenant, &payment.order_id],
-                    )
-                    .await?
-                    .ok_or_else(|| {
-                        HandlerError::new(format!(
-                            "order {} paid but its terms are unknown (no OrderPlaced)",
-                            payment.order_id
-                        ))
-                    })?;
-                let (currency, total): (String, i64) = (terms.get(0), terms.get(1));
+                let Terms {
+                    currency, total, ..
+                } = terms(tx, tenant, payment.order_id, "paid").await?;
                 if currency != payment.currency.as_str() || total != payment.amount.minor() {
                     return Err(HandlerError::new(format!(
                         "payment {} of {} {} differs from order {}'s total {} {currency}",
@@ -245,25 +275,14 @@ impl consumer_runtime::Domain for Ledger {
                         delivery.order_id
                     )));
                 }
-                let row = tx
-                    .query_opt(
-                        &tx.prepare_cached(
-                            "SELECT currency, merchandise, shipping, tax, total, cost_of_goods \
-                         FROM ledger_orders WHERE tenant_id = $1 AND order_id = $2",
-                        )
-                        .await?,
-                        &[&tenant, &delivery.order_id],
-                    )
-                    .await?
-                    .ok_or_else(|| {
-                        HandlerError::new(format!(
-                            "order {} delivered but its terms are unknown (no OrderPlaced)",
-                            delivery.order_id
-                        ))
-                    })?;
-                let currency: String = row.get(0);
-                let (merchandise, shipping, tax, total, cogs): (i64, i64, i64, i64, i64) =
-                    (row.get(1), row.get(2), row.get(3), row.get(4), row.get(5));
+                let Terms {
+                    currency,
+                    merchandise,
+                    shipping,
+                    tax,
+                    total,
+                    cogs,
+                } = terms(tx, tenant, delivery.order_id, "delivered").await?;
                 let credits = Money::from_minor(merchandise)
                     .checked_add(Money::from_minor(shipping))
                     .and_then(|m| m.checked_add(Money::from_minor(tax)))
