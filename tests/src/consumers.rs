@@ -661,6 +661,20 @@ impl Publisher {
             .await
             .unwrap_or_else(|e| panic!("publish {} to {consumer}: {e}", message.event_type));
     }
+
+    /// [`Publisher::to_consumer`] of each message, in order.
+    pub async fn all_to_consumer(&self, consumer: &str, messages: &[&Message]) {
+        for message in messages {
+            self.to_consumer(consumer, message).await;
+        }
+    }
+}
+
+/// Whether one of `letters` is of `order` and its reason says `needle`.
+pub fn has_letter(letters: &[DeadLetter], order: Uuid, needle: &str) -> bool {
+    letters.iter().any(|l| {
+        l.aggregate_id.as_deref() == Some(order.to_string().as_str()) && l.reason.contains(needle)
+    })
 }
 
 /// A message read from a dead-letter queue.

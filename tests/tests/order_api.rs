@@ -108,7 +108,11 @@ impl Counts {
 }
 
 async fn counts(tenant: &str) -> Counts {
-    let client = pg(Database::Orders).await;
+    counts_in(&pg(Database::Orders).await, tenant).await
+}
+
+/// [`counts`] in the database of `client`.
+async fn counts_in(client: &tokio_postgres::Client, tenant: &str) -> Counts {
     let row = client
         .query_one(
             "SELECT (SELECT count(*) FROM orders WHERE tenant_id = $1),
@@ -606,6 +610,38 @@ impl OwnOrdersDatabase {
     }
 }
 
+/// order-api on the database of `url` with a request budget of 3 s (long
+/// enough for a test's probe to see a request wait on a lock before the
+/// budget ends it, on a slow machine too) and a `lock_timeout` of 20 s (so
+/// that only the budget ends such a wait), plus `extra`.
+async fn budget_of_3_s(url: &str, extra: &[(&str, String)]) -> OrderApi {
+    let mut env = vec![
+        ("ORDER_API__DATABASE__URL", url.to_owned()),
+        (
+            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+            "3000".to_owned(),
+        ),
+        (
+            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
+            "20000".to_owned(),
+        ),
+    ];
+    env.extend(extra.iter().cloned());
+    OrderApi::start(&env).await
+}
+
+/// Lock `table` for the rest of `tx` (ACCESS EXCLUSIVE); the pid of its
+/// session, for [`blocked_by`].
+async fn lock_table(tx: &tokio_postgres::Transaction<'_>, table: &str) -> i32 {
+    tx.batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+        .await
+        .expect("lock");
+    tx.query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0)
+}
+
 /// The pid of a session waiting on a lock the session `holder` holds, once
 /// there is one (at most 30 s), as `observer` sees it.
 async fn blocked_by(observer: &tokio_postgres::Client, holder: i32) -> i32 {
@@ -797,17 +833,7 @@ async fn a_body_slower_than_the_budget_is_answered_at_the_budget() {
         "want 503 deadline_exceeded: {answer:?}"
     );
     assert!(answer.contains("deadline_exceeded"), "{answer:?}");
-    let stored: i64 = pg(Database::Orders)
-        .await
-        .query_one(
-            "SELECT (SELECT count(*) FROM orders WHERE tenant_id = $1) \
-                  + (SELECT count(*) FROM idempotency_requests WHERE tenant_id = $1)",
-            &[&tenant],
-        )
-        .await
-        .expect("count")
-        .get(0);
-    assert_eq!(stored, 0);
+    assert_eq!(counts(&tenant).await, Counts::NOTHING);
 }
 
 /// Bytes no HTTP request can hold (`Content-Length: abc`, a chunked body
@@ -868,22 +894,16 @@ async fn requests_that_break_http_framing_are_refused_without_error_lines() {
 async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
     let database = OwnOrdersDatabase::create().await;
     let proxy = system_tests::PausableProxy::start(&database.url).await;
-    let api = OrderApi::start(&[
-        ("ORDER_API__DATABASE__URL", proxy.url.clone()),
-        (
-            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            "3000".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-        // The key is read once, before the partition, then cached; one
-        // worker, so the POST gets the connection that read it (a worker
-        // opening a new one is bounded by the pool's wait, not this).
-        ("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned()),
-        ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
-    ])
+    let api = budget_of_3_s(
+        &proxy.url,
+        &[
+            // The key is read once, before the partition, then cached; one
+            // worker, so the POST gets the connection that read it (a worker
+            // opening a new one is bounded by the pool's wait, not this).
+            ("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned()),
+            ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
+        ],
+    )
     .await;
     let tenant = unique_tenant("partition");
     let key = database.api_key(&tenant);
@@ -935,14 +955,7 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
     // The claim waits on a lock, then the database stops answering.
     let mut holder = database.connect().await;
     let tx = holder.transaction().await.expect("begin");
-    tx.batch_execute("LOCK TABLE idempotency_requests IN ACCESS EXCLUSIVE MODE")
-        .await
-        .expect("lock");
-    let holder_pid: i32 = tx
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let holder_pid = lock_table(&tx, "idempotency_requests").await;
     let observer = database.connect().await;
     let started = std::time::Instant::now();
     let partitioned = async {
@@ -962,24 +975,10 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
     proxy.resume();
 
     // Nothing stored; the service goes on.
-    let stored = |tenant: String| {
-        let observer = &observer;
-        async move {
-            observer
-                .query_one(
-                    "SELECT (SELECT count(*) FROM orders WHERE tenant_id = $1) \
-                          + (SELECT count(*) FROM idempotency_requests WHERE tenant_id = $1)",
-                    &[&tenant],
-                )
-                .await
-                .expect("count")
-                .get::<_, i64>(0)
-        }
-    };
-    assert_eq!(stored(tenant.clone()).await, 0, "nothing stored");
+    assert_eq!(counts_in(&observer, &tenant).await, Counts::NOTHING);
     let response = post("partition-after").await.expect("post");
     assert_eq!(response.status(), StatusCode::CREATED, "served again");
-    assert_eq!(stored(tenant.clone()).await, 2, "the order and its key");
+    assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
 }
 
 /// Reads before a request's transaction (the caller's key, a GET's order)
@@ -990,20 +989,10 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
 #[tokio::test]
 async fn reads_before_the_transaction_end_at_the_request_budget() {
     let database = OwnOrdersDatabase::create().await;
-    let api = OrderApi::start(&[
-        ("ORDER_API__DATABASE__URL", database.url.clone()),
-        (
-            "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-            // Long enough for the probe below to see the read wait on the
-            // lock before the budget ends it, on a slow machine too.
-            "3000".to_owned(),
-        ),
-        (
-            "ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS",
-            "20000".to_owned(),
-        ),
-        ("ORDER_API__AUTH__KEY_CACHE_MS", "0".to_owned()),
-    ])
+    let api = budget_of_3_s(
+        &database.url,
+        &[("ORDER_API__AUTH__KEY_CACHE_MS", "0".to_owned())],
+    )
     .await;
     let key = database.api_key(&unique_tenant("budget-read"));
     let client = Client::new();
@@ -1019,14 +1008,7 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
     for table in ["api_keys", "orders"] {
         let mut db = database.connect().await;
         let tx = db.transaction().await.expect("begin");
-        tx.batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
-            .await
-            .expect("lock");
-        let holder: i32 = tx
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .expect("pid")
-            .get(0);
+        let holder = lock_table(&tx, table).await;
         let blocked = blocked_by(&observer, holder);
         let started = std::time::Instant::now();
         let (response, blocked) = tokio::join!(get(), blocked);
@@ -2624,23 +2606,7 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
         .expect("pid")
         .get(0);
     let observer = pg(Database::Orders).await;
-    let blocked = async {
-        eventually(
-            "the request's backend waiting on the held checkout",
-            Duration::from_secs(30),
-            || async {
-                observer
-                    .query_opt(
-                        "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                        &[&holder_pid],
-                    )
-                    .await
-                    .expect("pg_stat_activity")
-                    .map(|row| row.get::<_, i32>(0))
-            },
-        )
-        .await
-    };
+    let blocked = blocked_by(&observer, holder_pid);
     let url = api.url("/orders");
     let (response, blocked_pid) = tokio::join!(caller.post(&url, "o", &with_checkout), blocked);
     assert_eq!(header(&response, "Retry-After"), Some("1"));

@@ -1686,7 +1686,7 @@ async fn a_stop_that_cannot_finish_ends_after_the_grace_with_an_error() {
     let output = system_tests::take_log(&log);
     assert_eq!(status.code(), Some(1), "{status:?}\n{output}");
     assert!(
-        took >= Duration::from_secs(24),
+        took >= kit::shutdown::GRACE - Duration::from_secs(1),
         "it waited for the batch in flight first ({took:?})"
     );
     let errors = system_tests::error_lines(&output);

@@ -45,7 +45,7 @@ pub async fn serve(
     shutdown: &CancellationToken,
     service: impl std::future::Future<Output = anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
-    shutdown::exit_after_grace(shutdown.clone(), shutdown::GRACE);
+    shutdown::exit_after_grace(shutdown.clone());
     match service.await {
         Err(error) if stopped_during_start_up(&error) => {
             tracing::info!(reason = %error, "stopped by a signal during start-up");

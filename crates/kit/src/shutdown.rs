@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 pub const GRACE: Duration = Duration::from_secs(25);
 
 /// Once `shutdown` is cancelled, exit the process (status 1, an error
-/// logged) if it is still running `grace` later: a stop must end even when
+/// logged) if it is still running [`GRACE`] later: a stop must end even when
 /// something it waits for never answers (a broker that stopped reading, a
 /// lock held elsewhere, a fail point holding a batch in a test). Work cut
 /// off here is work a crash cuts off: every service resumes it from its
@@ -24,13 +24,13 @@ pub const GRACE: Duration = Duration::from_secs(25);
 /// grace is timed by a thread, not a task: once the signal's task has
 /// cancelled `shutdown` and this one has started the thread, the exit comes
 /// even if every runtime worker is then blocked.
-pub fn exit_after_grace(shutdown: CancellationToken, grace: Duration) {
+pub fn exit_after_grace(shutdown: CancellationToken) {
     tokio::spawn(async move {
         shutdown.cancelled().await;
-        std::thread::spawn(move || {
-            std::thread::sleep(grace);
+        std::thread::spawn(|| {
+            std::thread::sleep(GRACE);
             tracing::error!(
-                grace_secs = grace.as_secs(),
+                grace_secs = GRACE.as_secs(),
                 "shutdown did not finish in time: exiting"
             );
             std::process::exit(1);
