@@ -59,6 +59,38 @@ pub async fn drop_database(db: Database, name: &str) {
         .expect("drop database");
 }
 
+/// Lock `table` for the rest of `tx` (ACCESS EXCLUSIVE); the pid of its
+/// session, for [`blocked_by`].
+pub async fn lock_table(tx: &tokio_postgres::Transaction<'_>, table: &str) -> i32 {
+    tx.batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+        .await
+        .expect("lock");
+    tx.query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0)
+}
+
+/// The pid of a session waiting on a lock the session `holder` holds, once
+/// there is one (at most 30 s), as `observer` sees it.
+pub async fn blocked_by(observer: &tokio_postgres::Client, holder: i32) -> i32 {
+    consumers::eventually(
+        "a backend waiting on the held lock",
+        Duration::from_secs(30),
+        || async {
+            observer
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                    &[&holder],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .map(|row| row.get::<_, i32>(0))
+        },
+    )
+    .await
+}
+
 /// A connection to `url`, driven in the background.
 pub async fn connect_url(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)

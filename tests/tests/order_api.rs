@@ -7,8 +7,8 @@ use std::time::Duration;
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{json, Value};
 use system_tests::{
-    api_key, api_key_command, consumers::eventually, free_port, pg, unique_tenant, Database,
-    OrderApi, Service,
+    api_key, api_key_command, blocked_by, consumers::eventually, free_port, lock_table, pg,
+    unique_tenant, Database, OrderApi, Service,
 };
 
 const SEED_ORDER: &str = r#"{"customer_id":"77","lines":[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}],"shipping":"5.00","tax":"8.00","total":"93.00","currency":"USD","location":"WH-1"}"#;
@@ -628,38 +628,6 @@ async fn budget_of_3_s(url: &str, extra: &[(&str, String)]) -> OrderApi {
     ];
     env.extend(extra.iter().cloned());
     OrderApi::start(&env).await
-}
-
-/// Lock `table` for the rest of `tx` (ACCESS EXCLUSIVE); the pid of its
-/// session, for [`blocked_by`].
-async fn lock_table(tx: &tokio_postgres::Transaction<'_>, table: &str) -> i32 {
-    tx.batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
-        .await
-        .expect("lock");
-    tx.query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0)
-}
-
-/// The pid of a session waiting on a lock the session `holder` holds, once
-/// there is one (at most 30 s), as `observer` sees it.
-async fn blocked_by(observer: &tokio_postgres::Client, holder: i32) -> i32 {
-    eventually(
-        "a backend waiting on the held lock",
-        Duration::from_secs(30),
-        || async {
-            observer
-                .query_opt(
-                    "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                    &[&holder],
-                )
-                .await
-                .expect("pg_stat_activity")
-                .map(|row| row.get::<_, i32>(0))
-        },
-    )
-    .await
 }
 
 impl Drop for OwnOrdersDatabase {
@@ -2070,22 +2038,21 @@ async fn a_verified_key_is_remembered_and_a_refused_one_is_not() {
 #[tokio::test]
 async fn a_start_up_waits_for_another_instance_s_migration() {
     let key = kit::migrations::MIGRATION_LOCK_KEY;
-    let holder = pg(Database::Orders).await;
+    // A database of its own: on the shared one, the lock would hold up every
+    // other test's start-up and `api-key create` (each migrates first).
+    let database = OwnOrdersDatabase::create().await;
+    let holder = database.connect().await;
     holder
         .execute("SELECT pg_advisory_lock($1)", &[&key])
         .await
         .expect("lock");
     let port = free_port();
-    // Its sessions named, to find this instance's wait among other tests'.
+    // Its sessions named, to find this instance's wait.
     let application = format!("startup-{}", uuid::Uuid::new_v4().simple());
     let url = format!(
         "{}{}application_name={application}",
-        system_tests::pg_url(Database::Orders),
-        if system_tests::pg_url(Database::Orders).contains('?') {
-            '&'
-        } else {
-            '?'
-        }
+        database.url,
+        if database.url.contains('?') { '&' } else { '?' }
     );
     let mut service = Service::start(
         "order-api",

@@ -929,7 +929,8 @@ async fn a_crash_after_ack_before_mark_republishes_and_loses_nothing() {
     }
     let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
     assert_in_sequence_order(&received, &expect);
-    assert!(restarted.metric("outbox_expired_claims_total").await >= 3);
+    // Exactly the dead relay's three: the patient taker's own leases never run out.
+    assert_eq!(restarted.metric("outbox_expired_claims_total").await, 3);
     restarted.stop();
     delete_tenant_rows(&db, &tenant).await;
     finish(connection, &channel, &tenant).await;
@@ -1362,7 +1363,8 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
     assert_eq!(early, 0, "nothing taken over before the lease expired");
     let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
     assert_in_sequence_order(&received, &expect);
-    assert!(taker.metric("outbox_expired_claims_total").await >= 4);
+    // Exactly the killed relay's four: the patient taker's own leases never run out.
+    assert_eq!(taker.metric("outbox_expired_claims_total").await, 4);
     taker.stop();
     delete_tenant_rows(&db, &tenant).await;
     finish(connection, &channel, &tenant).await;
@@ -1709,6 +1711,105 @@ async fn a_stop_that_cannot_finish_ends_after_the_grace_with_an_error() {
         "the batch is left leased and unmarked"
     );
     delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// A stop while the relay's reads and claims wait on a lock (a `LOCK TABLE`
+/// of an operator, a rewriting migration; a database partitioned away
+/// holds them the same) ends at once and cleanly: the idle workers' claims,
+/// their next-due reads, the gauge refresh and the cleanup hold no lease
+/// and are given up. Before, each waited for its lock until the session's
+/// 30 s `statement_timeout`, and the stop ended after the grace with status
+/// 1 and an ERROR. The relay is alone on a database of its own: the lock
+/// holds no other test up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_relay_waits_on_a_lock_is_prompt_and_clean() {
+    let (tenant, _event_type, _db, connection, channel) = fresh_tenant("RelayTestLockedStop").await;
+    let (database, url) = system_tests::create_database(Database::Orders).await;
+    let (mut relay, log) = Relay::start_logged(
+        &tenant,
+        &[
+            ("OUTBOX_RELAY__DATABASE__URL", url.clone()),
+            ("OUTBOX_RELAY__CLEANUP__ENABLED", "true".to_owned()),
+            ("OUTBOX_RELAY__CLEANUP__INTERVAL_MS", "200".to_owned()),
+            ("LOG_FORMAT", "json".to_owned()),
+        ],
+    );
+    relay.ready().await;
+    let mut holder = system_tests::connect_url(&url).await;
+    let observer = system_tests::connect_url(&url).await;
+    let tx = holder.transaction().await.expect("begin");
+    let holder_pid = system_tests::lock_table(&tx, "outbox_events").await;
+    // Every part of the relay that reads the table waits on the lock: the
+    // workers' claims, the gauges' count and the cleanup's delete.
+    system_tests::consumers::eventually(
+        "the claims, the gauges and the cleanup waiting on the lock",
+        Duration::from_secs(60),
+        || async {
+            let waiting: Vec<String> = observer
+                .query(
+                    "SELECT query FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                    &[&holder_pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .iter()
+                .map(|row| row.get(0))
+                .collect();
+            let waits = |what: &str| waiting.iter().any(|query| query.contains(what));
+            (waits("WITH due AS") && waits("pg_total_relation_size") && waits("DELETE FROM"))
+                .then_some(())
+        },
+    )
+    .await;
+    let signalled = Instant::now();
+    relay.service.signal("TERM");
+    let status = relay
+        .service
+        .wait_exit(Duration::from_secs(60))
+        .expect("the relay exits within 60 s of SIGTERM");
+    let took = signalled.elapsed();
+    let output = system_tests::take_log(&log);
+    assert!(status.success(), "{status:?} after {took:?}\n{output}");
+    // Not held to the grace (25 s): the lock is held all along.
+    assert!(took < Duration::from_secs(15), "took {took:?}\n{output}");
+    system_tests::assert_clean_stop(&output, "relay stopped");
+    tx.rollback().await.expect("rollback");
+    drop((holder, observer));
+    system_tests::drop_database(Database::Orders, &database).await;
+    finish(connection, &channel, &tenant).await;
+}
+
+/// A stop while the relay declares its exchange (held there by hold point
+/// `relay.declaring`) closes the channel it opened before the connection:
+/// no ERROR line. Before, the declaration was dropped with its channel
+/// open, which lapin closes in the background, overtaken by the
+/// connection's close ("Connection error" at ERROR).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_the_relay_declares_its_exchange_logs_no_error() {
+    let (tenant, _event_type, _db, connection, channel) = fresh_tenant("RelayTestDeclaring").await;
+    let (relay, log) = Relay::start_logged(
+        &tenant,
+        &[
+            ("FAILPOINTS", "relay.declaring=return(60000)".to_owned()),
+            ("RUST_LOG", "info,outbox_relay=debug".to_owned()),
+            ("LOG_FORMAT", "json".to_owned()),
+        ],
+    );
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    system_tests::consumers::eventually(
+        "the relay declaring its exchange",
+        Duration::from_secs(60),
+        || async { read().contains("declaring the exchange").then_some(()) },
+    )
+    .await;
+    relay.stop(); // SIGTERM; asserts a clean exit
+    let output = system_tests::take_log(&log);
+    assert!(
+        !output.contains("relay worker ready"),
+        "stopped while declaring: {output}"
+    );
+    system_tests::assert_clean_stop(&output, "relay stopped");
     finish(connection, &channel, &tenant).await;
 }
 
@@ -2659,7 +2760,7 @@ async fn no_transaction_stays_open_while_the_relay_publishes() {
     .await;
     let (mut seen, mut longest) = (0, 0.0_f64);
     let stalled = Instant::now();
-    while stalled.elapsed() < Duration::from_secs(5) {
+    while stalled.elapsed() < Duration::from_secs(10) {
         let (backends, idle) = relay_backends(&db, &relay.instance).await;
         seen += backends.min(1);
         longest = longest.max(idle);
@@ -2674,11 +2775,11 @@ async fn no_transaction_stays_open_while_the_relay_publishes() {
         seen > 0,
         "the relay's connections are named in pg_stat_activity"
     );
-    // A claim open through the stall would be idle in transaction for
-    // close to the 5 s sampled; 2 s leaves room for a relay stalled between
+    // A claim open through the stall would be idle in transaction for at
+    // least the 10 s sampled; 5 s leaves room for a relay stalled between
     // two statements of its short gauge transaction on a loaded machine.
     assert!(
-        longest < 2_000.0,
+        longest < 5_000.0,
         "a relay connection stayed idle in transaction for {longest} ms while publishing"
     );
     proxy.resume();

@@ -590,7 +590,10 @@ async fn settle<D: Domain>(
                 // while it is held (on the consuming channel, which an
                 // alarm does not block), not only once it settles.
                 acks.flush().await?;
-                tokio::time::sleep(pause).await;
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(false),
+                    _ = tokio::time::sleep(pause) => {}
+                }
                 pause = (pause * 2).min(Duration::from_secs(5));
             }
             Err(Infra::Broker(error)) => {

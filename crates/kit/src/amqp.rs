@@ -66,6 +66,28 @@ pub const WRITE_WAIT: Duration = Duration::from_secs(5);
 /// How long closing a connection may wait for the broker's answer.
 pub const CONNECTION_CLOSE_WAIT: Duration = Duration::from_secs(3);
 
+/// Open a channel on `connection`, unless `shutdown` comes first: `None`
+/// then. A stop during the open still waits for it (at most [`CLOSE_WAIT`])
+/// and closes what opened, for the reason [`close_bounded`] gives: a
+/// channel dropped open, or an open answered after the connection began to
+/// close, puts the connection in error, and lapin logs an ERROR.
+pub async fn open_channel(
+    connection: &Connection,
+    shutdown: &CancellationToken,
+) -> Result<Option<Channel>, lapin::Error> {
+    let creating = connection.create_channel();
+    tokio::pin!(creating);
+    tokio::select! {
+        () = shutdown.cancelled() => {
+            if let Ok(Ok(channel)) = tokio::time::timeout(CLOSE_WAIT, &mut creating).await {
+                close_bounded(&channel, "shutting down").await;
+            }
+            Ok(None)
+        }
+        channel = &mut creating => channel.map(Some),
+    }
+}
+
 /// Close `connection` if it is up, waiting at most [`CONNECTION_CLOSE_WAIT`]:
 /// a broker that does not answer (stalled, or blocking the connection under
 /// an alarm: lapin then writes nothing, the close included) must not hold

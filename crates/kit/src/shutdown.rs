@@ -84,3 +84,21 @@ pub async fn essential<T>(
     }
     joined
 }
+
+/// `work`'s output, unless `shutdown` comes first and `work` does not end
+/// within `patience` after it: then `None`, and `work` is dropped. For work
+/// a stop may abandon as a crash there would (a read, a claim whose
+/// committed lease is taken over once it runs out): a database step
+/// blocked on a lock, or on a database partitioned away, is otherwise ended
+/// only by the session's 30 s bounds, past [`GRACE`].
+pub async fn unless_stopped<F: std::future::Future>(
+    shutdown: &CancellationToken,
+    patience: Duration,
+    work: F,
+) -> Option<F::Output> {
+    tokio::pin!(work);
+    tokio::select! {
+        output = &mut work => Some(output),
+        () = shutdown.cancelled() => tokio::time::timeout(patience, work).await.ok(),
+    }
+}

@@ -130,7 +130,13 @@ pub async fn run_periodically(
     let name = application_name(&instance);
     loop {
         let counted = |count| metrics.cleanup_deleted.inc_by(count);
-        match run_once(&database_url, &name, &settings, &shutdown, counted).await {
+        // A run blocked at a stop (a lock, a database partitioned away) is
+        // given up: its batch in flight rolls back with the dropped session.
+        let run = run_once(&database_url, &name, &settings, &shutdown, counted);
+        let Some(run) = kit::shutdown::unless_stopped(&shutdown, Duration::ZERO, run).await else {
+            return;
+        };
+        match run {
             Ok(report) if report.locked_out => {
                 metrics.cleanup_locked_out.inc();
                 tracing::debug!("another instance is cleaning up");

@@ -195,17 +195,17 @@ impl Application {
                     let exchange = exchange.clone();
                     let fatal = Arc::clone(&fatal);
                     async move {
-                        // A broker that stops answering here is found by the
-                        // heartbeat (minutes): a shutdown does not wait for it.
-                        let declared = tokio::select! {
-                            _ = shutdown.cancelled() => {
-                                kit::amqp::close_connection_bounded(&connection, "relay stopping").await;
+                        match declare_or_refuse(&connection, &exchange, &shutdown).await {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                // Stopped first.
+                                kit::amqp::close_connection_bounded(&connection, "relay stopping")
+                                    .await;
                                 return Ok(());
                             }
-                            declared = declare_or_refuse(&connection, &exchange) => declared,
-                        };
-                        if let Err(error) = declared {
-                            if kit::amqp::reply_code(&error) == Some(kit::amqp::PRECONDITION_FAILED)
+                            Err(error)
+                                if kit::amqp::reply_code(&error)
+                                    == Some(kit::amqp::PRECONDITION_FAILED) =>
                             {
                                 let why = format!(
                                     "exchange {exchange} exists with another type or other \
@@ -216,7 +216,7 @@ impl Application {
                                 shutdown.cancel();
                                 return Ok(());
                             }
-                            return Err(error);
+                            Err(error) => return Err(error),
                         }
                         let result = relay.run_on(&connection, &shutdown).await;
                         kit::amqp::close_connection_bounded(&connection, "relay stopping").await;
@@ -263,16 +263,24 @@ impl Application {
 /// Declare the exchange the relay publishes to on a channel of its own
 /// before the workers start, so that a refusal (406: it exists as another
 /// type) is seen as what it is, not as a lost connection to retry forever.
+/// `Ok(false)` when `shutdown` came first. A broker that stops answering
+/// here is found by the heartbeat (minutes): a stop does not wait for it,
+/// but closes the channel it opened, as [`kit::amqp::open_channel`] does.
 async fn declare_or_refuse(
     connection: &lapin::Connection,
     exchange: &str,
-) -> Result<(), lapin::Error> {
-    let channel = connection.create_channel().await?;
-    kit::amqp::declare_topic_exchange(&channel, exchange).await?;
-    let _ = tokio::time::timeout(
-        std::time::Duration::from_secs(2),
-        channel.close(200, "declared".into()),
-    )
+    shutdown: &CancellationToken,
+) -> Result<bool, lapin::Error> {
+    let Some(channel) = kit::amqp::open_channel(connection, shutdown).await? else {
+        return Ok(false);
+    };
+    let declared = kit::shutdown::unless_stopped(shutdown, std::time::Duration::ZERO, async {
+        tracing::debug!(exchange, "declaring the exchange");
+        // A test stops the relay here.
+        kit::failpoint::hold_task("relay.declaring").await;
+        kit::amqp::declare_topic_exchange(&channel, exchange).await
+    })
     .await;
-    Ok(())
+    kit::amqp::close_bounded(&channel, "declared").await;
+    declared.transpose().map(|declared| declared.is_some())
 }

@@ -273,7 +273,14 @@ where
 {
     loop {
         let started = std::time::Instant::now();
-        work().await;
+        // A refresh blocked at a stop (a lock on the table, a database
+        // partitioned away; its count runs up to 10 min) is given up: a read.
+        if kit::shutdown::unless_stopped(shutdown, Duration::ZERO, work())
+            .await
+            .is_none()
+        {
+            return;
+        }
         let pause = gauge_pause(interval, started.elapsed());
         tokio::select! {
             _ = shutdown.cancelled() => return,

@@ -24,6 +24,11 @@ use crate::metrics::Metrics;
 use crate::publish::{self, PublishFailure};
 use crate::settings::{backoff_ms, RelaySettings};
 
+/// How long a stop waits for a claim in flight: one that commits in time
+/// has its batch published and settled before the worker leaves, instead
+/// of left under its lease for another relay to take over once it runs out.
+const CLAIM_STOP_WAIT: Duration = Duration::from_secs(2);
+
 /// The `outbox_publish_failures_total` reason of a row whose lease ran out
 /// while its relay held it alone (the claim counts it: [`claim::CLAIM_SQL`]).
 pub const LEASE_EXPIRED: &str = "lease_expired";
@@ -99,20 +104,9 @@ impl Relay {
             // A blocked connection (a broker memory or disk alarm) answers
             // none of these until the alarm clears; holding no rows, the
             // worker leaves on shutdown without waiting for them, but not
-            // without closing what it opened (bounded): a channel dropped
-            // open closes itself in the background, and an open answered
-            // after the connection began to close fails there; either way
-            // lapin put the connection in error and logged an ERROR.
-            let creating = connection.create_channel();
-            tokio::pin!(creating);
-            let channel = tokio::select! {
-                _ = shutdown.cancelled() => {
-                    if let Ok(Ok(channel)) = tokio::time::timeout(kit::amqp::CLOSE_WAIT, &mut creating).await {
-                        kit::amqp::close_bounded(&channel, "shutting down").await;
-                    }
-                    return Ok(());
-                }
-                channel = &mut creating => channel?,
+            // without closing what it opened (bounded).
+            let Some(channel) = kit::amqp::open_channel(connection, shutdown).await? else {
+                return Ok(());
             };
             let setup = async {
                 tracing::debug!(worker, "publishing channel open: setting it up");
@@ -174,16 +168,25 @@ impl Relay {
             let floor = crate::floor::current(&self.floor);
             // Suspects (rows whose leases ran out twice) go to the first
             // worker only, one at a time: at most one in flight per process.
-            let claimed = match claim::claim(
+            // A claim blocked at a stop (a lock on the table, the database
+            // partitioned away) would hold it up to the session's 30 s
+            // bounds, past the stop grace: it is given up after
+            // `CLAIM_STOP_WAIT`, as a crash there would give it up (a lease
+            // it committed runs out and is taken over).
+            let claiming = claim::claim(
                 &self.pool,
                 &self.instance,
                 &self.settings,
                 floor,
                 worker == 0,
                 &self.settling,
-            )
-            .await
-            {
+            );
+            let Some(claimed) =
+                kit::shutdown::unless_stopped(shutdown, CLAIM_STOP_WAIT, claiming).await
+            else {
+                return Ok(ChannelEnd::Shutdown);
+            };
+            let claimed = match claimed {
                 Ok(claimed) => {
                     db_delay = Duration::from_millis(100);
                     claimed
@@ -258,10 +261,12 @@ impl Relay {
         shutdown: &CancellationToken,
     ) -> Result<(), lapin::Error> {
         let mut sleep = self.settings.poll_interval();
-        match claim::next_due_in(&self.pool, &self.settings.only_tenant).await {
-            Ok(Some(due)) => sleep = sleep.min(due + Duration::from_millis(1)),
-            Ok(None) => {}
-            Err(error) => tracing::debug!(error = format!("{error:#}"), "next due time"),
+        let due = claim::next_due_in(&self.pool, &self.settings.only_tenant);
+        match kit::shutdown::unless_stopped(shutdown, Duration::ZERO, due).await {
+            None => return Ok(()),
+            Some(Ok(Some(due))) => sleep = sleep.min(due + Duration::from_millis(1)),
+            Some(Ok(None)) => {}
+            Some(Err(error)) => tracing::debug!(error = format!("{error:#}"), "next due time"),
         }
         tokio::select! {
             _ = shutdown.cancelled() => Ok(()),
