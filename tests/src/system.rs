@@ -772,15 +772,14 @@ impl System {
 
     /// Orders `range`, `concurrency` at a time.
     pub async fn drive(&self, range: std::ops::Range<u64>, concurrency: usize) -> Traffic {
+        let orders = range.end - range.start;
         let results: Vec<(u64, u64)> = stream::iter(range)
             .map(|i| self.order_flow(i))
             .buffer_unordered(concurrency)
             .collect()
             .await;
         Traffic {
-            // The flows that completed (each one's three requests answered
-            // 201, or replayed).
-            orders: results.len() as u64,
+            orders,
             retries: self.retries.load(Ordering::Relaxed),
             replays: self.replays.load(Ordering::Relaxed),
             line_total: results.iter().map(|r| r.0).sum(),

@@ -580,7 +580,9 @@ async fn after_expiry_a_key_is_new_but_the_checkout_backstop_holds() {
 /// An orders database of this test's own (created, migrated by the
 /// order-api it is given to, dropped when done): the expired-key cleanup
 /// of every order-api deletes every tenant's expired keys, so only an
-/// instance alone on its database counts exactly the rows a test expired.
+/// instance alone on its database counts exactly the rows a test expired;
+/// and a lock held on it (the migration's, a table's) holds up no other
+/// test.
 struct OwnOrdersDatabase {
     name: String,
     url: String,

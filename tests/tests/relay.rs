@@ -2699,7 +2699,7 @@ async fn relay_backends(db: &Client, instance: &str) -> (i64, f64) {
 /// Seed 000: publish outside any database transaction. While the broker
 /// does not answer (a stalled connection: the test's proxy holds its
 /// bytes) the relay waits on the confirms of a claimed batch, and none of
-/// its connections sits `idle in transaction` for 1 s: the claim
+/// its connections sits `idle in transaction` for 5 s of the 10 sampled: the claim
 /// committed before the publish. The probe is checked first on a relay
 /// held for 3 s inside its claim's transaction (a fail point), where it
 /// must see exactly that.

@@ -289,10 +289,8 @@ async fn backlog_drains_in_order_and_the_oldest_pending_age_falls_back() {
     // Row updates of the outbox from here on: only the relays update it
     // (claims, marks, failures). This assumes no other writer of the shared
     // database meanwhile: the soak tests run one at a time (`SERIAL`), and
-    // `cargo test` runs one test binary at a time; other checkouts' tests
-    // and benchmarks are waited for. (Updates of a transaction that aborts
-    // count too; no fault is injected here.)
-    system_tests::wait_for_quiet_machine("backlog").await;
+    // `cargo test` runs one test binary at a time. (Updates of a transaction
+    // that aborts count too; no fault is injected here.)
     let outbox_updates = || async {
         pg(Database::Orders)
             .await

@@ -68,7 +68,7 @@ pub async fn run_once(
     config.application_name(application_name);
     // A batch waiting on a lock (a migration's DDL in a rolling deploy) is
     // ended at 30 s, not waited for: the run fails and the next interval
-    // tries again, and a shutdown is not held up by it.
+    // tries again. (A shutdown gives the run up at once: `run_periodically`.)
     kit::db::bound_session(&mut config);
     kit::db::bound_network_waits(&mut config);
     let (mut client, connection) = config.connect(tokio_postgres::NoTls).await?;

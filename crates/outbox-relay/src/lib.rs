@@ -177,6 +177,7 @@ impl Application {
             wake: wake_rx,
             floor: floor_rx,
             settling: Arc::default(),
+            exiting: shutdown.clone(),
         };
         // Set when the broker refuses the exchange as declared: the service
         // stops with this error (reconnecting would never help).

@@ -265,7 +265,8 @@ impl Metrics {
 }
 
 /// Run `work` until `shutdown`, pausing after each run for
-/// [`gauge_pause`]`(interval, how long the run took)`.
+/// [`gauge_pause`]`(interval, how long the run took)`; a run in progress
+/// at the shutdown is given up (a read).
 async fn paced<F, Fut>(interval: Duration, shutdown: &CancellationToken, mut work: F)
 where
     F: FnMut() -> Fut,

@@ -6,7 +6,8 @@
 //! (see [`crate::listen`]), the earliest backoff expiry or the poll interval,
 //! whichever comes first. Rows are only claimed while the channel is open,
 //! and a batch once claimed is always published, confirmed and settled, also
-//! on shutdown.
+//! on shutdown (a claim still running 2 s into the process's shutdown is
+//! given up: see `CLAIM_STOP_WAIT`).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -50,6 +51,10 @@ pub struct Relay {
     /// unreachable ([`retry_until`]) lands when it answers, instead of a
     /// takeover publishing the rows again and counting an expiry.
     pub settling: Arc<claim::SettlingLeases>,
+    /// The process's shutdown. A worker's own stop is also cancelled when
+    /// another worker fails (the connection is rebuilt and the process goes
+    /// on): only this one gives a claim in flight up.
+    pub exiting: CancellationToken,
 }
 
 /// Why a worker left its channel.
@@ -168,11 +173,13 @@ impl Relay {
             let floor = crate::floor::current(&self.floor);
             // Suspects (rows whose leases ran out twice) go to the first
             // worker only, one at a time: at most one in flight per process.
-            // A claim blocked at a stop (a lock on the table, the database
-            // partitioned away) would hold it up to the session's 30 s
-            // bounds, past the stop grace: it is given up after
+            // A claim blocked when the process stops (a lock on the table,
+            // the database partitioned away) would hold the stop up to the
+            // session's 30 s bounds, past the grace: it is given up after
             // `CLAIM_STOP_WAIT`, as a crash there would give it up (a lease
-            // it committed runs out and is taken over).
+            // it committed runs out and is taken over). At a stop of the
+            // workers alone (another one failed), it is waited for, and its
+            // batch settled.
             let claiming = claim::claim(
                 &self.pool,
                 &self.instance,
@@ -182,7 +189,7 @@ impl Relay {
                 &self.settling,
             );
             let Some(claimed) =
-                kit::shutdown::unless_stopped(shutdown, CLAIM_STOP_WAIT, claiming).await
+                kit::shutdown::unless_stopped(&self.exiting, CLAIM_STOP_WAIT, claiming).await
             else {
                 return Ok(ChannelEnd::Shutdown);
             };
