@@ -964,6 +964,12 @@ async fn rollback(tx: kit::db::Transaction<'_>) {
     }
 }
 
+/// A dead letter's reason is cut to this many bytes (at a character
+/// boundary): with the consumer's name and the attempts, a letter's headers
+/// stay within the room the relay leaves free in the frame
+/// ([`events::CONSUMER_HEADER_ROOM`]).
+const REASON_MAX_BYTES: usize = 1000;
+
 pub(crate) fn dead_letter_headers(
     existing: Option<&FieldTable>,
     consumer: &str,
@@ -971,9 +977,11 @@ pub(crate) fn dead_letter_headers(
     attempts: u32,
 ) -> FieldTable {
     let mut table = topology::clean_headers(existing);
-    // Header values are bounded: a long error message is cut.
-    let reason: String = reason.chars().take(2000).collect();
-    topology::set_str(&mut table, headers::DEAD_LETTER_REASON, &reason);
+    let mut end = reason.len().min(REASON_MAX_BYTES);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    topology::set_str(&mut table, headers::DEAD_LETTER_REASON, &reason[..end]);
     topology::set_str(&mut table, headers::DEAD_LETTERED_BY, consumer);
     topology::set_int(&mut table, headers::ATTEMPTS, i64::from(attempts));
     table
@@ -1053,4 +1061,74 @@ pub(crate) async fn confirmed(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::AMQPValue;
+
+    /// The content header frame lapin writes for `properties`.
+    fn frame(properties: &BasicProperties) -> usize {
+        let written = cookie_factory::gen_simple(
+            lapin::protocol::basic::gen_properties(properties),
+            Vec::new(),
+        )
+        .expect("serialises");
+        7 + 12 + written.len() + 1
+    }
+
+    /// The most a copy adds to the message's header frame is within the
+    /// room the relay leaves free: a dead letter with the longest reason (in
+    /// characters of two bytes, cut to 1,000 bytes), the longest consumer
+    /// name (200 bytes) and the most attempts; a retry or deferral copy's
+    /// counts; a redriven copy's mark. The broker's own headers on the
+    /// delivery (its `x-death` history) are dropped from every copy.
+    #[test]
+    fn a_copy_adds_at_most_the_room_the_relay_leaves_in_the_frame() {
+        let mut relayed = FieldTable::default();
+        topology::set_str(&mut relayed, events::headers::AGGREGATE_ID, "order-1");
+        topology::set_int(&mut relayed, events::headers::AGGREGATE_SEQUENCE, 1);
+        topology::set_str(&mut relayed, events::headers::TENANT_ID, "tenant-1");
+        let delivered = {
+            let mut table = relayed.clone();
+            topology::set_str(&mut table, "x-first-death-queue", &"q".repeat(5_000));
+            topology::set_int(&mut table, headers::DELIVERY_COUNT, 7);
+            table
+        };
+        let properties = BasicProperties::default().with_message_id("event-1".into());
+        let sent = frame(&properties.clone().with_headers(relayed));
+        let added = |table: FieldTable| frame(&properties.clone().with_headers(table)) - sent;
+
+        let letter = dead_letter_headers(
+            Some(&delivered),
+            &"n".repeat(200),
+            &"é".repeat(5_000),
+            u32::MAX,
+        );
+        let letter_added = added(letter.clone());
+        assert!(
+            letter_added <= events::CONSUMER_HEADER_ROOM,
+            "a dead letter adds {letter_added} bytes"
+        );
+        match letter.inner().get(headers::DEAD_LETTER_REASON) {
+            Some(AMQPValue::LongString(reason)) => {
+                assert_eq!(
+                    reason.as_bytes().len(),
+                    REASON_MAX_BYTES,
+                    "cut at a character boundary"
+                );
+            }
+            other => panic!("no reason: {other:?}"),
+        }
+
+        let mut retry = topology::clean_headers(Some(&delivered));
+        topology::set_int(&mut retry, headers::ATTEMPTS, i64::MAX);
+        topology::set_int(&mut retry, headers::DEFERRALS, i64::MAX);
+        assert!(added(retry) <= events::CONSUMER_HEADER_ROOM);
+
+        let mut redriven = topology::clean_headers(Some(&letter));
+        topology::set_str(&mut redriven, headers::REDRIVEN, "true");
+        assert!(added(redriven) <= events::CONSUMER_HEADER_ROOM);
+    }
 }

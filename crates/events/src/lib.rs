@@ -100,6 +100,17 @@ pub const AGGREGATE_TYPE_ORDER: &str = "order";
 /// The AMQP `content_type` of every event message.
 pub const CONTENT_TYPE: &str = "application/json";
 
+/// Bytes of a message's AMQP content header frame that its producer leaves
+/// free for the consumers: a consumer's copy of a message (to a retry tier,
+/// a deferral, its dead-letter queue, a redrive) carries the message's
+/// properties and headers plus its own, at most this many bytes (a dead
+/// letter's: its reason, cut to 1,000 bytes, the consumer's name, at most
+/// 200, and the attempts). A header frame over the connection's
+/// `frame_max` makes the broker close the whole connection (501
+/// FRAME_ERROR), so a message the producer sent just under it would come
+/// back as a copy no consumer can publish, the same on every redelivery.
+pub const CONSUMER_HEADER_ROOM: usize = 2048;
+
 /// AMQP header names of event messages.
 ///
 /// Besides these headers, the AMQP **properties** carry `message_id` =

@@ -116,9 +116,11 @@ const SHORT_STRING_MAX: usize = 255;
 /// quarantining the one at fault. Likewise a content header frame above
 /// `frame_max` (the connection's negotiated frame size): lapin sends the
 /// properties and headers as one frame, and the broker closes the whole
-/// connection on a larger one (501 FRAME_ERROR). The headers carry the
-/// row's aggregate id, tenant and trace context, which no column bounds.
-/// (An event type too long for AMQP is refused by [`message`].)
+/// connection on a larger one (501 FRAME_ERROR); and the consumers' copies
+/// add up to [`events::CONSUMER_HEADER_ROOM`] bytes of headers, left free.
+/// The headers carry the row's aggregate id, tenant and trace context,
+/// which no column bounds. (An event type too long for AMQP is refused by
+/// [`message`].)
 pub fn check_limits(message: &Message, max_body: usize, frame_max: u32) -> Result<(), String> {
     if message.body.len() > max_body {
         return Err(format!(
@@ -128,10 +130,12 @@ pub fn check_limits(message: &Message, max_body: usize, frame_max: u32) -> Resul
         ));
     }
     let header = header_frame_bound(&message.properties);
-    if header > usize::try_from(frame_max).unwrap_or(usize::MAX) {
+    let room = events::CONSUMER_HEADER_ROOM;
+    if header.saturating_add(room) > usize::try_from(frame_max).unwrap_or(usize::MAX) {
         return Err(format!(
             "the message's properties and headers take up to {header} bytes in one \
-             frame; the connection's frames are at most {frame_max} bytes (frame_max)"
+             frame, and the consumers' copies add up to {room}; the connection's frames \
+             are at most {frame_max} bytes (frame_max)"
         ));
     }
     Ok(())
@@ -702,10 +706,15 @@ mod tests {
         let frame = exact_header_frame(&message);
         let bound = header_frame_bound(&message.properties);
         assert_eq!(bound, frame, "the bound is exact for these types");
-        let frame_max = u32::try_from(frame).expect("small");
+        // With the room the consumers' copies take.
+        let frame_max = u32::try_from(frame + events::CONSUMER_HEADER_ROOM).expect("small");
         assert_eq!(check_limits(&message, size, frame_max), Ok(()));
         let error = check_limits(&message, size, frame_max - 1).expect_err("one byte over");
         assert!(error.contains("frame_max"), "{error}");
+        assert!(
+            error.contains("the consumers' copies add up to 2048"),
+            "{error}"
+        );
         // Every other property too (none of them set by `message`).
         let mut every = message.clone();
         every.properties = every
