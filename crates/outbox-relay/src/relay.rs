@@ -53,7 +53,8 @@ pub struct Relay {
     pub settling: Arc<claim::SettlingLeases>,
     /// The process's shutdown. A worker's own stop is also cancelled when
     /// another worker fails (the connection is rebuilt and the process goes
-    /// on): only this one gives a claim in flight up.
+    /// on): only this one gives up a claim in flight, or the writes that
+    /// settle a batch past its lease while the database is unreachable.
     pub exiting: CancellationToken,
 }
 
@@ -236,7 +237,6 @@ impl Relay {
                     claimed.rows,
                     claimed.undecodable,
                     (lease_until, lease_deadline),
-                    shutdown,
                 )
                 .await
             {
@@ -285,7 +285,7 @@ impl Relay {
 
     /// Publish a claimed batch and record the outcome, retrying the writes
     /// until `lease_deadline`, and past it while the database is unreachable
-    /// ([`retry_until`]).
+    /// ([`retry_until`]; only the process's stop, `exiting`, ends that).
     /// `lease_until` is the lease as the claim wrote it (it names the claim).
     /// Returns whether the channel should be replaced.
     async fn publish_and_settle(
@@ -295,7 +295,6 @@ impl Relay {
         rows: Vec<OutboxRow>,
         undecodable: Vec<(Uuid, i32, String)>,
         (lease_until, lease_deadline): (time::OffsetDateTime, tokio::time::Instant),
-        shutdown: &CancellationToken,
     ) -> bool {
         let attempts: HashMap<Uuid, i32> = rows
             .iter()
@@ -358,7 +357,7 @@ impl Relay {
             let instance = self.instance.as_str();
             let acked_ref = &acked;
             let mut attempts = 0;
-            match retry_until("mark published", lease_deadline, shutdown, || {
+            match retry_until("mark published", lease_deadline, &self.exiting, || {
                 attempts += 1;
                 claim::mark_published(pool, instance, lease_until, acked_ref, attempts > 1)
             })
@@ -435,7 +434,7 @@ impl Relay {
             kit::failpoint::crash_point("relay.before_mark_failed");
             let mut attempts = 0;
             if let Some(quarantined) =
-                retry_until("record failures", lease_deadline, shutdown, || {
+                retry_until("record failures", lease_deadline, &self.exiting, || {
                     attempts += 1;
                     claim::mark_failed(
                         pool,
