@@ -2337,6 +2337,76 @@ async fn no_attempt_counted(loyalty: Consumer, own: tokio_postgres::Client, data
     system_tests::drop_database(Database::Loyalty, database).await;
 }
 
+/// A consumer's statements use their indexes on tables recorded as empty
+/// (vacuumed while empty: `reltuples` 0). A statement prepared there would
+/// settle on a generic plan that scans the table whole (the cheapest while
+/// it is empty) and keep it for its session's life as the table grows:
+/// `make bench` on a fresh cluster ran every progress statement so, at
+/// twice the database's CPU per event. The sessions refuse sequential
+/// scans where an index serves (`consumer_runtime::session_options`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
+    let (database, url) = system_tests::create_database(Database::Loyalty).await;
+    let name = unique("t5-keyed-loy");
+    let tenant = unique("t5-keyed");
+    // Migrated first, by a process that has ended (its scans of the
+    // migrations' DDL are reported at its exit), then vacuumed while empty.
+    let migrated = std::process::Command::new(system_tests::bin("loyalty-consumer"))
+        .arg("migrate")
+        .env("LOYALTY_CONSUMER__DATABASE__URL", &url)
+        .output()
+        .expect("loyalty-consumer migrate");
+    assert!(migrated.status.success(), "{migrated:?}");
+    let own = system_tests::connect_url(&url).await;
+    own.batch_execute("VACUUM ANALYZE").await.expect("vacuum");
+    let scans = || async {
+        let row = own
+            .query_one(
+                "SELECT seq_scan, COALESCE(idx_scan, 0) FROM pg_stat_user_tables
+                  WHERE relname = 'order_progress'",
+                &[],
+            )
+            .await
+            .expect("pg_stat_user_tables");
+        (row.get::<_, i64>(0), row.get::<_, i64>(1))
+    };
+    let (before, _) = scans().await;
+    // Nothing prepared before the first message.
+    let loyalty = loyalty_on_one_session(&name, &url).await;
+    let publisher = Publisher::connect().await;
+    let orders = 20;
+    for _ in 0..orders {
+        let story = story(&tenant);
+        for message in [&story.placed, &story.paid, &story.delivered] {
+            publisher.to_consumer(&name, message).await;
+        }
+    }
+    // The consumer's backend reports its counters when idle (within about
+    // 10 s): at least the lock and the advance of every event by index.
+    let events = 3 * orders;
+    eventually(
+        "the progress statements' index scans reported",
+        WAIT,
+        || async {
+            let (_, index) = scans().await;
+            (index >= 2 * events).then_some(())
+        },
+    )
+    .await;
+    let (sequential, _) = scans().await;
+    assert_eq!(sequential - before, 0, "order_progress scanned whole");
+    let entries: i64 = own
+        .query_one(
+            "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(entries, orders);
+    no_attempt_counted(loyalty, own, &database).await;
+}
+
 /// A prepared statement an online migration invalidated (a column's type
 /// changed: "cached plan must not change result type", 0A000) fails on
 /// the session that prepared it for as long as that session lives: the

@@ -54,49 +54,16 @@ pub async fn db(kind: Kind) -> Client {
     client
 }
 
-/// Vacuum (and analyze) the database's tables that hold rows now, outside a
-/// measured interval: each half of phase 3 starts with no vacuum debt, so
-/// an autovacuum pass triggered by the writes of an earlier half (or phase)
+/// Vacuum (and analyze) the whole database now, outside a measured
+/// interval: each half of phase 3 starts with no vacuum debt, so an
+/// autovacuum pass triggered by the writes of an earlier half (or phase)
 /// does not land on whichever side happens to run next. (The bench's CPU
 /// table showed it: 126 µs per event of autovacuum in one consumer half
-/// against 28 in the raw halves of the same run.)
-///
-/// Not an empty table (a fresh cluster's, before the first half): a VACUUM
-/// or ANALYZE records it as empty (`reltuples` 0, where a table never
-/// vacuumed has -1 and is planned as ten pages), a statement prepared on it
-/// then settles on a generic plan that scans it whole, the cheapest while
-/// it is empty, and keeps it as the table grows until an autoanalyze
-/// replans it. The first consumer half on a fresh cluster ran every
-/// progress statement as a sequential scan of `order_progress`: PostgreSQL
-/// spent twice the CPU per event, and two consumers read 60 % of raw.
-/// (No deployment vacuums its consumers' tables while they are empty:
-/// autovacuum passes over a table nothing was written to.)
+/// against 28 in the raw halves of the same run.) On a fresh cluster this
+/// records the consumers' empty tables as empty, which their sessions'
+/// settings make harmless (`consumer_runtime::session_options`).
 pub async fn vacuum(db: &Client) {
-    let tables: Vec<String> = db
-        .query(
-            "SELECT c.oid::regclass::text FROM pg_class c
-               JOIN pg_namespace n ON n.oid = c.relnamespace
-              WHERE c.relkind = 'r' AND n.nspname NOT IN ('pg_catalog', 'information_schema')
-              ORDER BY 1",
-            &[],
-        )
-        .await
-        .expect("tables")
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    for table in tables {
-        let holds_rows: bool = db
-            .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[])
-            .await
-            .expect("rows")
-            .get(0);
-        if holds_rows {
-            db.batch_execute(&format!("VACUUM ANALYZE {table}"))
-                .await
-                .expect("vacuum");
-        }
-    }
+    db.batch_execute("VACUUM ANALYZE").await.expect("vacuum");
 }
 
 pub async fn now(db: &Client) -> time::OffsetDateTime {
@@ -247,8 +214,13 @@ async fn raw_with<D: Domain>(
         shares[(h % workers.max(1) as u64) as usize].push(body.clone());
     }
     // Pooled connections like the service's (the domain prepares its
-    // statements through the pool's statement cache), one per worker.
-    let pool = system_tests::pool(kind.database());
+    // statements through the pool's statement cache; the same session
+    // settings), one per worker.
+    let mut settings = kit::settings::DatabaseSettings::local(kind.database().name());
+    settings.url = system_tests::pg_url(kind.database());
+    settings.pool_size = 4;
+    let pool = kit::db::pool_with_options(&settings, Some(&consumer_runtime::session_options()))
+        .expect("pool");
     let mut clients = Vec::new();
     for _ in 0..shares.len() {
         clients.push(pool.get().await.expect("raw connection"));

@@ -169,6 +169,20 @@ impl From<tokio_postgres::Error> for HandlerError {
     }
 }
 
+/// The server settings of a consumer's sessions (and of the bench's raw
+/// loop of the same transactions): [`kit::db::SESSION_LIMITS`], and no
+/// sequential scan where an index serves. Every statement of a consumer is
+/// a lookup by key, prepared once per session and run for the session's
+/// life; PostgreSQL picks a prepared statement's generic plan from its
+/// first runs, and on a table recorded as empty (vacuumed while empty: a
+/// fresh deployment's, once anything vacuumed it) a whole-table scan is the
+/// cheapest, kept as the table grows until an ANALYZE replans it. `make
+/// bench` on a fresh cluster ran every progress statement so: 2 x the
+/// database's CPU per event.
+pub fn session_options() -> String {
+    format!("{} -c enable_seqscan=off", kit::db::SESSION_LIMITS)
+}
+
 /// SQLSTATEs no event can cause, only the deployment: the handlers' SQL is
 /// fixed text, so a missing table, column or function, a privilege revoked
 /// (class `42`), a missing database or schema (`3D`, `3F`) is a migration
@@ -284,7 +298,7 @@ impl<D: Domain> Application<D> {
         // consumer holds a lock.
         let pool = kit::db::named_pool(
             &settings.database,
-            Some(kit::db::SESSION_LIMITS),
+            Some(&session_options()),
             &format!("{} {}", D::SERVICE, topology.name),
         )?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
