@@ -143,7 +143,7 @@ impl Settings {
         let c = &self.consumer;
         anyhow::ensure!(
             !c.name.is_empty() && c.name.len() <= 200,
-            "consumer.name must be 1..200 characters"
+            "consumer.name must be 1..200 bytes"
         );
         anyhow::ensure!(c.partitions >= 1, "consumer.partitions must be at least 1");
         anyhow::ensure!(c.prefetch >= 1, "consumer.prefetch must be at least 1");
