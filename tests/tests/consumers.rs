@@ -2349,8 +2349,7 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
     let (database, url) = system_tests::create_database(Database::Loyalty).await;
     let name = unique("t5-keyed-loy");
     let tenant = unique("t5-keyed");
-    // Migrated first, by a process that has ended (its scans of the
-    // migrations' DDL are reported at its exit), then vacuumed while empty.
+    // Migrated first, by a process of its own, then vacuumed while empty.
     let migrated = std::process::Command::new(system_tests::bin("loyalty-consumer"))
         .arg("migrate")
         .env("LOYALTY_CONSUMER__DATABASE__URL", &url)
@@ -2359,7 +2358,22 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
     assert!(migrated.status.success(), "{migrated:?}");
     let own = system_tests::connect_url(&url).await;
     own.batch_execute("VACUUM ANALYZE").await.expect("vacuum");
+    // A backend reports its scans when it ends (or idle, now and then):
+    // the counters are read only once no other session is left.
     let scans = || async {
+        eventually("no other session on the database", WAIT, || async {
+            let others: i64 = own
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                    &[],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            (others == 0).then_some(())
+        })
+        .await;
         let row = own
             .query_one(
                 "SELECT seq_scan, COALESCE(idx_scan, 0) FROM pg_stat_user_tables
@@ -2370,9 +2384,9 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
             .expect("pg_stat_user_tables");
         (row.get::<_, i64>(0), row.get::<_, i64>(1))
     };
-    let (before, _) = scans().await;
+    let (sequential_before, index_before) = scans().await;
     // Nothing prepared before the first message.
-    let loyalty = loyalty_on_one_session(&name, &url).await;
+    let mut loyalty = loyalty_on_one_session(&name, &url).await;
     let publisher = Publisher::connect().await;
     let orders = 20;
     for _ in 0..orders {
@@ -2381,30 +2395,46 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
             publisher.to_consumer(&name, message).await;
         }
     }
-    // The consumer's backend reports its counters when idle (within about
-    // 10 s): at least the lock and the advance of every event by index.
-    let events = 3 * orders;
-    eventually(
-        "the progress statements' index scans reported",
-        WAIT,
-        || async {
-            let (_, index) = scans().await;
-            (index >= 2 * events).then_some(())
-        },
-    )
-    .await;
-    let (sequential, _) = scans().await;
-    assert_eq!(sequential - before, 0, "order_progress scanned whole");
-    let entries: i64 = own
-        .query_one(
+    let entries = || async {
+        own.query_one(
             "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
             &[&tenant],
         )
         .await
         .expect("count")
-        .get(0);
-    assert_eq!(entries, orders);
-    no_attempt_counted(loyalty, own, &database).await;
+        .get::<_, i64>(0)
+    };
+    eventually("every delivery's points", WAIT, || async {
+        (entries().await == orders).then_some(())
+    })
+    .await;
+    for metric in ["consumer_retried_total", "consumer_dead_lettered_total"] {
+        assert_eq!(loyalty.metric(metric, "").await, 0.0, "{metric}");
+    }
+    loyalty.service.signal("TERM");
+    assert!(
+        loyalty
+            .service
+            .wait_exit(WAIT)
+            .is_some_and(|status| status.success()),
+        "the consumer stops cleanly"
+    );
+    let (sequential, index) = scans().await;
+    // Each event locks and advances its order's progress by its key.
+    let events = 3 * orders;
+    assert!(
+        index - index_before >= 2 * events,
+        "{} index scans of order_progress for {events} events",
+        index - index_before
+    );
+    assert_eq!(
+        sequential - sequential_before,
+        0,
+        "order_progress scanned whole"
+    );
+    drop(loyalty);
+    drop(own);
+    system_tests::drop_database(Database::Loyalty, &database).await;
 }
 
 /// A prepared statement an online migration invalidated (a column's type

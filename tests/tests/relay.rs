@@ -447,7 +447,6 @@ impl Relay {
         }
     }
 
-    /// SIGTERM and wait for a clean exit.
     /// SIGTERM, then its exit (within `within`): the status, how long it
     /// took, and its log (`log`, taken).
     fn terminate(
@@ -464,6 +463,7 @@ impl Relay {
         (status, signalled.elapsed(), system_tests::take_log(log))
     }
 
+    /// SIGTERM and wait for a clean exit.
     fn stop(mut self) {
         self.service.signal("TERM");
         let status = self

@@ -169,11 +169,12 @@ impl From<tokio_postgres::Error> for HandlerError {
     }
 }
 
-/// The server settings of a consumer's sessions (and of the bench's raw
-/// loop of the same transactions): [`kit::db::SESSION_LIMITS`], and no
-/// sequential scan where an index serves. Every statement of a consumer is
-/// a lookup by key, prepared once per session and run for the session's
-/// life; PostgreSQL picks a prepared statement's generic plan from its
+/// The server settings of the sessions that apply messages (and of the
+/// bench's raw loop of the same transactions): [`kit::db::SESSION_LIMITS`],
+/// and no sequential scan where an index serves. Every statement applying
+/// a message is a lookup by key, prepared once per session and run for the
+/// session's life (the read endpoints and the migrations have sessions of
+/// their own, planned as usual); PostgreSQL picks a prepared statement's generic plan from its
 /// first runs, and on a table recorded as empty (vacuumed while empty: a
 /// fresh deployment's, once anything vacuumed it) a whole-table scan is the
 /// cheapest, kept as the table grows until an ANALYZE replans it. `make
@@ -296,13 +297,22 @@ impl<D: Domain> Application<D> {
         // Sessions named `<service> <consumer name>` in pg_stat_activity, as
         // the relay's are by instance: an operator (or a test) finds which
         // consumer holds a lock.
+        // The messages' sessions (`session_options`: keyed statements, no
+        // sequential scan where an index serves) and the read endpoints' and
+        // migrations' (planned as usual: a report may join or count whole
+        // tables, where a sequential scan is the right plan).
         let pool = kit::db::named_pool(
             &settings.database,
             Some(&session_options()),
             &format!("{} {}", D::SERVICE, topology.name),
         )?;
+        let reads = kit::db::named_pool(
+            &settings.database,
+            Some(kit::db::SESSION_LIMITS),
+            &format!("{} {} reads", D::SERVICE, topology.name),
+        )?;
         kit::db::wait_until_ready(&pool, shutdown).await?;
-        kit::migrations::run_until(&pool, D::DATABASE, shutdown).await?;
+        kit::migrations::run_until(&reads, D::DATABASE, shutdown).await?;
         let registry = kit::metrics::registry(D::SERVICE);
         let metrics = metrics::Metrics::new(&registry, &topology.name, topology.tiers.len())?;
         let domain = Arc::new(D::new(&registry));
@@ -333,7 +343,7 @@ impl<D: Domain> Application<D> {
         let server =
             HttpServer::new(move || {
                 App::new()
-                    .app_data(web::Data::new(pool.clone()))
+                    .app_data(web::Data::new(reads.clone()))
                     .app_data(web::Data::new(domain.clone()))
                     .app_data(web::Data::new(token.clone()))
                     .app_data(web::JsonConfig::default().limit(64 * 1024).error_handler(

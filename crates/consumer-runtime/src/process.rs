@@ -1083,7 +1083,9 @@ mod tests {
     /// characters of two bytes, cut to 1,000 bytes), the longest consumer
     /// name (200 bytes) and the most attempts; a retry or deferral copy's
     /// counts; a redriven copy's mark. The broker's own headers on the
-    /// delivery (its `x-death` history) are dropped from every copy.
+    /// delivery (its `x-death` history) are dropped from every copy built
+    /// here (a redrive keeping a letter in the DLQ copies them as they are:
+    /// they take from the same room, see `events::CONSUMER_HEADER_ROOM`).
     #[test]
     fn a_copy_adds_at_most_the_room_the_relay_leaves_in_the_frame() {
         let mut relayed = FieldTable::default();

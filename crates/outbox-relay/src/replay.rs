@@ -304,8 +304,8 @@ pub async fn replay(
                     summary.skipped += 1;
                 }
                 Err(why) => anyhow::bail!(
-                    "published event {event_id} cannot be replayed: {why}; repair the row, \
-                     then replay again; {} event(s) replayed before it",
+                    "published event {event_id} cannot be replayed: {why}; replay around it \
+                     (the runbook, under Adding a consumer); {} event(s) replayed before it",
                     summary.republished
                 ),
             }
