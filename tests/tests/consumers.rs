@@ -2326,6 +2326,17 @@ async fn loyalty_on_one_session(name: &str, url: &str) -> Consumer {
     .await
 }
 
+/// The loyalty entries of `tenant` in the database `own` is connected to.
+async fn loyalty_entries(own: &tokio_postgres::Client, tenant: &str) -> i64 {
+    own.query_one(
+        "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
+        &[&tenant],
+    )
+    .await
+    .expect("count")
+    .get(0)
+}
+
 /// No attempt was counted and nothing dead-lettered; then the consumer
 /// stopped and its own database dropped.
 async fn no_attempt_counted(loyalty: Consumer, own: tokio_postgres::Client, database: &str) {
@@ -2395,15 +2406,7 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
             publisher.to_consumer(&name, message).await;
         }
     }
-    let entries = || async {
-        own.query_one(
-            "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
-            &[&tenant],
-        )
-        .await
-        .expect("count")
-        .get::<_, i64>(0)
-    };
+    let entries = || loyalty_entries(&own, &tenant);
     eventually("every delivery's points", WAIT, || async {
         (entries().await == orders).then_some(())
     })
@@ -2451,15 +2454,7 @@ async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
     let tenant = unique("t5-plan");
     let loyalty = loyalty_on_one_session(&name, &url).await;
     let own = system_tests::connect_url(&url).await;
-    let entries = || async {
-        own.query_one(
-            "SELECT count(*) FROM loyalty_entries WHERE tenant_id = $1",
-            &[&tenant],
-        )
-        .await
-        .expect("count")
-        .get::<_, i64>(0)
-    };
+    let entries = || loyalty_entries(&own, &tenant);
     let publisher = Publisher::connect().await;
     let first = story(&tenant);
     for message in [&first.placed, &first.paid, &first.delivered] {
