@@ -144,7 +144,9 @@ pub async fn ensure_migrated(db: Database) {
     }
 }
 
-/// A deadpool pool to `db` (what the services use).
+/// A deadpool pool to `db` (what the services use, with kit's session
+/// settings; the consumers' message sessions add
+/// `consumer_runtime::session_options`).
 pub fn pool(db: Database) -> kit::db::PgPool {
     let mut settings = kit::settings::DatabaseSettings::local(db.name());
     settings.url = pg_url(db);

@@ -25,7 +25,7 @@
 //! | variable | default |
 //! |---|---|
 //! | `<PREFIX>__HTTP__PORT` | 8081 / 8082 / 8083 |
-//! | `<PREFIX>__DATABASE__URL`, `__DATABASE__POOL_SIZE` | local `inventory` / `ledger` / `loyalty`, 16 |
+//! | `<PREFIX>__DATABASE__URL`, `__DATABASE__POOL_SIZE` (the sessions applying messages; the read endpoints and migrations have 4 more) | local `inventory` / `ledger` / `loyalty`, 16 |
 //! | `<PREFIX>__AMQP__URL` | `amqp://app:app@127.0.0.1:5672/%2f` |
 //! | `<PREFIX>__CONSUMER__NAME` (inbox key, queue prefix) | `inventory` / `ledger` / `loyalty` |
 //! | `<PREFIX>__CONSUMER__PARTITIONS` | 4 |
@@ -169,6 +169,10 @@ impl From<tokio_postgres::Error> for HandlerError {
     }
 }
 
+/// Connections of the read endpoints' and migrations' pool: a process
+/// holds at most `DATABASE__POOL_SIZE` + 4 sessions.
+const READ_POOL_SIZE: usize = 4;
+
 /// The server settings of the sessions that apply messages (and of the
 /// bench's raw loop of the same transactions): [`kit::db::SESSION_LIMITS`],
 /// and no sequential scan where an index serves. Every statement applying
@@ -264,7 +268,8 @@ pub trait Domain: Send + Sync + Sized + 'static {
         let _ = effects;
     }
 
-    /// Mount the domain's read endpoints. App data available: `web::Data<PgPool>`,
+    /// Mount the domain's read endpoints. App data available: `web::Data<PgPool>`
+    /// (the read endpoints' pool, planned as usual: not [`session_options`]),
     /// `web::Data<Arc<Self>>`, and [`TenantScope`] as an extractor.
     fn routes(cfg: &mut web::ServiceConfig);
 }
@@ -307,7 +312,10 @@ impl<D: Domain> Application<D> {
             &format!("{} {}", D::SERVICE, topology.name),
         )?;
         let reads = kit::db::named_pool(
-            &settings.database,
+            &kit::settings::DatabaseSettings {
+                pool_size: READ_POOL_SIZE,
+                ..settings.database.clone()
+            },
             Some(kit::db::SESSION_LIMITS),
             &format!("{} {} reads", D::SERVICE, topology.name),
         )?;
