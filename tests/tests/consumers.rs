@@ -3401,6 +3401,36 @@ async fn shuffled_and_duplicated_events_of_many_orders_apply_once_in_sequence_or
     assert!(points.iter().all(|p| p.1 == 80));
 }
 
+/// `consumer` ran out of attempts on one event of each order of `parked`
+/// (the order, the last sequence it applied, a part of the reason): waits
+/// for that many `max_attempts` dead letters, then asserts each order
+/// parked after that sequence and the dead-letter queue holding exactly
+/// one letter per order, with "failed 5 times" and the reason.
+async fn ran_out_and_parked(consumer: &Consumer, db: Database, parked: &[(Uuid, i64, &str)]) {
+    consumer
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            parked.len() as f64,
+        )
+        .await;
+    for (order, sequence, _) in parked {
+        assert_eq!(
+            progress(db, &consumer.name, *order).await,
+            Some((*sequence, true)),
+            "order {order} parked after sequence {sequence}"
+        );
+    }
+    let letters = drain_dead_letters(&consumer.name).await;
+    assert_eq!(letters.len(), parked.len(), "{letters:?}");
+    for (order, _, reason) in parked {
+        assert!(
+            has_letter(&letters, *order, "failed 5 times") && has_letter(&letters, *order, reason),
+            "{order}: {reason}: {letters:?}"
+        );
+    }
+}
+
 /// Inventory sells an order's stock once, and only what it reserved: a
 /// second delivery of a delivered order, and a delivery whose lines differ
 /// from the order's, each fail five times and are dead-lettered with the
@@ -3438,46 +3468,24 @@ async fn inventory_dead_letters_a_second_delivery_and_one_that_differs_from_the_
             ],
         )
         .await;
-    inventory
-        .wait_metric(
-            "consumer_dead_lettered_total",
-            "reason=\"max_attempts\"",
-            2.0,
-        )
-        .await;
-    assert_eq!(
-        progress(Database::Inventory, &name, good.order).await,
-        Some((3, true)),
-        "the second delivery is parked for a human"
+    // The second delivery and the differing one, each parked for a human.
+    let twice = format!(
+        "already delivered (event {}); not selling its stock twice",
+        good.delivered.event_id
     );
-    assert_eq!(
-        progress(Database::Inventory, &name, differs).await,
-        Some((2, true)),
-        "the differing delivery is parked for a human"
-    );
-    let letters = drain_dead_letters(&name).await;
-    assert_eq!(letters.len(), 2, "{letters:?}");
-    // One letter per order (two orders, two letters).
-    assert!(
-        has_letter(&letters, good.order, "failed 5 times")
-            && has_letter(
-                &letters,
-                good.order,
-                &format!(
-                    "already delivered (event {}); not selling its stock twice",
-                    good.delivered.event_id
-                )
+    ran_out_and_parked(
+        &inventory,
+        Database::Inventory,
+        &[
+            (good.order, 3, &twice),
+            (
+                differs,
+                2,
+                r#"delivered {"JKT-M": 3}, but it reserved {"JKT-M": 2}"#,
             ),
-        "{letters:?}"
-    );
-    assert!(
-        has_letter(
-            &letters,
-            differs,
-            r#"delivered {"JKT-M": 3}, but it reserved {"JKT-M": 2}"#
-        ),
-        "{letters:?}"
-    );
+        ],
+    )
+    .await;
     // 10 received, 2 sold once; the differing order's 2 still reserved.
     assert_eq!(level(&tenant).await, Some((8, 2, 6)));
     assert_levels_equal_movements(&tenant).await;
@@ -3518,37 +3526,19 @@ async fn the_ledger_dead_letters_a_payment_that_differs_from_the_order() {
         )
         .await;
     wait_sequence(Database::Ledger, &name, good.order, 3).await;
-    ledger
-        .wait_metric(
-            "consumer_dead_lettered_total",
-            "reason=\"max_attempts\"",
-            2.0,
-        )
-        .await;
+    // Placed, the payment dead-lettered, the order parked.
+    let over_reason =
+        format!("payment 9001 of 94.00 USD differs from order {over}'s total 93.00 USD");
+    let euro_reason =
+        format!("payment 9001 of 93.00 EUR differs from order {euro}'s total 93.00 USD");
+    ran_out_and_parked(
+        &ledger,
+        Database::Ledger,
+        &[(over, 1, &over_reason), (euro, 1, &euro_reason)],
+    )
+    .await;
     for order in [over, euro] {
-        assert_eq!(
-            progress(Database::Ledger, &name, order).await,
-            Some((1, true)),
-            "placed, the payment dead-lettered, the order parked"
-        );
         assert_eq!(journal(&tenant, order).await, vec![], "nothing booked");
-    }
-    let letters = drain_dead_letters(&name).await;
-    assert_eq!(letters.len(), 2, "{letters:?}");
-    for (order, expected) in [
-        (
-            over,
-            format!("payment 9001 of 94.00 USD differs from order {over}'s total 93.00 USD"),
-        ),
-        (
-            euro,
-            format!("payment 9001 of 93.00 EUR differs from order {euro}'s total 93.00 USD"),
-        ),
-    ] {
-        assert!(
-            has_letter(&letters, order, "failed 5 times") && has_letter(&letters, order, &expected),
-            "{expected}: {letters:?}"
-        );
     }
     assert_eq!(
         journal(&tenant, good.order).await,
@@ -3601,43 +3591,21 @@ async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
         )
         .await;
     wait_sequence(Database::Ledger, &name, good.order, 3).await;
-    ledger
-        .wait_metric(
-            "consumer_dead_lettered_total",
-            "reason=\"max_attempts\"",
-            2.0,
-        )
-        .await;
-
-    assert_eq!(
-        progress(Database::Ledger, &name, wrong).await,
-        Some((2, true)),
-        "payment booked, delivery dead-lettered, order parked"
-    );
-    assert_eq!(
-        progress(Database::Ledger, &name, good.order).await,
-        Some((3, true)),
-        "the second delivery is parked for a human"
-    );
-    let mut letters = drain_dead_letters(&name).await;
-    letters.sort_by_key(|l| l.reason.clone());
-    assert_eq!(letters.len(), 2, "{letters:?}");
-    assert!(
-        letters.iter().any(
-            |l| l.aggregate_id.as_deref() == Some(wrong.to_string().as_str())
-                && l.reason.contains("failed 5 times")
-                && l.reason
-                    .contains("order total 94.00 differs from merchandise + shipping + tax 93.00")
-        ),
-        "{letters:?}"
-    );
-    assert!(
-        letters.iter().any(
-            |l| l.aggregate_id.as_deref() == Some(good.order.to_string().as_str())
-                && l.reason.contains("already delivered")
-        ),
-        "{letters:?}"
-    );
+    // The payment booked, the delivery dead-lettered, the order parked; the
+    // second delivery parked for a human.
+    ran_out_and_parked(
+        &ledger,
+        Database::Ledger,
+        &[
+            (
+                wrong,
+                2,
+                "order total 94.00 differs from merchandise + shipping + tax 93.00",
+            ),
+            (good.order, 3, "already delivered"),
+        ],
+    )
+    .await;
     assert_eq!(
         journal(&tenant, wrong).await,
         vec![(
