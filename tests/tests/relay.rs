@@ -1625,38 +1625,41 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
 /// that close against the connection's, logging "Connection error").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_while_a_worker_sets_up_its_channel_logs_no_error() {
-    let (tenant, _event_type, db, connection, channel, _collector) =
-        subscribed("RelayTestOpening").await;
+    sigterm_while_held_at(
+        "RelayTestOpening",
+        "relay.opening_channel",
+        "publishing channel open: setting it up",
+    )
+    .await;
+}
+
+/// SIGTERM once the relay, held at hold point `point` (for 60 s), logged
+/// `line`: it stops before any worker is ready, cleanly (status 0, its
+/// "relay stopped", no ERROR line).
+async fn sigterm_while_held_at(kind: &str, point: &str, line: &str) {
+    let (tenant, _event_type, _db, connection, channel) = fresh_tenant(kind).await;
     let (relay, log) = Relay::start_logged(
         &tenant,
         &[
-            (
-                "FAILPOINTS",
-                "relay.opening_channel=return(60000)".to_owned(),
-            ),
+            ("FAILPOINTS", format!("{point}=return(60000)")),
             ("RUST_LOG", "info,outbox_relay=debug".to_owned()),
             ("LOG_FORMAT", "json".to_owned()),
         ],
     );
     let read = || std::fs::read_to_string(&log).unwrap_or_default();
     system_tests::consumers::eventually(
-        "a worker holding its open channel",
+        &format!("the relay held at {point}"),
         Duration::from_secs(60),
-        || async {
-            read()
-                .contains("publishing channel open: setting it up")
-                .then_some(())
-        },
+        || async { read().contains(line).then_some(()) },
     )
     .await;
     relay.stop(); // SIGTERM; asserts a clean exit
     let output = system_tests::take_log(&log);
     assert!(
         !output.contains("relay worker ready"),
-        "stopped while setting up: {output}"
+        "stopped at {point}: {output}"
     );
     system_tests::assert_clean_stop(&output, "relay stopped");
-    delete_tenant_rows(&db, &tenant).await;
     finish(connection, &channel, &tenant).await;
 }
 
@@ -1791,30 +1794,12 @@ async fn a_stop_while_the_relay_waits_on_a_lock_is_prompt_and_clean() {
 /// connection's close ("Connection error" at ERROR).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_while_the_relay_declares_its_exchange_logs_no_error() {
-    let (tenant, _event_type, _db, connection, channel) = fresh_tenant("RelayTestDeclaring").await;
-    let (relay, log) = Relay::start_logged(
-        &tenant,
-        &[
-            ("FAILPOINTS", "relay.declaring=return(60000)".to_owned()),
-            ("RUST_LOG", "info,outbox_relay=debug".to_owned()),
-            ("LOG_FORMAT", "json".to_owned()),
-        ],
-    );
-    let read = || std::fs::read_to_string(&log).unwrap_or_default();
-    system_tests::consumers::eventually(
-        "the relay declaring its exchange",
-        Duration::from_secs(60),
-        || async { read().contains("declaring the exchange").then_some(()) },
+    sigterm_while_held_at(
+        "RelayTestDeclaring",
+        "relay.declaring",
+        "declaring the exchange",
     )
     .await;
-    relay.stop(); // SIGTERM; asserts a clean exit
-    let output = system_tests::take_log(&log);
-    assert!(
-        !output.contains("relay worker ready"),
-        "stopped while declaring: {output}"
-    );
-    system_tests::assert_clean_stop(&output, "relay stopped");
-    finish(connection, &channel, &tenant).await;
 }
 
 /// Quarantine counts the message's own failures only: an event that already
