@@ -3491,6 +3491,22 @@ async fn inventory_dead_letters_a_second_delivery_and_one_that_differs_from_the_
     assert_levels_equal_movements(&tenant).await;
 }
 
+/// `good`'s payment and delivery booked as the seed's order, and the
+/// trial balance of `tenant` (returned, its first currency) at zero.
+async fn booked_and_balanced(ledger: &Consumer, tenant: &str, good: &Story) -> Value {
+    assert_eq!(
+        journal(tenant, good.order).await,
+        vec![
+            (good.paid.event_id, payment_lines()),
+            (good.delivered.event_id, delivery_lines()),
+        ]
+    );
+    let (status, tb) = ledger.get(&format!("/trial-balance?tenant={tenant}")).await;
+    assert_eq!(status, 200, "{tb}");
+    assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
+    tb
+}
+
 /// The ledger books a payment only as the order's total in its currency
 /// (order-api refuses any other; a payload written by hand into the
 /// outbox need not be): one of 94.00 for a 93.00 order, and one of 93.00
@@ -3540,16 +3556,7 @@ async fn the_ledger_dead_letters_a_payment_that_differs_from_the_order() {
     for order in [over, euro] {
         assert_eq!(journal(&tenant, order).await, vec![], "nothing booked");
     }
-    assert_eq!(
-        journal(&tenant, good.order).await,
-        vec![
-            (good.paid.event_id, payment_lines()),
-            (good.delivered.event_id, delivery_lines()),
-        ]
-    );
-    let (status, tb) = ledger.get(&format!("/trial-balance?tenant={tenant}")).await;
-    assert_eq!(status, 200, "{tb}");
-    assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
+    booked_and_balanced(&ledger, &tenant, &good).await;
 }
 
 /// The ledger never books what does not add up: an order whose total differs
@@ -3613,16 +3620,7 @@ async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
             lines(&[("clearing:card", 9400, 0), ("customer_deposits", 0, 9400)])
         )]
     );
-    assert_eq!(
-        journal(&tenant, good.order).await,
-        vec![
-            (good.paid.event_id, payment_lines()),
-            (good.delivered.event_id, delivery_lines()),
-        ]
-    );
-    let (status, tb) = ledger.get(&format!("/trial-balance?tenant={tenant}")).await;
-    assert_eq!(status, 200, "{tb}");
-    assert_eq!(tb["currencies"][0]["balance"], json!("0.00"));
+    let tb = booked_and_balanced(&ledger, &tenant, &good).await;
     assert_eq!(tb["currencies"][0]["total_debit"], json!("324.00"));
 }
 
