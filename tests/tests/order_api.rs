@@ -951,6 +951,98 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
     assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
 }
 
+/// A POST whose COMMIT gets no answer (the database partitioned away just
+/// before it is sent: the proxy holds it) is answered at its budget, 503
+/// `unavailable` saying the outcome is unknown, and its connection is not
+/// pooled. Once the partition heals the held COMMIT arrives and commits:
+/// the retry under the same key replays the stored response, and exactly
+/// one order exists. Before, the POST waited until the database answered
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
+    let database = OwnOrdersDatabase::create().await;
+    let proxy = system_tests::PausableProxy::start(&database.url).await;
+    let api = budget_of_3_s(
+        &proxy.url,
+        &[
+            ("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned()),
+            ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
+            // Each POST waits 1.5 s just before its COMMIT: the window in
+            // which the test partitions the database away.
+            ("FAILPOINTS", "order_api.committing=return(1500)".to_owned()),
+        ],
+    )
+    .await;
+    let tenant = unique_tenant("partition-commit");
+    let key = database.api_key(&tenant);
+    let client = Client::new();
+    let post = || {
+        client
+            .post(api.url("/orders"))
+            .bearer_auth(&key)
+            .header("Idempotency-Key", "partition-commit")
+            .header("Content-Type", "application/json")
+            .body(SEED_ORDER)
+            .timeout(Duration::from_secs(30))
+            .send()
+    };
+    let observer = database.connect().await;
+    let started = std::time::Instant::now();
+    let partitioned = async {
+        // The owner's work is done and COMMIT not yet sent.
+        eventually(
+            "the POST's transaction idle before COMMIT",
+            Duration::from_secs(10),
+            || async {
+                let idle: i64 = observer
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = current_database() AND state = 'idle in transaction'",
+                        &[],
+                    )
+                    .await
+                    .expect("activity")
+                    .get(0);
+                (idle == 1).then_some(())
+            },
+        )
+        .await;
+        proxy.pause();
+    };
+    let (response, ()) = tokio::join!(post(), partitioned);
+    let response = response.expect("an answer before the database answers again");
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(10),
+        "answered after {waited:?} (budget 3 s)"
+    );
+    let problem = expect_problem(response, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|detail| detail.contains("the outcome is unknown")),
+        "{problem}"
+    );
+    assert_eq!(
+        counts_in(&observer, &tenant).await,
+        Counts::NOTHING,
+        "the COMMIT is held by the partition"
+    );
+
+    // The partition heals: the held COMMIT arrives and commits.
+    proxy.resume();
+    eventually(
+        "the held COMMIT committed",
+        Duration::from_secs(10),
+        || async { (counts_in(&observer, &tenant).await == Counts::ONE_ORDER).then_some(()) },
+    )
+    .await;
+    let response = post().await.expect("retry");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(is_replay(&response), "the stored response replayed");
+    assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
+}
+
 /// Reads before a request's transaction (the caller's key, a GET's order)
 /// end at the request budget as the transaction does: behind a table locked
 /// past it, the answer is 503 `deadline_exceeded` at about the budget, not

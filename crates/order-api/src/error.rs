@@ -186,6 +186,10 @@ pub enum ApiError {
     /// or may not have committed.
     #[error("commit: {0}")]
     Commit(tokio_postgres::Error),
+    /// COMMIT was sent but not answered within the request's budget and its
+    /// backstop: the transaction may or may not have committed.
+    #[error("commit: no answer within the request budget of {budget_ms} ms")]
+    CommitUnanswered { budget_ms: u64 },
     #[error("database pool: {0}")]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("internal: {0}")]
@@ -317,7 +321,7 @@ impl ApiError {
             )
             .detail("nothing was stored; retry with the same key")
             .retry_after(1),
-            Self::Commit(_) => Problem::new(
+            Self::Commit(_) | Self::CommitUnanswered { .. } => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "The service cannot reach its database",
@@ -343,7 +347,11 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         match self {
-            Self::Database(_) | Self::Commit(_) | Self::Pool(_) | Self::Internal(_) => {
+            Self::Database(_)
+            | Self::Commit(_)
+            | Self::CommitUnanswered { .. }
+            | Self::Pool(_)
+            | Self::Internal(_) => {
                 tracing::error!(error = %self, "request failed")
             }
             _ => tracing::debug!(error = %self, "request rejected"),

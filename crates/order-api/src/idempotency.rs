@@ -637,7 +637,26 @@ pub async fn execute(
         return Err(error);
     }
     crash_point("order_api.before_commit");
-    tx.commit().await.map_err(|e| {
+    // Where a test holds the request to partition the database away before
+    // COMMIT is sent (a no-op unless armed).
+    kit::failpoint::hold_task("order_api.committing").await;
+    // COMMIT is bounded too, at the same backstop: should the database stop
+    // answering once it is sent (a network partition, a server that froze),
+    // the request is answered there, not when TCP gives up. The outcome is
+    // then unknown (the COMMIT may be held on its way and still arrive), so
+    // the answer says so: a retry under the same key replays the stored
+    // response if it committed and runs the request if it did not. The
+    // connection, a COMMIT maybe still pending on it, is closed, not pooled.
+    let Ok(committed) = tokio::time::timeout_at(backstop, tx.commit()).await else {
+        held.released = false;
+        let error = ApiError::CommitUnanswered {
+            budget_ms: deadline.budget_ms,
+        };
+        metrics.rollbacks.with_label_values(&[endpoint]).inc();
+        tracing::warn!(endpoint, key_hash, %error, "no answer to COMMIT: given up (a retry under the same key replays it if it committed)");
+        return Err(error);
+    };
+    committed.map_err(|e| {
         // The one lock COMMIT waits for is the NOTIFY queue's (the outbox
         // trigger's notification: each committing writer holds it through
         // its WAL flush). Past lock_timeout the database is slow, not the
