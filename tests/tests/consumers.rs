@@ -3562,10 +3562,13 @@ async fn the_ledger_dead_letters_a_payment_that_differs_from_the_order() {
 /// The ledger never books what does not add up: an order whose total differs
 /// from merchandise + shipping + tax (seed 003's "wrong tax code") fails its
 /// delivery five times and is dead-lettered with the reason; a second delivery
-/// of a delivered order is refused rather than booking revenue twice. Other
-/// orders keep flowing and the books stay balanced.
+/// of a delivered order is refused rather than booking revenue twice, and a
+/// second payment of a paid order rather than leaving Customer deposits a
+/// balance no delivery clears (order-api refuses both; a payload written by
+/// hand into the outbox need not). Other orders keep flowing and the books
+/// stay balanced. Before, the second payment was booked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
+async fn the_ledger_dead_letters_events_that_would_book_wrong_amounts() {
     let tenant = unique("t5-books");
     let name = unique("t5-books-led");
     let ledger = Consumer::start(Kind::Ledger, &name, Options::default()).await;
@@ -3583,16 +3586,24 @@ async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
     let good = story(&tenant);
     let again = parcel_delivered(&tenant, good.order, 4, 2);
 
+    let twice = Uuid::now_v7();
+    let twice_placed = order_placed(&tenant, twice, 1, "78", 2);
+    let twice_paid = payment_received(&tenant, twice, 2, "93.00");
+    let twice_paid_again = payment_received(&tenant, twice, 3, "93.00");
+
     publisher
         .all_to_consumer(
             &name,
             &[
                 &placed,
                 &good.placed,
+                &twice_placed,
                 &paid,
                 &good.paid,
+                &twice_paid,
                 &delivered,
                 &good.delivered,
+                &twice_paid_again,
                 &again,
             ],
         )
@@ -3610,6 +3621,7 @@ async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
                 "order total 94.00 differs from merchandise + shipping + tax 93.00",
             ),
             (good.order, 3, "already delivered"),
+            (twice, 2, "already paid"),
         ],
     )
     .await;
@@ -3620,8 +3632,17 @@ async fn the_ledger_dead_letters_deliveries_that_would_book_wrong_amounts() {
             lines(&[("clearing:card", 9400, 0), ("customer_deposits", 0, 9400)])
         )]
     );
+    assert_eq!(
+        journal(&tenant, twice).await,
+        vec![(
+            twice_paid.event_id,
+            lines(&[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)])
+        )],
+        "the second payment is not booked"
+    );
     let tb = booked_and_balanced(&ledger, &tenant, &good).await;
-    assert_eq!(tb["currencies"][0]["total_debit"], json!("324.00"));
+    // 94.00 + 93.00 paid, 137.00 delivered (93.00 + 44.00 of goods), 93.00 paid.
+    assert_eq!(tb["currencies"][0]["total_debit"], json!("417.00"));
 }
 
 /// Run `<binary> redrive [args]` for consumer `name`; returns stdout.

@@ -175,7 +175,20 @@ impl EventPayload for OrderPlacedV1 {
         }
         not_negative("shipping", self.shipping)?;
         not_negative("tax", self.tax)?;
-        not_negative("total", self.total)
+        not_negative("total", self.total)?;
+        // Sums that overflow depend on the payload alone (order-api refuses
+        // them, 422 "amount overflows"): poison, not a handler failure
+        // retried through every tier.
+        if self.merchandise().is_none() {
+            return Err("the lines' prices overflow in sum".to_owned());
+        }
+        if self.cost_of_goods().is_none() {
+            return Err("the lines' costs overflow in sum".to_owned());
+        }
+        if self.computed_total().is_none() {
+            return Err("merchandise + shipping + tax overflows".to_owned());
+        }
+        Ok(())
     }
 }
 

@@ -166,6 +166,28 @@ async fn terms(
     })
 }
 
+/// The event id of an entry of `event_type` the order already has, if any
+/// (any one: a correction by hand leaves several, a reversal and the right
+/// entry, under the type of the entry it corrects).
+async fn already_posted(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order: Uuid,
+    event_type: &str,
+) -> Result<Option<Uuid>, HandlerError> {
+    let row = tx
+        .query_opt(
+            &tx.prepare_cached(
+                "SELECT event_id FROM journal_entries WHERE tenant_id = $1 AND order_id = $2 \
+                 AND event_type = $3 LIMIT 1",
+            )
+            .await?,
+            &[&tenant, &order, &event_type],
+        )
+        .await?;
+    Ok(row.map(|row| row.get(0)))
+}
+
 fn overflow(what: &str) -> HandlerError {
     HandlerError::new(format!("{what} overflows"))
 }
@@ -224,6 +246,17 @@ impl consumer_runtime::Domain for Ledger {
                 Ok(())
             }
             Event::PaymentReceived(payment) => {
+                // One payment per order (order-api enforces it); a second
+                // one would leave Customer deposits holding a balance the
+                // delivery never clears: stop for a human instead.
+                if let Some(first) =
+                    already_posted(tx, tenant, payment.order_id, &envelope.event_type).await?
+                {
+                    return Err(HandlerError::new(format!(
+                        "order {} was already paid (event {first}); not booking a second payment",
+                        payment.order_id
+                    )));
+                }
                 // The order's total, in its currency (order-api refuses any
                 // other payment): a payment that differs would leave
                 // Customer deposits with a balance the delivery never
@@ -262,14 +295,9 @@ impl consumer_runtime::Domain for Ledger {
             Event::ParcelDelivered(delivery) => {
                 // One delivery per order (order-api enforces it); a second one
                 // would book the revenue twice: stop for a human instead.
-                let delivered = tx
-                    .query_opt(&tx.prepare_cached("SELECT event_id FROM journal_entries WHERE tenant_id = $1 AND order_id = $2 \
-                         AND event_type = $3").await?,
-                        &[&tenant, &delivery.order_id, &envelope.event_type],
-                    )
-                    .await?;
-                if let Some(row) = delivered {
-                    let first: Uuid = row.get(0);
+                if let Some(first) =
+                    already_posted(tx, tenant, delivery.order_id, &envelope.event_type).await?
+                {
                     return Err(HandlerError::new(format!(
                         "order {} was already delivered (event {first}); not posting revenue twice",
                         delivery.order_id

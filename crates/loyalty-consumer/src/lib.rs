@@ -101,8 +101,10 @@ impl consumer_runtime::Domain for Loyalty {
                 }
                 // One delivery per order (order-api enforces it): never award twice.
                 let awarded = tx
+                    // LIMIT 1: a correction by hand leaves several entries
+                    // (a negative one and the right one) under the type.
                     .query_opt(&tx.prepare_cached("SELECT event_id FROM loyalty_entries WHERE tenant_id = $1 AND order_id = $2 \
-                         AND event_type = $3").await?,
+                         AND event_type = $3 LIMIT 1").await?,
                         &[&envelope.tenant_id, &delivery.order_id, &envelope.event_type],
                     )
                     .await?;
