@@ -548,6 +548,13 @@ async fn a_listener_added_later_catches_up_through_a_replay_without_dead_letters
         loyalty.metric("consumer_dead_lettered_total", "").await,
         0.0
     );
+    // Only the live delivery measures the lag: the five replayed events are
+    // late by design, and would hold ConsumerLagHigh up through a backfill.
+    assert_eq!(
+        loyalty.metric("consumer_lag_seconds_count", "").await,
+        1.0,
+        "lag observed for live events only"
+    );
     let parked: i64 = pg(Database::Loyalty)
         .await
         .query_one(

@@ -124,7 +124,7 @@ impl Metrics {
             lag_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     "consumer_lag_seconds",
-                    "From the event's occurred_at to its effect being committed",
+                    "From the event's occurred_at to its effect being committed (live events only: not a replayed or redriven copy)",
                 )
                 .const_label("consumer", consumer)
                 .buckets(vec![

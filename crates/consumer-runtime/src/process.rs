@@ -615,8 +615,22 @@ impl<D: Domain> Processor<D> {
             None => "ignored".to_owned(),
         };
         self.metrics.applied.with_label_values(&[&event_type]).inc();
+        // Only a live event measures the lag: a replayed or redriven copy is
+        // late by design (a new consumer's backfill re-sends days of
+        // history), and would hold ConsumerLagHigh up for the whole replay.
+        let late_by_design =
+            incoming
+                .delivery
+                .properties
+                .headers()
+                .as_ref()
+                .is_some_and(|headers| {
+                    let headers = headers.inner();
+                    headers.contains_key(events::headers::REPLAYED)
+                        || headers.contains_key(topology::headers::REDRIVEN)
+                });
         let lag = OffsetDateTime::now_utc() - raw.occurred_at;
-        if lag.is_positive() {
+        if lag.is_positive() && !late_by_design {
             self.metrics.lag_seconds.observe(lag.as_seconds_f64());
         }
         tracing::info!(event_id = %raw.event_id, event_type = %raw.event_type, order = %raw.aggregate_id, sequence, "applied");
