@@ -23,6 +23,9 @@ pub struct Settings {
 }
 
 /// How the consumer takes events off the broker.
+/// The smallest `consumer.delivery_limit` accepted.
+pub const MIN_DELIVERY_LIMIT: u32 = 5;
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ConsumerSettings {
     /// The consumer's name: its inbox key (`processed_events.consumer_name`,
@@ -57,7 +60,11 @@ pub struct ConsumerSettings {
     pub max_deferrals: u32,
     /// `x-delivery-limit` of the partition queues: a backstop against a
     /// message that crashes the process every time it is delivered (it is
-    /// then dead-lettered by the broker into `<name>.dlq`).
+    /// then dead-lettered by the broker into `<name>.dlq`). At least
+    /// [`MIN_DELIVERY_LIMIT`]: every stop or restart returns the unacked
+    /// prefetch window, a delivery counted for each of its messages, so a
+    /// smaller limit dead-letters (and parks the orders of) whole windows
+    /// over a few deploys; 0 is no "no limit".
     pub delivery_limit: u32,
     /// Bind `<name>.events` to `order-events` (`#`). Always on in a real
     /// deployment; tests turn it off to feed a private consumer only through
@@ -147,6 +154,13 @@ impl Settings {
         );
         anyhow::ensure!(c.partitions >= 1, "consumer.partitions must be at least 1");
         anyhow::ensure!(c.prefetch >= 1, "consumer.prefetch must be at least 1");
+        anyhow::ensure!(
+            c.delivery_limit >= MIN_DELIVERY_LIMIT,
+            "consumer.delivery_limit must be at least {MIN_DELIVERY_LIMIT} (got {}): every stop \
+             of the consumer counts a delivery for each unacknowledged message, so a smaller \
+             limit dead-letters whole prefetch windows over a few restarts",
+            c.delivery_limit
+        );
         anyhow::ensure!(
             c.max_attempts >= 1,
             "consumer.max_attempts must be at least 1"
@@ -301,6 +315,21 @@ mod tests {
         settings.cleanup.inbox_retention_hours = 8 * 24;
         settings.consumer.retry_tiers_ms = "0".into();
         assert!(settings.validate().is_err());
+    }
+
+    #[test]
+    fn a_delivery_limit_below_the_minimum_is_refused() {
+        let mut settings = Settings::local("ledger", "ledger", 8082);
+        for limit in [0, 1, MIN_DELIVERY_LIMIT - 1] {
+            settings.consumer.delivery_limit = limit;
+            let error = settings.validate().expect_err("too small").to_string();
+            assert!(
+                error.contains("consumer.delivery_limit must be at least 5"),
+                "{error}"
+            );
+        }
+        settings.consumer.delivery_limit = MIN_DELIVERY_LIMIT;
+        settings.validate().expect("the minimum");
     }
 
     #[test]

@@ -149,6 +149,15 @@ fn build_pool(
             "database.pool_size must be at least 1".to_owned(),
         ));
     }
+    // 0 would make every checkout fail at once whenever all connections are
+    // busy (deadpool then only tries): a 503, or "database down", under any
+    // burst.
+    if settings.acquire_timeout_ms == 0 {
+        return Err(DbError::Build(
+            "database.acquire_timeout_ms must be at least 1 (0 would fail every wait for a busy pool at once)"
+                .to_owned(),
+        ));
+    }
     let mut pg: tokio_postgres::Config =
         settings.url.parse().map_err(|source| DbError::BadUrl {
             url: redact_url(&settings.url),
@@ -356,6 +365,26 @@ mod tests {
         ] {
             assert!(with(url).is_ok(), "{url}");
         }
+    }
+
+    #[test]
+    fn a_pool_of_no_connections_or_no_wait_is_refused() {
+        let with = |pool_size, acquire_timeout_ms| {
+            build_pool(
+                &DatabaseSettings {
+                    url: "postgres://app@127.0.0.1/orders".to_owned(),
+                    pool_size,
+                    acquire_timeout_ms,
+                },
+                None,
+                None,
+            )
+            .err()
+            .map(|error| error.to_string())
+        };
+        assert!(with(0, 100).is_some_and(|e| e.contains("database.pool_size")));
+        assert!(with(1, 0).is_some_and(|e| e.contains("database.acquire_timeout_ms")));
+        assert_eq!(with(1, 1), None);
     }
 
     #[tokio::test]

@@ -9,9 +9,9 @@
 //! 3. environment variables `<PREFIX>__<SECTION>__<FIELD>`, e.g.
 //!    `ORDER_API__DATABASE__URL` or `INVENTORY_CONSUMER__HTTP__PORT`.
 //!
-//! A `<PREFIX>__...` variable that names no setting (a typo) stops the
-//! service at start-up with the list of its settings, and so does a word
-//! of yes or no given to a number setting.
+//! A `<PREFIX>__...` variable or a key of the file that names no setting (a
+//! typo) stops the service at start-up with the list of its settings, and
+//! so does a word of yes or no given to a number setting in either.
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
@@ -30,6 +30,7 @@ where
     reject_words_for_numbers(prefix, defaults, vars)?;
     let mut builder = config::Config::builder().add_source(config::Config::try_from(defaults)?);
     if let Some(file) = config_file(prefix, std::env::vars_os())? {
+        reject_unknown_file_settings(&file, defaults)?;
         builder = builder.add_source(config::File::with_name(&file).required(true));
     }
     // No `try_parsing`: it would store a value that looks like a number or a
@@ -121,26 +122,80 @@ fn reject_unknown_variables<T: Serialize>(
 fn settings_of<T: Serialize>(
     defaults: &T,
 ) -> Result<Vec<(String, serde_json::Value)>, config::ConfigError> {
-    fn leaves(value: serde_json::Value, path: String, into: &mut Vec<(String, serde_json::Value)>) {
-        match value {
-            serde_json::Value::Object(fields) => {
-                for (name, value) in fields {
-                    let path = if path.is_empty() {
-                        name
-                    } else {
-                        format!("{path}__{name}")
-                    };
-                    leaves(value, path, into);
-                }
-            }
-            value => into.push((path.to_uppercase(), value)),
-        }
-    }
     let tree =
         serde_json::to_value(defaults).map_err(|e| config::ConfigError::Message(e.to_string()))?;
     let mut settings = Vec::new();
     leaves(tree, String::new(), &mut settings);
     Ok(settings)
+}
+
+/// The leaves of `value` by their paths (`DATABASE__URL`).
+fn leaves(value: serde_json::Value, path: String, into: &mut Vec<(String, serde_json::Value)>) {
+    match value {
+        serde_json::Value::Object(fields) => {
+            for (name, value) in fields {
+                let path = if path.is_empty() {
+                    name
+                } else {
+                    format!("{path}__{name}")
+                };
+                leaves(value, path, into);
+            }
+        }
+        value => into.push((path.to_uppercase(), value)),
+    }
+}
+
+/// A word config reads as a bool, and as 1 or 0 for a number.
+fn is_word_for_a_number(value: &str) -> bool {
+    matches!(
+        value.trim().to_lowercase().as_str(),
+        "true" | "false" | "yes" | "no" | "on" | "off"
+    )
+}
+
+/// Fail on a key of the configuration file that names no setting
+/// (`[database] pool_szie = 4`), and on a word of yes or no given to a
+/// number setting there (`pool_size = "yes"`), as for the variables: config
+/// ignored the one (the service ran on the default) and read the other as
+/// 1. A setting whose default is absent (null) may be given as a table.
+fn reject_unknown_file_settings<T: Serialize>(
+    file: &str,
+    defaults: &T,
+) -> Result<(), config::ConfigError> {
+    let tree: serde_json::Value = config::Config::builder()
+        .add_source(config::File::with_name(file).required(true))
+        .build()?
+        .try_deserialize()?;
+    let known = settings_of(defaults)?;
+    let mut given = Vec::new();
+    leaves(tree, String::new(), &mut given);
+    let key = |path: &str| path.to_lowercase().replace("__", ".");
+    let mut refused = Vec::new();
+    for (path, value) in given {
+        let setting = known.iter().find(|(name, default)| {
+            *name == path || (default.is_null() && path.starts_with(&format!("{name}__")))
+        });
+        match setting {
+            None => refused.push(format!("{} names no setting", key(&path))),
+            Some((_, default))
+                if default.is_number() && value.as_str().is_some_and(is_word_for_a_number) =>
+            {
+                refused.push(format!("{} = {value}: a number is expected", key(&path)));
+            }
+            Some(_) => {}
+        }
+    }
+    if refused.is_empty() {
+        return Ok(());
+    }
+    let mut settings: Vec<String> = known.iter().map(|(name, _)| key(name)).collect();
+    settings.sort();
+    Err(config::ConfigError::Message(format!(
+        "configuration file {file}: {}; the settings are {}",
+        refused.join(", "),
+        settings.join(", ")
+    )))
 }
 
 /// Fail on a word of yes or no given to a number setting
@@ -163,10 +218,7 @@ fn reject_words_for_numbers<T: Serialize>(
             name.to_uppercase()
                 .strip_prefix(&start)
                 .is_some_and(|key| numbers.iter().any(|n| n == key))
-                && matches!(
-                    value.trim().to_lowercase().as_str(),
-                    "true" | "false" | "yes" | "no" | "on" | "off"
-                )
+                && is_word_for_a_number(value)
         })
         .map(|(name, value)| format!("{name}={value}"))
         .collect();
@@ -474,6 +526,62 @@ mod tests {
             ]),
         )
         .is_ok());
+    }
+
+    #[test]
+    fn a_file_key_that_names_no_setting_or_a_word_for_a_number_is_refused() {
+        let defaults = Demo {
+            database: DatabaseSettings::local("orders"),
+            http: HttpSettings::local(8080),
+            name: "x".into(),
+        };
+        let file = |name: &str, text: &str| {
+            let path = std::env::temp_dir()
+                .join(format!("kit-settings-{}-{name}.toml", std::process::id()));
+            std::fs::write(&path, text).expect("write the file");
+            path.to_str().expect("utf-8 path").to_owned()
+        };
+        let good = file(
+            "good",
+            "name = \"z\"\n[database]\npool_size = 4\nurl = \"postgres://db/x\"\n",
+        );
+        reject_unknown_file_settings(&good, &defaults).expect("every key a setting");
+        // As `load` reads it.
+        std::env::set_var("KIT_SETTINGS_FILE_TEST__CONFIG_FILE", &good);
+        let loaded: Demo = load("KIT_SETTINGS_FILE_TEST", &defaults).expect("load");
+        assert_eq!((loaded.database.pool_size, loaded.name.as_str()), (4, "z"));
+        for (name, text, expected) in [
+            (
+                "typo",
+                "[database]\npool_szie = 4\n",
+                "database.pool_szie names no setting",
+            ),
+            (
+                "section",
+                "[databse]\nurl = \"x\"\n",
+                "databse.url names no setting",
+            ),
+            (
+                "word",
+                "[database]\npool_size = \"yes\"\n",
+                "database.pool_size = \"yes\": a number is expected",
+            ),
+        ] {
+            let path = file(name, text);
+            let error = reject_unknown_file_settings(&path, &defaults)
+                .expect_err(name)
+                .to_string();
+            assert!(error.contains(expected), "{name}: {error}");
+            assert!(error.contains("database.acquire_timeout_ms"), "{error}");
+            // As `load` reads it (before, it loaded the defaults, or a pool
+            // of 1).
+            let prefix = format!("KIT_SETTINGS_FILE_{}", name.to_uppercase());
+            std::env::set_var(format!("{prefix}__CONFIG_FILE"), &path);
+            let error = load(&prefix, &defaults).expect_err(name).to_string();
+            assert!(error.contains(expected), "{name}: {error}");
+            std::fs::remove_file(&path).expect("remove");
+        }
+        std::fs::remove_file(&good).expect("remove");
     }
 
     #[test]
