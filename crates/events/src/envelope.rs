@@ -263,6 +263,10 @@ impl RawEnvelope {
             )));
         }
         let payload = P::deserialize(&self.payload).map_err(|e| invalid(e.to_string()))?;
+        // serde's derive also reads a struct from a JSON array of its fields
+        // in order (the payload, a line); the contract's are objects.
+        let typed = serde_json::to_value(&payload).map_err(|e| invalid(e.to_string()))?;
+        objects_where_the_contract_has_them(&self.payload, &typed, "payload").map_err(invalid)?;
         payload.check().map_err(invalid)?;
         let order_id = order_id(&payload);
         // The order's id in its one spelling (lower-case, hyphenated, as
@@ -277,6 +281,36 @@ impl RawEnvelope {
             )));
         }
         Ok(wrap(payload))
+    }
+}
+
+/// `Err` naming the first place where `given` (the payload as sent) holds
+/// something else than a JSON object where `typed` (the payload decoded and
+/// encoded again, as the contract spells it) has one: a struct read from a
+/// JSON array by position. Fields `given` lacks (defaults) are skipped.
+fn objects_where_the_contract_has_them(
+    given: &serde_json::Value,
+    typed: &serde_json::Value,
+    path: &str,
+) -> Result<(), String> {
+    use serde_json::Value;
+    match (given, typed) {
+        (Value::Object(given), Value::Object(typed)) => {
+            for (name, typed) in typed {
+                if let Some(given) = given.get(name) {
+                    objects_where_the_contract_has_them(given, typed, &format!("{path}.{name}"))?;
+                }
+            }
+            Ok(())
+        }
+        (_, Value::Object(_)) => Err(format!("{path} must be a JSON object")),
+        (Value::Array(given), Value::Array(typed)) => {
+            for (i, (given, typed)) in given.iter().zip(typed).enumerate() {
+                objects_where_the_contract_has_them(given, typed, &format!("{path}[{i}]"))?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 

@@ -741,3 +741,43 @@ fn sums_that_overflow_are_invalid_payload() {
         "a total of exactly the largest amount decodes"
     );
 }
+
+/// serde's derive reads a struct from a JSON array of its fields in order:
+/// a payload, or an order's line, sent as an array decoded as the event it
+/// spells. The contract's payloads and lines are objects: poison, with the
+/// place named.
+#[test]
+fn a_payload_or_a_line_given_as_an_array_is_invalid_payload() {
+    let golden: Value = serde_json::from_str(ORDER_PLACED_JSON).expect("json");
+    // The fields in the struct's order, so that the derive would read them.
+    let payload = &golden["payload"];
+    let fields = [
+        "order_id",
+        "customer_id",
+        "checkout_id",
+        "lines",
+        "shipping",
+        "tax",
+        "total",
+        "currency",
+        "location",
+    ];
+    let ordered: Vec<Value> = fields
+        .iter()
+        .map(|f| payload.get(*f).cloned().unwrap_or(Value::Null))
+        .collect();
+    let text = invalid_payload(&set(ORDER_PLACED_JSON, "/payload", Value::Array(ordered)));
+    assert_contains(&text, "payload must be a JSON object");
+    let line = &payload["lines"][0];
+    let line_fields = ["sku", "qty", "unit_price", "unit_cost"];
+    let ordered_line: Vec<Value> = line_fields
+        .iter()
+        .map(|f| line.get(*f).cloned().expect("line field"))
+        .collect();
+    let text = invalid_payload(&set(
+        ORDER_PLACED_JSON,
+        "/payload/lines/0",
+        Value::Array(ordered_line),
+    ));
+    assert_contains(&text, "payload.lines[0] must be a JSON object");
+}
