@@ -106,6 +106,9 @@ pub struct Results {
     /// default workers and batch size).
     pub relay_workers: usize,
     pub relay_window: usize,
+    /// Events per synthetic order in the relay's backlog (1: every event
+    /// the first of its order, whose claim skips the hold-back probe).
+    pub relay_events_per_order: i64,
     /// The consumers' partitions (the production default, 4) and so the
     /// raw loop's sequential workers.
     pub consumer_partitions: usize,
@@ -880,6 +883,7 @@ async fn relay_drains(
     let window = usize::try_from(defaults.batch_size).unwrap_or(500);
     results.relay_workers = workers;
     results.relay_window = window;
+    results.relay_events_per_order = per_order;
     let rows = relay::rows(orders, &system.tenant, backlog).await;
     let half = rows.len() / 2;
     let halves: Vec<Arc<Vec<_>>> = [&rows[..half], &rows[half..]]

@@ -222,6 +222,17 @@ pub struct Sink {
     /// When the first message since [`Sink::arm`] arrived (microseconds
     /// since the Unix epoch; 0: none yet).
     first_at: Arc<AtomicU64>,
+    /// The distinct `message_id`s received since [`Sink::arm`], and how many
+    /// messages repeated one: a drain must deliver each event, once.
+    received: Arc<std::sync::Mutex<Received>>,
+}
+
+/// What [`Sink`] received since it was armed.
+#[derive(Default)]
+struct Received {
+    ids: std::collections::HashSet<String>,
+    repeated: u64,
+    without_id: u64,
 }
 
 impl Sink {
@@ -271,10 +282,23 @@ impl Sink {
         let counter = delivered.clone();
         let first_at = Arc::new(AtomicU64::new(0));
         let first = first_at.clone();
+        let received = Arc::new(std::sync::Mutex::new(Received::default()));
+        let ids = received.clone();
         tokio::spawn(async move {
-            while let Some(Ok(_)) = consumer.next().await {
+            while let Some(Ok(delivery)) = consumer.next().await {
                 if first.load(Ordering::Relaxed) == 0 {
                     first.store(unix_micros(SystemTime::now()), Ordering::Relaxed);
+                }
+                {
+                    let mut received = ids.lock().expect("received");
+                    match delivery.properties.message_id() {
+                        Some(id) => {
+                            if !received.ids.insert(id.to_string()) {
+                                received.repeated += 1;
+                            }
+                        }
+                        None => received.without_id += 1,
+                    }
                 }
                 counter.fetch_add(1, Ordering::Relaxed);
             }
@@ -285,12 +309,26 @@ impl Sink {
             queue,
             delivered,
             first_at,
+            received,
         }
     }
 
-    /// Note when the next message arrives ([`Sink::first_since_armed`]).
+    /// Note when the next message arrives ([`Sink::first_since_armed`]),
+    /// and count distinct messages from now ([`Sink::distinct`]).
     pub fn arm(&self) {
         self.first_at.store(0, Ordering::Relaxed);
+        *self.received.lock().expect("received") = Received::default();
+    }
+
+    /// Since [`Sink::arm`]: distinct message ids received, messages that
+    /// repeated one, and messages without an id.
+    pub fn distinct(&self) -> (u64, u64, u64) {
+        let received = self.received.lock().expect("received");
+        (
+            u64::try_from(received.ids.len()).unwrap_or(u64::MAX),
+            received.repeated,
+            received.without_id,
+        )
     }
 
     /// When the first message since [`Sink::arm`] arrived, in seconds since
@@ -552,6 +590,25 @@ pub async fn measure_drain(
     let events = u64::try_from(row.get::<_, i64>(0))
         .unwrap_or_default()
         .max(total);
+    // Every event reached the sink, once: the counter alone would have
+    // passed a relay that published some rows twice and marked others
+    // without publishing them. The last messages may still be on their
+    // way to the sink after the last mark.
+    loop {
+        let (distinct, repeated, without_id) = sink.distinct();
+        anyhow::ensure!(
+            repeated == 0 && without_id == 0,
+            "{label}: the sink received {repeated} messages twice and {without_id} without a message id"
+        );
+        if distinct == events {
+            break;
+        }
+        anyhow::ensure!(
+            distinct < events && started.elapsed() < deadline,
+            "{label}: the sink received {distinct} distinct events of {events}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let last_mark: f64 = row.get::<_, Option<f64>>(1).unwrap_or_default();
     let first = sink
         .first_since_armed()
