@@ -1762,6 +1762,78 @@ async fn the_openapi_document_states_the_configured_key_retention() {
     }
 }
 
+/// A lock timeout on the key table as a whole (an operator's `LOCK TABLE`,
+/// a `REINDEX`) is no key owner in flight: 503 `unavailable` with
+/// `Retry-After`, nothing stored, `idempotency_in_progress_total` unchanged.
+/// Before, a key never used was answered 409 `idempotency_in_progress` and
+/// counted as a wait for its owner. PostgreSQL tells the two apart: a wait
+/// for a row's transaction carries a context, a wait for the table none.
+#[tokio::test]
+async fn a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress() {
+    let database = OwnOrdersDatabase::create().await;
+    let api = OrderApi::start(&[
+        ("ORDER_API__DATABASE__URL", database.url.clone()),
+        ("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned()),
+        // One worker, so the POST below gets the connection the first one
+        // used, its claim prepared: the wait is the claim's, not the
+        // preparation's.
+        ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
+    ])
+    .await;
+    let tenant = unique_tenant("table-lock");
+    let key = database.api_key(&tenant);
+    let client = Client::new();
+    let post = |idempotency_key: &'static str| {
+        client
+            .post(api.url("/orders"))
+            .bearer_auth(&key)
+            .header("Idempotency-Key", idempotency_key)
+            .header("Content-Type", "application/json")
+            .body(SEED_ORDER)
+            .send()
+    };
+    let first = post("first").await.expect("post");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let before = key_metrics(&api, "POST /orders").await;
+    let mut holder = database.connect().await;
+    let tx = holder.transaction().await.expect("begin");
+    lock_table(&tx, "idempotency_requests").await;
+    let response = post("never-used").await.expect("post");
+    assert_eq!(
+        response
+            .headers()
+            .get("Retry-After")
+            .and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    let problem = expect_problem(response, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|detail| detail.contains("nothing was stored")),
+        "{problem}"
+    );
+    tx.rollback().await.expect("rollback");
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics::default(),
+        "no wait for a key's owner counted"
+    );
+    let observer = database.connect().await;
+    assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
+    let response = post("never-used").await.expect("post");
+    assert_eq!(response.status(), StatusCode::CREATED, "served again");
+    assert_eq!(
+        counts_in(&observer, &tenant).await,
+        Counts {
+            orders: 2,
+            lines: 2,
+            keys: 2,
+            outbox: 2
+        }
+    );
+}
+
 #[tokio::test]
 async fn the_wait_for_an_in_flight_owner_is_bounded() {
     let api =

@@ -445,7 +445,7 @@ pub async fn execute(
             async move {
                 match tx.query_opt(&statement, params).await {
                     Ok(row) => Ok(row.is_some()),
-                    Err(error) if ApiError::is_lock_timeout(&error) => {
+                    Err(error) if ApiError::is_lock_timeout(&error) && waited_on_a_row(&error) => {
                         Err(in_progress("the wait for the key's owner ran out"))
                     }
                     Err(error) => Err(ApiError::from(error)),
@@ -684,6 +684,16 @@ pub async fn execute(
         "idempotency key claimed and committed"
     );
     Ok(stored.response(false))
+}
+
+/// Whether a lock timeout ended a wait for a row's transaction (the key's
+/// owner, in flight, inserted or holds the key's row), not for the whole
+/// table (an operator's `LOCK TABLE`, a `REINDEX`: no key owner, a database
+/// that cannot serve, 503). PostgreSQL gives the error a context ("while
+/// inserting index tuple ...", "while updating tuple ...", in the server's
+/// language) only when it waited for a row's transaction.
+fn waited_on_a_row(error: &tokio_postgres::Error) -> bool {
+    error.as_db_error().is_some_and(|db| db.where_().is_some())
 }
 
 /// Whether a COMMIT that failed with SQLSTATE `code` certainly rolled its
