@@ -953,8 +953,8 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
 
 /// A POST whose COMMIT gets no answer (the database partitioned away just
 /// before it is sent: the proxy holds it) is answered at its budget, 503
-/// `unavailable` saying the outcome is unknown, and its connection is not
-/// pooled. Once the partition heals the held COMMIT arrives and commits:
+/// `unavailable` saying the outcome is unknown, counted as such (not as a
+/// rollback), and its connection is closed, not pooled. Once the partition heals the held COMMIT arrives and commits:
 /// the retry under the same key replays the stored response, and exactly
 /// one order exists. Before, the POST waited until the database answered
 /// again.
@@ -986,30 +986,35 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
             .timeout(Duration::from_secs(30))
             .send()
     };
+    let before = key_metrics(&api, "POST /orders").await;
     let observer = database.connect().await;
     let started = std::time::Instant::now();
     let partitioned = async {
-        // The owner's work is done and COMMIT not yet sent.
-        eventually(
+        // The owner's work is done (its last statement stored the response)
+        // and COMMIT not yet sent: held there. Between two statements of the
+        // work the session is idle in a transaction too, so the state alone
+        // would not say where it is.
+        let held = eventually(
             "the POST's transaction idle before COMMIT",
             Duration::from_secs(10),
             || async {
-                let idle: i64 = observer
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity
-                     WHERE datname = current_database() AND state = 'idle in transaction'",
+                observer
+                    .query_opt(
+                        "SELECT pid FROM pg_stat_activity
+                         WHERE datname = current_database() AND state = 'idle in transaction'
+                           AND query LIKE '%SET response_status%'",
                         &[],
                     )
                     .await
                     .expect("activity")
-                    .get(0);
-                (idle == 1).then_some(())
+                    .map(|row| row.get::<_, i32>(0))
             },
         )
         .await;
         proxy.pause();
+        held
     };
-    let (response, ()) = tokio::join!(post(), partitioned);
+    let (response, held) = tokio::join!(post(), partitioned);
     let response = response.expect("an answer before the database answers again");
     let waited = started.elapsed();
     assert!(
@@ -1029,7 +1034,8 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
         "the COMMIT is held by the partition"
     );
 
-    // The partition heals: the held COMMIT arrives and commits.
+    // The partition heals: the held COMMIT arrives and commits, and the
+    // session ends (order-api closed the connection rather than pool it).
     proxy.resume();
     eventually(
         "the held COMMIT committed",
@@ -1037,6 +1043,33 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
         || async { (counts_in(&observer, &tenant).await == Counts::ONE_ORDER).then_some(()) },
     )
     .await;
+    eventually(
+        "the held session closed, not pooled",
+        Duration::from_secs(10),
+        || async {
+            observer
+                .query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&held])
+                .await
+                .expect("activity")
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics::default(),
+        "an unknown outcome is no rollback"
+    );
+    assert_eq!(
+        api_metric(
+            &api,
+            "idempotency_commit_outcome_unknown_total",
+            Some("POST /orders")
+        )
+        .await,
+        1
+    );
     let response = post().await.expect("retry");
     assert_eq!(response.status(), StatusCode::CREATED);
     assert!(is_replay(&response), "the stored response replayed");

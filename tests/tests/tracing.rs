@@ -378,6 +378,7 @@ async fn every_service_exposes_lint_clean_prometheus_metrics() {
                 "idempotency_key_conflicts_total",
                 "idempotency_in_progress_total",
                 "idempotency_rollbacks_total",
+                "idempotency_commit_outcome_unknown_total",
                 "idempotency_expired_keys_deleted_total",
                 "idempotency_cleanup_failures_total",
                 "idempotency_oldest_incomplete_key_seconds",

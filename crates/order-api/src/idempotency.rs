@@ -440,12 +440,19 @@ pub async fn execute(
         // (A claim the budget ended, whether it waited for an owner or not,
         // is the budget's 503: only the lock timeout tells a wait for an
         // owner apart.)
-        let won = |statement: tokio_postgres::Statement| {
+        // `first`: the transaction's first statement on the table. A lock
+        // timeout there may be a wait for the whole table (an operator's
+        // LOCK TABLE: no owner in flight, 503); once it has run, the
+        // transaction holds the table, and every later wait is for a row.
+        let won = |statement: tokio_postgres::Statement, first: bool| {
             let (tx, params) = (&tx, &params);
             async move {
                 match tx.query_opt(&statement, params).await {
                     Ok(row) => Ok(row.is_some()),
-                    Err(error) if ApiError::is_lock_timeout(&error) && waited_on_a_row(&error) => {
+                    Err(error)
+                        if ApiError::is_lock_timeout(&error)
+                            && (!first || waited_on_a_row(&error)) =>
+                    {
                         Err(in_progress("the wait for the key's owner ran out"))
                     }
                     Err(error) => Err(ApiError::from(error)),
@@ -453,7 +460,7 @@ pub async fn execute(
             }
         };
         let (limited, claimed) =
-            futures_util::future::join(tx.batch_execute(&limit), won(claim.clone())).await;
+            futures_util::future::join(tx.batch_execute(&limit), won(claim.clone(), true)).await;
         limited?;
         let mut claimed = claimed?;
         // The key's record as committed now. Prepared only when read: an
@@ -468,7 +475,7 @@ pub async fn execute(
             existing = read().await?;
             if existing.as_ref().is_some_and(|row| row.get::<_, bool>(4)) {
                 let take_over = tx.prepare_cached(TAKE_OVER).await?;
-                claimed = won(take_over).await?;
+                claimed = won(take_over, false).await?;
                 if !claimed {
                     // Another request took it over (and committed): its record.
                     existing = read().await?;
@@ -481,7 +488,7 @@ pub async fn execute(
             // (or under the takeover's lock wait). It deletes only expired
             // records, so the key is free, and its reuse is a new operation
             // (seed 004): claim it again, once.
-            claimed = won(claim).await?;
+            claimed = won(claim, false).await?;
             if !claimed {
                 existing = read().await?;
             }
@@ -636,6 +643,11 @@ pub async fn execute(
         rolled_back(&error);
         return Err(error);
     }
+    // From COMMIT sent until answered, a request dropped (its client gone)
+    // must not pool the connection: the next request would queue behind the
+    // pending COMMIT. Released again once COMMIT returns.
+    let released = held.released;
+    held.released = false;
     crash_point("order_api.before_commit");
     // Where a test holds the request to partition the database away before
     // COMMIT is sent (a no-op unless armed).
@@ -648,14 +660,16 @@ pub async fn execute(
     // response if it committed and runs the request if it did not. The
     // connection, a COMMIT maybe still pending on it, is closed, not pooled.
     let Ok(committed) = tokio::time::timeout_at(backstop, tx.commit()).await else {
-        held.released = false;
         let error = ApiError::CommitUnanswered {
             budget_ms: deadline.budget_ms,
         };
-        metrics.rollbacks.with_label_values(&[endpoint]).inc();
+        metrics.commit_unknown.with_label_values(&[endpoint]).inc();
         tracing::warn!(endpoint, key_hash, %error, "no answer to COMMIT: given up (a retry under the same key replays it if it committed)");
         return Err(error);
     };
+    // COMMIT answered (a failure included: a dropped connection is closed
+    // and discarded by the pool's check).
+    held.released = released;
     committed.map_err(|e| {
         // The one lock COMMIT waits for is the NOTIFY queue's (the outbox
         // trigger's notification: each committing writer holds it through
@@ -666,11 +680,12 @@ pub async fn execute(
         // an administrator while it waited for a synchronous standby, after
         // its local commit): the answer must not say that nothing was stored.
         let error = if commit_surely_failed(e.code()) {
+            metrics.rollbacks.with_label_values(&[endpoint]).inc();
             ApiError::from(e)
         } else {
+            metrics.commit_unknown.with_label_values(&[endpoint]).inc();
             ApiError::Commit(e)
         };
-        metrics.rollbacks.with_label_values(&[endpoint]).inc();
         tracing::warn!(endpoint, key_hash, %error, "commit failed (a retry under the same key replays it if it committed)");
         error
     })?;
@@ -686,12 +701,12 @@ pub async fn execute(
     Ok(stored.response(false))
 }
 
-/// Whether a lock timeout ended a wait for a row's transaction (the key's
-/// owner, in flight, inserted or holds the key's row), not for the whole
-/// table (an operator's `LOCK TABLE`, a `REINDEX`: no key owner, a database
-/// that cannot serve, 503). PostgreSQL gives the error a context ("while
-/// inserting index tuple ...", "while updating tuple ...", in the server's
-/// language) only when it waited for a row's transaction.
+/// Whether the key claim's lock timeout ended a wait for a row's
+/// transaction (the key's owner, in flight, inserted the key's row), not
+/// for the whole table (an operator's `LOCK TABLE`, a `REINDEX`: no key
+/// owner, a database that cannot serve, 503). PostgreSQL gives the error a
+/// context ("while inserting index tuple ...", in the server's language)
+/// when the insert waited for a row's transaction, none for a table lock.
 fn waited_on_a_row(error: &tokio_postgres::Error) -> bool {
     error.as_db_error().is_some_and(|db| db.where_().is_some())
 }

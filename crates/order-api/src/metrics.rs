@@ -16,6 +16,10 @@ pub struct Metrics {
     pub in_progress: IntCounterVec,
     /// Owner transactions rolled back by an infrastructure failure (nothing stored).
     pub rollbacks: IntCounterVec,
+    /// Owner transactions whose COMMIT got no answer, or failed without
+    /// saying it rolled back: maybe stored (a retry under the same key
+    /// replays it if so).
+    pub commit_unknown: IntCounterVec,
     /// Business rejections (by code): final ones are stored with the key and
     /// replayed; `order_not_paid` is answered without being stored.
     pub rejections: IntCounterVec,
@@ -107,6 +111,12 @@ impl Metrics {
                 &registry,
                 "idempotency_rollbacks_total",
                 "Owner transactions rolled back by an infrastructure failure",
+                "endpoint",
+            ),
+            commit_unknown: counter_vec(
+                &registry,
+                "idempotency_commit_outcome_unknown_total",
+                "Owner transactions whose COMMIT got no answer or failed without saying it rolled back (maybe stored; a retry under the same key replays it if so)",
                 "endpoint",
             ),
             rejections: counter_vec(
