@@ -22,10 +22,10 @@ pub struct Settings {
     pub auth: AuthSettings,
 }
 
-/// How the consumer takes events off the broker.
 /// The smallest `consumer.delivery_limit` accepted.
 pub const MIN_DELIVERY_LIMIT: u32 = 5;
 
+/// How the consumer takes events off the broker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ConsumerSettings {
     /// The consumer's name: its inbox key (`processed_events.consumer_name`,
@@ -64,7 +64,7 @@ pub struct ConsumerSettings {
     /// [`MIN_DELIVERY_LIMIT`]: every stop or restart returns the unacked
     /// prefetch window, a delivery counted for each of its messages, so a
     /// smaller limit dead-letters (and parks the orders of) whole windows
-    /// over a few deploys; 0 is no "no limit".
+    /// over a few deploys (and 0 does not mean "no limit").
     pub delivery_limit: u32,
     /// Bind `<name>.events` to `order-events` (`#`). Always on in a real
     /// deployment; tests turn it off to feed a private consumer only through

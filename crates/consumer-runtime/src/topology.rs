@@ -345,7 +345,9 @@ pub mod headers {
 
 /// Headers of `existing` without the runtime's bookkeeping and the broker's
 /// (the `x-death` history, which would otherwise grow with every retry, and
-/// the delivery count).
+/// the delivery count). The relay's headers stay, and so does the redrive's
+/// mark: a retried copy of a redriven event is late by design too (the lag
+/// histogram skips it).
 pub(crate) fn clean_headers(existing: Option<&FieldTable>) -> FieldTable {
     let mut table = FieldTable::default();
     if let Some(existing) = existing {
@@ -358,8 +360,7 @@ pub(crate) fn clean_headers(existing: Option<&FieldTable>) -> FieldTable {
                 || k == headers::ATTEMPTS
                 || k == headers::DEFERRALS
                 || k == headers::DEAD_LETTER_REASON
-                || k == headers::DEAD_LETTERED_BY
-                || k == headers::REDRIVEN;
+                || k == headers::DEAD_LETTERED_BY;
             if !drop {
                 table.insert(key.clone(), value.clone());
             }
@@ -409,6 +410,14 @@ mod tests {
             Some("a")
         );
         assert_eq!(cleaned.inner().len(), 1);
+        // The redrive's mark stays on a copy (a retry of a redriven event).
+        set_str(&mut h, headers::REDRIVEN, "true");
+        let cleaned = clean_headers(Some(&h));
+        assert_eq!(
+            str_header(Some(&cleaned), headers::REDRIVEN).as_deref(),
+            Some("true")
+        );
+        assert_eq!(cleaned.inner().len(), 2);
         assert_eq!(int_header(Some(&h), headers::ATTEMPTS), Some(3));
     }
 }

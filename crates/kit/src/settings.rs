@@ -129,8 +129,24 @@ fn settings_of<T: Serialize>(
     Ok(settings)
 }
 
-/// The leaves of `value` by their paths (`DATABASE__URL`).
+/// The leaves of `value` by their paths in capitals (`DATABASE__URL`, as
+/// the variables name them).
 fn leaves(value: serde_json::Value, path: String, into: &mut Vec<(String, serde_json::Value)>) {
+    let mut found = Vec::new();
+    leaves_as_written(value, path, &mut found);
+    into.extend(
+        found
+            .into_iter()
+            .map(|(path, value)| (path.to_uppercase(), value)),
+    );
+}
+
+/// The leaves of `value` by their paths as written (`database__url`).
+fn leaves_as_written(
+    value: serde_json::Value,
+    path: String,
+    into: &mut Vec<(String, serde_json::Value)>,
+) {
     match value {
         serde_json::Value::Object(fields) => {
             for (name, value) in fields {
@@ -139,10 +155,10 @@ fn leaves(value: serde_json::Value, path: String, into: &mut Vec<(String, serde_
                 } else {
                     format!("{path}__{name}")
                 };
-                leaves(value, path, into);
+                leaves_as_written(value, path, into);
             }
         }
-        value => into.push((path.to_uppercase(), value)),
+        value => into.push((path, value)),
     }
 }
 
@@ -167,10 +183,16 @@ fn reject_unknown_file_settings<T: Serialize>(
         .add_source(config::File::with_name(file).required(true))
         .build()?
         .try_deserialize()?;
-    let known = settings_of(defaults)?;
+    // The file's keys as written (config keeps their case, and the settings
+    // match only their own, lower-case, names: `[DATABASE]` was ignored),
+    // against the settings' names.
+    let known: Vec<(String, serde_json::Value)> = settings_of(defaults)?
+        .into_iter()
+        .map(|(name, default)| (name.to_lowercase(), default))
+        .collect();
     let mut given = Vec::new();
-    leaves(tree, String::new(), &mut given);
-    let key = |path: &str| path.to_lowercase().replace("__", ".");
+    leaves_as_written(tree, String::new(), &mut given);
+    let key = |path: &str| path.replace("__", ".");
     let mut refused = Vec::new();
     for (path, value) in given {
         let setting = known.iter().find(|(name, default)| {
@@ -179,7 +201,8 @@ fn reject_unknown_file_settings<T: Serialize>(
         match setting {
             None => refused.push(format!("{} names no setting", key(&path))),
             Some((_, default))
-                if default.is_number() && value.as_str().is_some_and(is_word_for_a_number) =>
+                if default.is_number()
+                    && (value.is_boolean() || value.as_str().is_some_and(is_word_for_a_number)) =>
             {
                 refused.push(format!("{} = {value}: a number is expected", key(&path)));
             }
@@ -565,6 +588,16 @@ mod tests {
                 "word",
                 "[database]\npool_size = \"yes\"\n",
                 "database.pool_size = \"yes\": a number is expected",
+            ),
+            (
+                "boolean",
+                "[database]\npool_size = true\n",
+                "database.pool_size = true: a number is expected",
+            ),
+            (
+                "capitals",
+                "[DATABASE]\nURL = \"postgres://db/x\"\n",
+                "DATABASE.URL names no setting",
             ),
         ] {
             let path = file(name, text);
