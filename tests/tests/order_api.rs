@@ -852,6 +852,95 @@ async fn requests_that_break_http_framing_are_refused_without_error_lines() {
     assert!(errors.is_empty(), "error lines: {errors:#?}");
 }
 
+/// order-api with a request budget of 3 s behind a pausable proxy in front
+/// of a database of its own: one HTTP worker, so every request gets the
+/// connection the last one used; the caller's key read once (a GET) and
+/// cached, so a partition does not hold up its lookup; `extra` settings on
+/// top. Fields drop in order: the service before the proxy and the
+/// database.
+struct BehindProxy {
+    api: OrderApi,
+    proxy: system_tests::PausableProxy,
+    database: OwnOrdersDatabase,
+    tenant: String,
+    key: String,
+    client: Client,
+}
+
+impl BehindProxy {
+    async fn start(tenant: &str, extra: &[(&str, String)]) -> Self {
+        let database = OwnOrdersDatabase::create().await;
+        let proxy = system_tests::PausableProxy::start(&database.url).await;
+        let mut settings = vec![
+            ("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned()),
+            ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
+        ];
+        settings.extend(extra.iter().cloned());
+        let api = budget_of_3_s(&proxy.url, &settings).await;
+        let tenant = unique_tenant(tenant);
+        let key = database.api_key(&tenant);
+        let client = Client::new();
+        let get = client
+            .get(api.url(&format!("/orders/{}", uuid::Uuid::now_v7())))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("get");
+        assert_eq!(
+            get.status(),
+            StatusCode::NOT_FOUND,
+            "the key read and cached"
+        );
+        Self {
+            api,
+            proxy,
+            database,
+            tenant,
+            key,
+            client,
+        }
+    }
+
+    /// POST the seed order under `idempotency_key` (waiting up to 30 s).
+    fn post(
+        &self,
+        idempotency_key: &str,
+    ) -> impl std::future::Future<Output = reqwest::Result<Response>> {
+        self.client
+            .post(self.api.url("/orders"))
+            .bearer_auth(&self.key)
+            .header("Idempotency-Key", idempotency_key)
+            .header("Content-Type", "application/json")
+            .body(SEED_ORDER)
+            .timeout(Duration::from_secs(30))
+            .send()
+    }
+}
+
+/// Wait (up to 30 s) until the server process `pid` has ended, as
+/// `observer` sees it: its connection was closed, not pooled.
+async fn backend_gone(observer: &tokio_postgres::Client, pid: i32, what: &str) {
+    eventually(what, Duration::from_secs(30), || async {
+        observer
+            .query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&pid])
+            .await
+            .expect("pg_stat_activity")
+            .is_none()
+            .then_some(())
+    })
+    .await;
+}
+
+/// Assert a request started at `started` was answered within 10 s (its
+/// budget is 3 s), not when the database answered again.
+fn answered_at_the_budget(started: std::time::Instant, what: &str) {
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(10),
+        "{what}: answered after {waited:?} (budget 3 s)"
+    );
+}
+
 /// A POST whose database stops answering (a network partition: the proxy
 /// in front of it holds every byte, the cancel request's included) is
 /// answered at its budget, 503 `deadline_exceeded`, nothing stored: when
@@ -862,50 +951,9 @@ async fn requests_that_break_http_framing_are_refused_without_error_lines() {
 /// the client was promised an answer within.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
-    let database = OwnOrdersDatabase::create().await;
-    let proxy = system_tests::PausableProxy::start(&database.url).await;
-    let api = budget_of_3_s(
-        &proxy.url,
-        &[
-            // The key is read once, before the partition, then cached; one
-            // worker, so the POST gets the connection that read it (a worker
-            // opening a new one is bounded by the pool's wait, not this).
-            ("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned()),
-            ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
-        ],
-    )
-    .await;
-    let tenant = unique_tenant("partition");
-    let key = database.api_key(&tenant);
-    let client = Client::new();
-    let get = client
-        .get(api.url(&format!("/orders/{}", uuid::Uuid::now_v7())))
-        .bearer_auth(&key)
-        .send()
-        .await
-        .expect("get");
-    assert_eq!(
-        get.status(),
-        StatusCode::NOT_FOUND,
-        "the key read and cached"
-    );
-    let post = |idempotency_key: &'static str| {
-        client
-            .post(api.url("/orders"))
-            .bearer_auth(&key)
-            .header("Idempotency-Key", idempotency_key)
-            .header("Content-Type", "application/json")
-            .body(SEED_ORDER)
-            .timeout(Duration::from_secs(30))
-            .send()
-    };
-    let answered_at_the_budget = |started: std::time::Instant, what: &str| {
-        let waited = started.elapsed();
-        assert!(
-            waited < Duration::from_secs(10),
-            "{what}: answered after {waited:?} (budget 3 s)"
-        );
-    };
+    let system = BehindProxy::start("partition", &[]).await;
+    let (proxy, database, tenant) = (&system.proxy, &system.database, &system.tenant);
+    let post = |idempotency_key| system.post(idempotency_key);
 
     // BEGIN gets no answer.
     proxy.pause();
@@ -945,48 +993,32 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
     proxy.resume();
 
     // Nothing stored; the service goes on.
-    assert_eq!(counts_in(&observer, &tenant).await, Counts::NOTHING);
+    assert_eq!(counts_in(&observer, tenant).await, Counts::NOTHING);
     let response = post("partition-after").await.expect("post");
     assert_eq!(response.status(), StatusCode::CREATED, "served again");
-    assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
+    assert_eq!(counts_in(&observer, tenant).await, Counts::ONE_ORDER);
 }
 
 /// A POST whose COMMIT gets no answer (the database partitioned away just
 /// before it is sent: the proxy holds it) is answered at its budget, 503
 /// `unavailable` saying the outcome is unknown, counted as such (not as a
-/// rollback), and its connection is closed, not pooled. Once the partition heals the held COMMIT arrives and commits:
-/// the retry under the same key replays the stored response, and exactly
-/// one order exists. Before, the POST waited until the database answered
-/// again.
+/// rollback), and its connection is closed, not pooled. Once the partition
+/// heals the held COMMIT arrives and commits: the retry under the same key
+/// replays the stored response, and exactly one order exists. Before, the
+/// POST waited until the database answered again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
-    let database = OwnOrdersDatabase::create().await;
-    let proxy = system_tests::PausableProxy::start(&database.url).await;
-    let api = budget_of_3_s(
-        &proxy.url,
-        &[
-            ("ORDER_API__AUTH__KEY_CACHE_MS", "600000".to_owned()),
-            ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
-            // Each POST waits 1.5 s just before its COMMIT: the window in
-            // which the test partitions the database away.
-            ("FAILPOINTS", "order_api.committing=return(1500)".to_owned()),
-        ],
+    // Each POST waits 1.5 s just before its COMMIT: the window in which the
+    // test partitions the database away.
+    let system = BehindProxy::start(
+        "partition-commit",
+        &[("FAILPOINTS", "order_api.committing=return(1500)".to_owned())],
     )
     .await;
-    let tenant = unique_tenant("partition-commit");
-    let key = database.api_key(&tenant);
-    let client = Client::new();
-    let post = || {
-        client
-            .post(api.url("/orders"))
-            .bearer_auth(&key)
-            .header("Idempotency-Key", "partition-commit")
-            .header("Content-Type", "application/json")
-            .body(SEED_ORDER)
-            .timeout(Duration::from_secs(30))
-            .send()
-    };
-    let before = key_metrics(&api, "POST /orders").await;
+    let (api, proxy, database, tenant) =
+        (&system.api, &system.proxy, &system.database, &system.tenant);
+    let post = || system.post("partition-commit");
+    let before = key_metrics(api, "POST /orders").await;
     let observer = database.connect().await;
     let started = std::time::Instant::now();
     let partitioned = async {
@@ -1016,11 +1048,7 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
     };
     let (response, held) = tokio::join!(post(), partitioned);
     let response = response.expect("an answer before the database answers again");
-    let waited = started.elapsed();
-    assert!(
-        waited < Duration::from_secs(10),
-        "answered after {waited:?} (budget 3 s)"
-    );
+    answered_at_the_budget(started, "COMMIT");
     let problem = expect_problem(response, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
     assert!(
         problem["detail"]
@@ -1029,7 +1057,7 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
         "{problem}"
     );
     assert_eq!(
-        counts_in(&observer, &tenant).await,
+        counts_in(&observer, tenant).await,
         Counts::NOTHING,
         "the COMMIT is held by the partition"
     );
@@ -1040,30 +1068,18 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
     eventually(
         "the held COMMIT committed",
         Duration::from_secs(10),
-        || async { (counts_in(&observer, &tenant).await == Counts::ONE_ORDER).then_some(()) },
+        || async { (counts_in(&observer, tenant).await == Counts::ONE_ORDER).then_some(()) },
     )
     .await;
-    eventually(
-        "the held session closed, not pooled",
-        Duration::from_secs(10),
-        || async {
-            observer
-                .query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&held])
-                .await
-                .expect("activity")
-                .is_none()
-                .then_some(())
-        },
-    )
-    .await;
+    backend_gone(&observer, held, "the held session closed, not pooled").await;
     assert_eq!(
-        key_metrics(&api, "POST /orders").await - before,
+        key_metrics(api, "POST /orders").await - before,
         KeyMetrics::default(),
         "an unknown outcome is no rollback"
     );
     assert_eq!(
         api_metric(
-            &api,
+            api,
             "idempotency_commit_outcome_unknown_total",
             Some("POST /orders")
         )
@@ -1073,7 +1089,7 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
     let response = post().await.expect("retry");
     assert_eq!(response.status(), StatusCode::CREATED);
     assert!(is_replay(&response), "the stored response replayed");
-    assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
+    assert_eq!(counts_in(&observer, tenant).await, Counts::ONE_ORDER);
 }
 
 /// Reads before a request's transaction (the caller's key, a GET's order)
@@ -1121,19 +1137,7 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
         );
         // The cancelled read's connection is closed, not pooled (its
         // backend ends while the lock is still held).
-        eventually(
-            "the cancelled read's connection closed",
-            Duration::from_secs(30),
-            || async {
-                observer
-                    .query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&blocked])
-                    .await
-                    .expect("pg_stat_activity")
-                    .is_none()
-                    .then_some(())
-            },
-        )
-        .await;
+        backend_gone(&observer, blocked, "the cancelled read's connection closed").await;
         tx.rollback().await.expect("rollback");
         assert_eq!(
             get().await.expect("get").status(),
