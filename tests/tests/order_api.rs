@@ -1043,6 +1043,9 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
             },
         )
         .await;
+        // The session shows idle before its answer to the STORE has left
+        // the server: let it pass the proxy (the hold lasts 1.5 s).
+        tokio::time::sleep(Duration::from_millis(300)).await;
         proxy.pause();
         held
     };
@@ -1869,6 +1872,80 @@ async fn a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress() {
             outbox: 2
         }
     );
+}
+
+/// A takeover of an expired record that waits for its row behind another
+/// waiter (PostgreSQL queues it on the tuple lock, whose lock timeout
+/// carries no error context) is a key owner in flight, as the first waiter
+/// is: 409 `idempotency_in_progress`, counted. Only the transaction's first
+/// claim may be waiting for the whole table (503, see
+/// `a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress`).
+#[tokio::test]
+async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
+    let api = OrderApi::start(&[
+        ("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned()),
+        (
+            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+            "3600".to_owned(),
+        ),
+    ])
+    .await;
+    let caller = Caller::new("tuple-lock");
+    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let orders_db = pg(Database::Orders).await;
+    let the_key = "WHERE tenant_id = $1 AND idempotency_key = 'k'";
+    assert_eq!(
+        orders_db
+            .execute(
+                &format!(
+                    "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' {the_key}"
+                ),
+                &[&caller.tenant],
+            )
+            .await
+            .expect("expire"),
+        1
+    );
+    // One session holds the expired record's row (uncommitted), a second
+    // waits for it (holding the tuple lock): the POST's takeover queues
+    // behind the second (and no cleanup deletes a locked row).
+    let mut holder = pg(Database::Orders).await;
+    let holding = holder.transaction().await.expect("begin");
+    holding
+        .query_one(
+            &format!("SELECT 1 FROM idempotency_requests {the_key} FOR UPDATE"),
+            &[&caller.tenant],
+        )
+        .await
+        .expect("lock the row");
+    let holder_pid: i32 = holding
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let waiter = pg(Database::Orders).await;
+    let tenant = caller.tenant.clone();
+    let update = format!("UPDATE idempotency_requests SET expires_at = expires_at {the_key}");
+    let waiting = tokio::spawn(async move { waiter.execute(&update, &[&tenant]).await });
+    blocked_by(&orders_db, holder_pid).await;
+    let before = key_metrics(&api, "POST /orders").await;
+    let other = SEED_ORDER.replace("\"77\"", "\"78\"");
+    let response = caller.post(&api.url("/orders"), "k", &other).await;
+    let problem = expect_problem(response, StatusCode::CONFLICT, "idempotency_in_progress").await;
+    assert_eq!(problem["retry_after"], 1, "{problem}");
+    assert_eq!(
+        key_metrics(&api, "POST /orders").await - before,
+        KeyMetrics {
+            in_progress: 1,
+            ..KeyMetrics::default()
+        }
+    );
+    holding.rollback().await.expect("rollback");
+    waiting
+        .await
+        .expect("waiter")
+        .expect("the waiter's update, once the row is free");
 }
 
 #[tokio::test]

@@ -1110,6 +1110,8 @@ mod tests {
             let mut table = relayed.clone();
             topology::set_str(&mut table, "x-first-death-queue", &"q".repeat(5_000));
             topology::set_int(&mut table, headers::DELIVERY_COUNT, 7);
+            // A redriven event: its copies keep the mark.
+            topology::set_str(&mut table, headers::REDRIVEN, "true");
             table
         };
         let properties = BasicProperties::default().with_message_id("event-1".into());

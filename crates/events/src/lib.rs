@@ -105,7 +105,7 @@ pub const CONTENT_TYPE: &str = "application/json";
 /// a deferral, its dead-letter queue, a redrive) carries the message's
 /// properties and headers plus its own, at most this many bytes (a dead
 /// letter's: its reason, cut to 1,000 bytes, the consumer's name, at most
-/// 200, and the attempts). The broker's own headers on a delivery (its
+/// 200, the attempts, and a redriven event's mark). The broker's own headers on a delivery (its
 /// `x-death` history of a retry and a dead-lettering, up to about 1.6 KB
 /// with a retry's counts, which a redrive keeping a letter in the DLQ
 /// copies as it is) take from the same room. A header frame over the
