@@ -3568,8 +3568,9 @@ async fn the_ledger_dead_letters_a_payment_that_differs_from_the_order() {
 /// of a delivered order is refused rather than booking revenue twice, and a
 /// second payment of a paid order rather than leaving Customer deposits a
 /// balance no delivery clears (order-api refuses both; a payload written by
-/// hand into the outbox need not). Other orders keep flowing and the books
-/// stay balanced. Before, the second payment was booked.
+/// hand into the outbox need not), also after a correction by hand left
+/// several payment entries. Other orders keep flowing and the books stay
+/// balanced. Before, the second payment was booked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ledger_dead_letters_events_that_would_book_wrong_amounts() {
     let tenant = unique("t5-books");
@@ -3606,11 +3607,29 @@ async fn the_ledger_dead_letters_events_that_would_book_wrong_amounts() {
                 &twice_paid,
                 &delivered,
                 &good.delivered,
-                &twice_paid_again,
                 &again,
             ],
         )
         .await;
+    // The paid order's payment corrected by hand, as the runbook says (its
+    // reversal and the right entry, under the type they correct): several
+    // entries of the type, which the guard reads one of (it failed on the
+    // second row with a reason naming none of this).
+    wait_sequence(Database::Ledger, &name, twice, 2).await;
+    let mut books = pg(Database::Ledger).await;
+    let card = lines(&[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)]);
+    let reversal = [("customer_deposits", 9300, 0), ("clearing:card", 0, 9300)];
+    let mut corrections = Vec::new();
+    for entry in [
+        &reversal[..],
+        &[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)],
+    ] {
+        let id = system_tests::post_journal(&mut books, &tenant, twice, "PaymentReceived", entry)
+            .await
+            .expect("a correction by hand");
+        corrections.push((id, lines(entry)));
+    }
+    publisher.to_consumer(&name, &twice_paid_again).await;
     wait_sequence(Database::Ledger, &name, good.order, 3).await;
     // The payment booked, the delivery dead-lettered, the order parked; the
     // second delivery parked for a human.
@@ -3635,17 +3654,17 @@ async fn the_ledger_dead_letters_events_that_would_book_wrong_amounts() {
             lines(&[("clearing:card", 9400, 0), ("customer_deposits", 0, 9400)])
         )]
     );
+    let mut expected = vec![(twice_paid.event_id, card)];
+    expected.extend(corrections);
     assert_eq!(
         journal(&tenant, twice).await,
-        vec![(
-            twice_paid.event_id,
-            lines(&[("clearing:card", 9300, 0), ("customer_deposits", 0, 9300)])
-        )],
+        expected,
         "the second payment is not booked"
     );
     let tb = booked_and_balanced(&ledger, &tenant, &good).await;
-    // 94.00 + 93.00 paid, 137.00 delivered (93.00 + 44.00 of goods), 93.00 paid.
-    assert_eq!(tb["currencies"][0]["total_debit"], json!("417.00"));
+    // 94.00 + 93.00 paid, 137.00 delivered (93.00 + 44.00 of goods), 93.00
+    // paid, then reversed and posted again by hand (2 x 93.00).
+    assert_eq!(tb["currencies"][0]["total_debit"], json!("603.00"));
 }
 
 /// Run `<binary> redrive [args]` for consumer `name`; returns stdout.
