@@ -1874,6 +1874,37 @@ async fn a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress() {
     );
 }
 
+/// order-api with `settings` (and no cleanup of its own for an hour), and
+/// a caller (tenant `prefix`-...) whose seed order under key "k" is placed
+/// and its record made expired, as if its TTL had passed, without a cleanup
+/// having deleted it.
+async fn an_expired_record_of_key_k(
+    prefix: &str,
+    mut settings: Vec<(&'static str, String)>,
+) -> (OrderApi, Caller) {
+    settings.push((
+        "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+        "3600".to_owned(),
+    ));
+    let api = OrderApi::start(&settings).await;
+    let caller = Caller::new(prefix);
+    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(
+        pg(Database::Orders)
+            .await
+            .execute(
+                "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' \
+                 WHERE tenant_id = $1 AND idempotency_key = 'k'",
+                &[&caller.tenant],
+            )
+            .await
+            .expect("expire"),
+        1
+    );
+    (api, caller)
+}
+
 /// A takeover of an expired record that waits for its row behind another
 /// waiter (PostgreSQL queues it on the tuple lock, whose lock timeout
 /// carries no error context) is a key owner in flight, as the first waiter
@@ -1882,31 +1913,13 @@ async fn a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress() {
 /// `a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress`).
 #[tokio::test]
 async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
-    let api = OrderApi::start(&[
-        ("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned()),
-        (
-            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
-            "3600".to_owned(),
-        ),
-    ])
+    let (api, caller) = an_expired_record_of_key_k(
+        "tuple-lock",
+        vec![("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned())],
+    )
     .await;
-    let caller = Caller::new("tuple-lock");
-    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
-    assert_eq!(first.status(), StatusCode::CREATED);
     let orders_db = pg(Database::Orders).await;
     let the_key = "WHERE tenant_id = $1 AND idempotency_key = 'k'";
-    assert_eq!(
-        orders_db
-            .execute(
-                &format!(
-                    "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' {the_key}"
-                ),
-                &[&caller.tenant],
-            )
-            .await
-            .expect("expire"),
-        1
-    );
     // One session holds the expired record's row (uncommitted), a second
     // waits for it (holding the tuple lock): the POST's takeover queues
     // behind the second (and no cleanup deletes a locked row).
@@ -1929,6 +1942,14 @@ async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
     let update = format!("UPDATE idempotency_requests SET expires_at = expires_at {the_key}");
     let waiting = tokio::spawn(async move { waiter.execute(&update, &[&tenant]).await });
     blocked_by(&orders_db, holder_pid).await;
+    let fingerprint_before: String = orders_db
+        .query_one(
+            &format!("SELECT request_fingerprint FROM idempotency_requests {the_key}"),
+            &[&caller.tenant],
+        )
+        .await
+        .expect("the record")
+        .get(0);
     let before = key_metrics(&api, "POST /orders").await;
     let other = SEED_ORDER.replace("\"77\"", "\"78\"");
     let response = caller.post(&api.url("/orders"), "k", &other).await;
@@ -1946,6 +1967,20 @@ async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
         .await
         .expect("waiter")
         .expect("the waiter's update, once the row is free");
+    // Nothing of the second request stored: the first order, its record
+    // (still the first request's, expired).
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+    assert_eq!(
+        orders_db
+            .query_one(
+                &format!("SELECT request_fingerprint, expires_at <= now() FROM idempotency_requests {the_key}"),
+                &[&caller.tenant],
+            )
+            .await
+            .map(|row| (row.get::<_, String>(0) == fingerprint_before, row.get::<_, bool>(1)))
+            .expect("the record"),
+        (true, true)
+    );
 }
 
 #[tokio::test]
@@ -2444,24 +2479,7 @@ async fn a_replay_takes_no_lock_on_the_stored_record() {
 #[tokio::test]
 async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     // Nine requests wait for the taker's commit: room for a slow machine.
-    let api = OrderApi::start(&patient_with(&[(
-        "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
-        "3600".to_owned(),
-    )]))
-    .await;
-    let caller = Caller::new("takeover");
-    let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
-    assert_eq!(first.status(), StatusCode::CREATED);
-    let expire = "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' \
-                  WHERE tenant_id = $1 AND idempotency_key = 'k'";
-    let orders_db = pg(Database::Orders).await;
-    assert_eq!(
-        orders_db
-            .execute(expire, &[&caller.tenant])
-            .await
-            .expect("expire"),
-        1
-    );
+    let (api, caller) = an_expired_record_of_key_k("takeover", patient_with(&[])).await;
     let other = SEED_ORDER.replace("\"77\"", "\"78\"");
     let url = api.url("/orders");
     // Another test's order-api may delete the expired record (its cleanup
@@ -2870,22 +2888,7 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
         "{problem}"
     );
     assert_eq!(counts(&caller.tenant).await, nothing, "while held");
-    eventually(
-        "the cancelled connection closed",
-        Duration::from_secs(30),
-        || async {
-            observer
-                .query_opt(
-                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1",
-                    &[&blocked_pid],
-                )
-                .await
-                .expect("pg_stat_activity")
-                .is_none()
-                .then_some(())
-        },
-    )
-    .await;
+    backend_gone(&observer, blocked_pid, "the cancelled connection closed").await;
     tx.rollback().await.expect("release");
     assert_eq!(counts(&caller.tenant).await, nothing, "released");
 
