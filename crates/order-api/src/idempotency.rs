@@ -645,8 +645,8 @@ pub async fn execute(
     }
     // From COMMIT sent until answered, a request dropped (its client gone)
     // must not pool the connection: the next request would queue behind the
-    // pending COMMIT. Released again once COMMIT returns.
-    let released = held.released;
+    // pending COMMIT. Released again once COMMIT returns (no cancel was
+    // sent: a cancelled transaction returned above).
     held.released = false;
     crash_point("order_api.before_commit");
     // Where a test holds the request to partition the database away before
@@ -669,7 +669,7 @@ pub async fn execute(
     };
     // COMMIT answered (a failure included: a dropped connection is closed
     // and discarded by the pool's check).
-    held.released = released;
+    held.released = true;
     committed.map_err(|e| {
         // The one lock COMMIT waits for is the NOTIFY queue's (the outbox
         // trigger's notification: each committing writer holds it through
