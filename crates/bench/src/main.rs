@@ -23,7 +23,7 @@ mod report;
 mod stats;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -46,7 +46,8 @@ pub struct Settings {
     pub api_seconds: u64,
     /// `BENCH_EVENTS`: the relay backlog.
     pub events: i64,
-    /// `BENCH_CONSUMER_EVENTS`: events queued for each consumer.
+    /// `BENCH_CONSUMER_EVENTS`: events queued for each consumer (rounded up
+    /// to whole orders of three events).
     pub consumer_events: i64,
     /// `BENCH_E2E_SECONDS`: length of the paced end-to-end run.
     pub e2e_seconds: u64,
@@ -55,8 +56,7 @@ pub struct Settings {
     /// `BENCH_BACKLOG_EVENTS`: the backlog of `bench backlog`.
     pub backlog_events: i64,
     /// `BENCH_EVENTS_PER_ORDER`: events per synthetic order (1-3) in the
-    /// backlog of `bench relay`; the suite's is always 1 (its consumer phase
-    /// applies the backlog's rows as `OrderPlaced` events).
+    /// relay phase's backlog.
     pub events_per_order: i64,
     /// `BENCH_BACKLOG_EVENTS_PER_ORDER`: the same for `bench backlog`.
     pub backlog_events_per_order: i64,
@@ -112,6 +112,8 @@ pub struct Results {
     /// The consumers' partitions (the production default, 4) and so the
     /// raw loop's sequential workers.
     pub consumer_partitions: usize,
+    /// Orders whose events phase 3 applies (each placed, paid, delivered).
+    pub consumer_orders: u64,
     /// Per consumer: (applied by the service, raw prepared, raw unprepared).
     pub consumers: BTreeMap<String, (consumers::Apply, consumers::Apply, consumers::Apply)>,
     /// The closed-loop load of the sustained-maximum run.
@@ -435,10 +437,17 @@ async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<()> 
     api_phase(system, orders, &settings, raw_tenant, &mut results).await;
 
     // 2. Relay: backlog, one relay, two relays, raw confirm-publish.
-    let backlog = relay_phase(system, orders, &settings, 1, &mut results).await?;
+    relay_phase(
+        system,
+        orders,
+        &settings,
+        settings.events_per_order,
+        &mut results,
+    )
+    .await?;
 
-    // 3. Consumers: fill each one's queues, start it, compare with raw.
-    consumer_phase(system, orders, &settings, raw_tenant, backlog, &mut results).await;
+    // 3. Consumers: whole orders queued for each one, then started; raw.
+    consumer_phase(system, orders, &settings, raw_tenant, &mut results).await;
 
     // 4. End to end at half the sustained maximum order rate of the whole
     // pipeline, measured here with everything running at once (API, one
@@ -1092,31 +1101,40 @@ async fn relay_only(settings: Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Phase 3: each consumer applying `n` queued events, against the same
-/// transaction run raw (under `raw_tenant` and `raw_tenant`2).
+/// Phase 3: each consumer applying the events of whole orders (each placed,
+/// paid and delivered through the API, as in production), queued for it,
+/// against the same transaction run raw (under `raw_tenant` and
+/// `raw_tenant`2).
 ///
 /// Each side runs in halves ordered consumer, raw, raw, consumer (like the
 /// API phase): a drift of the machine's speed, or of the tables' size,
 /// during the phase then weighs on both sides alike instead of on the later
 /// one. The consumer is stopped between its halves and its queues are
 /// filled only while it is stopped, so it never competes with the filling.
+/// The relays must be stopped: this phase publishes the orders' events
+/// itself.
 async fn consumer_phase(
     system: &System,
     orders: &tokio_postgres::Client,
     settings: &Settings,
     raw_tenant: &str,
-    backlog: i64,
     results: &mut Results,
 ) {
     // 3. Consumers: fill each one's queues, start it, compare with raw.
-    let n = settings.consumer_events.min(backlog);
+    let lifecycles = u64::try_from(settings.consumer_events)
+        .unwrap_or_default()
+        .div_ceil(3)
+        .max(1);
     phase(&format!(
-        "3. consumers: {n} events for each, in halves ordered consumer (queued while \
-         stopped), raw, raw, consumer"
+        "3. consumers: the {} events of {lifecycles} orders (placed, paid, delivered) for \
+         each, in halves ordered consumer (queued while stopped), raw, raw, consumer",
+        3 * lifecycles
     ));
-    let rows = relay::rows(orders, &system.tenant, n).await;
+    let rows = lifecycle_rows(system, orders, settings, lifecycles).await;
+    results.consumer_orders = lifecycles;
     let half = rows.len() / 2;
-    // The relay phase's drains leave the outbox's dead versions behind.
+    // The relay phase's drains (and the marks above) leave the outbox's
+    // dead versions behind.
     consumers::vacuum(orders).await;
     // The effects are keyed by tenant: each raw variant applies the events
     // under a tenant of its own (same stock), so its effects are new too.
@@ -1188,6 +1206,64 @@ async fn consumer_phase(
             .consumers
             .insert(kind.binary().to_owned(), (applied, raw, unprepared));
     }
+}
+
+/// The first order number of phase 3's orders (idempotency keys
+/// `order-<n>`, checkouts `chk-<n>`): far from every other phase's.
+const LIFECYCLE_BASE: u64 = 20_000_000;
+
+/// `count` orders placed, paid and delivered through the API, `concurrency`
+/// at a time (the relays stopped): their outbox rows in the order they
+/// were written (orders interleaved, as they arrive in production; each
+/// order's events in sequence), then marked published, so that the relay
+/// started for phase 4 does not send them again (this phase queues them
+/// for the consumers itself).
+async fn lifecycle_rows(
+    system: &System,
+    orders: &tokio_postgres::Client,
+    settings: &Settings,
+    count: u64,
+) -> Vec<outbox_relay::claim::OutboxRow> {
+    let since = consumers::now(orders).await;
+    let started = Instant::now();
+    let traffic = system
+        .drive(LIFECYCLE_BASE..LIFECYCLE_BASE + count, settings.concurrency)
+        .await;
+    println!(
+        "  {} orders placed, paid and delivered through the API in {:.1?} ({} requests retried)",
+        traffic.orders,
+        started.elapsed(),
+        traffic.retries
+    );
+    let rows = relay::rows_since(orders, &system.tenant, since).await;
+    assert_eq!(
+        rows.len() as u64,
+        3 * count,
+        "phase 3: the outbox rows of {count} placed, paid and delivered orders"
+    );
+    in_sequence(
+        rows.iter()
+            .map(|row| (row.aggregate_id.as_str(), row.aggregate_sequence)),
+    )
+    .expect("phase 3's events in each order's sequence");
+    let marked = relay::mark_published_since(orders, &system.tenant, since).await;
+    assert_eq!(marked, 3 * count, "phase 3: its rows marked published");
+    rows
+}
+
+/// `Ok` when every order's events, (order, sequence) in the order given,
+/// come in its sequence (1, 2, 3, ...), as a consumer must receive them.
+fn in_sequence<'a>(events: impl IntoIterator<Item = (&'a str, i64)>) -> anyhow::Result<()> {
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for (order, sequence) in events {
+        let seen = last.entry(order).or_insert(0);
+        anyhow::ensure!(
+            sequence == *seen + 1,
+            "order {order}: event {sequence} after event {seen}"
+        );
+        *seen = sequence;
+    }
+    Ok(())
 }
 
 /// Before each half of phase 3, the same state for either side: the
@@ -1266,8 +1342,8 @@ async fn consumer_half(
     (applied, meter.stop())
 }
 
-/// `bench consumers`: phase 3 alone, after 5 s of API orders as its
-/// events (the relays stay stopped): a quick loop for the consumers.
+/// `bench consumers`: phase 3 alone (the relays stay stopped): a quick loop
+/// for the consumers.
 async fn consumers_only(settings: Settings) -> anyhow::Result<()> {
     let mut results = Results::default();
     let bench = Bench::start(
@@ -1277,13 +1353,11 @@ async fn consumers_only(settings: Settings) -> anyhow::Result<()> {
     )
     .await?;
     let outcome = guarded(async {
-        let backlog = i64::try_from(bench.template_orders().await).unwrap_or(i64::MAX);
         consumer_phase(
             &bench.system,
             &bench.orders,
             &settings,
             &bench.raw_tenant,
-            backlog,
             &mut results,
         )
         .await;
@@ -1460,11 +1534,13 @@ async fn cleanup_orders(db: &tokio_postgres::Client, tenant: &str) {
     for statement in [
         "DELETE FROM outbox_events WHERE tenant_id = $1",
         "DELETE FROM idempotency_requests WHERE tenant_id = $1",
+        "DELETE FROM payments WHERE tenant_id = $1",
+        "DELETE FROM deliveries WHERE tenant_id = $1",
         "DELETE FROM order_lines WHERE order_id IN (SELECT order_id FROM orders WHERE tenant_id = $1)",
         "DELETE FROM orders WHERE tenant_id = $1",
     ] {
         if let Err(error) = db.execute(statement, &[&tenant]).await {
-            eprintln!("cleanup: {error}");
+            eprintln!("cleanup: {:#}", anyhow::Error::from(error));
         }
     }
     let _ = db
@@ -1479,19 +1555,16 @@ async fn forget_tenant(db: &tokio_postgres::Client, tenant: &str) {
         "DELETE FROM tenants WHERE tenant_id = $1",
     ] {
         if let Err(error) = db.execute(statement, &[&tenant]).await {
-            eprintln!("cleanup: {error}");
+            eprintln!("cleanup: {:#}", anyhow::Error::from(error));
         }
     }
 }
 
 /// Delete the consumers' effects of a tenant, children before parents
-/// (migrations/{inventory,ledger,loyalty}), and its progress rows. The
-/// ledger's journal (`journal_entries`, `journal_lines`) cannot be deleted:
-/// its triggers reject DELETE (the journal is immutable). The bench only
-/// places orders, and the ledger keeps an `OrderPlaced` in `ledger_orders`
-/// without posting (it posts on payment and delivery), so a run leaves no
-/// journal entry (nor the `ledger_accounts` its lines would reference).
+/// (migrations/{inventory,ledger,loyalty}), and its progress rows, the
+/// ledger's journal too ([`cleanup_journal`]).
 async fn cleanup_effects(tenant: &str) {
+    cleanup_journal(tenant).await;
     for (kind, statements) in [
         (
             Kind::Inventory,
@@ -1522,9 +1595,50 @@ async fn cleanup_effects(tenant: &str) {
         let db = consumers::db(kind).await;
         for statement in statements {
             if let Err(error) = db.execute(*statement, &[&tenant]).await {
-                eprintln!("cleanup ({}): {error}", kind.binary());
+                eprintln!(
+                    "cleanup ({}): {:#}",
+                    kind.binary(),
+                    anyhow::Error::from(error)
+                );
             }
         }
+    }
+}
+
+/// Delete a bench tenant's journal and accounts (phase 3 pays and
+/// delivers orders, and the ledger posts them). The journal is immutable:
+/// its triggers reject every DELETE (ledger V1), and no application path
+/// may remove an entry. The bench's tenants are its own, on the local
+/// cluster, whose role is a superuser (`scripts/infra-up.sh`): it lifts the
+/// triggers for this one transaction (`session_replication_role =
+/// replica`), as dropping the database would. Left behind, the entries
+/// name orders the orders database no longer has, and `make drift` over
+/// every tenant would report them. A role that may not do this leaves them,
+/// and says so.
+async fn cleanup_journal(tenant: &str) {
+    let mut db = consumers::db(Kind::Ledger).await;
+    let deleted = async {
+        let tx = db.transaction().await?;
+        tx.batch_execute("SET LOCAL session_replication_role = replica")
+            .await?;
+        let mut rows = 0;
+        for statement in [
+            "DELETE FROM journal_lines WHERE tenant_id = $1",
+            "DELETE FROM journal_entries WHERE tenant_id = $1",
+            "DELETE FROM ledger_accounts WHERE tenant_id = $1",
+        ] {
+            rows += tx.execute(statement, &[&tenant]).await?;
+        }
+        tx.commit().await?;
+        Ok::<u64, tokio_postgres::Error>(rows)
+    }
+    .await;
+    if let Err(error) = deleted {
+        eprintln!(
+            "cleanup (ledger-consumer): the journal of tenant {tenant} stays ({:#}); \
+             `make drift` over every tenant reports its entries as for unknown orders",
+            anyhow::Error::from(error)
+        );
     }
 }
 
@@ -1648,5 +1762,24 @@ async fn sample_backlog(
             "backlog drain not done after {BACKLOG_DEADLINE:?} ({delivered}/{backlog} received)"
         );
         tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_sequence;
+
+    #[test]
+    fn orders_interleave_but_each_keeps_its_sequence() {
+        let good = [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3)];
+        assert!(in_sequence(good).is_ok());
+        let swapped = [("a", 1), ("a", 3), ("a", 2)];
+        let error = in_sequence(swapped).expect_err("3 before 2");
+        assert_eq!(error.to_string(), "order a: event 3 after event 1");
+        assert!(
+            in_sequence([("a", 2)]).is_err(),
+            "an order's first event is 1"
+        );
+        assert!(in_sequence([("a", 1), ("a", 1)]).is_err(), "twice");
     }
 }

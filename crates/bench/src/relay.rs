@@ -668,6 +668,36 @@ pub async fn rows(db: &Client, tenant: &str, limit: i64) -> Vec<OutboxRow> {
     .collect()
 }
 
+/// The tenant's rows written at or after `since` (`occurred_at`), in the
+/// order they were written.
+pub async fn rows_since(db: &Client, tenant: &str, since: time::OffsetDateTime) -> Vec<OutboxRow> {
+    db.query(
+        "SELECT event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
+                event_type, schema_version, payload, traceparent, tracestate, occurred_at,
+                attempt_count
+           FROM outbox_events WHERE tenant_id = $1 AND occurred_at >= $2
+          ORDER BY occurred_at, aggregate_sequence, event_id",
+        &[&tenant, &since],
+    )
+    .await
+    .expect("rows")
+    .iter()
+    .map(|row| OutboxRow::try_from_row(row).expect("a readable outbox row"))
+    .collect()
+}
+
+/// Mark the tenant's unpublished rows written at or after `since` published
+/// (the bench published them itself): how many.
+pub async fn mark_published_since(db: &Client, tenant: &str, since: time::OffsetDateTime) -> u64 {
+    db.execute(
+        "UPDATE outbox_events SET published_at = now()
+          WHERE tenant_id = $1 AND occurred_at >= $2 AND published_at IS NULL",
+        &[&tenant, &since],
+    )
+    .await
+    .expect("mark")
+}
+
 /// The relay's message of `row` (body, routing key, properties, headers).
 pub fn message(row: &OutboxRow) -> publish::Message {
     let mut trace = HashMap::new();

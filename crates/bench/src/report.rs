@@ -282,8 +282,8 @@ pub fn table(r: &Results) -> String {
         let q = ratio(applied.per_second, raw.per_second);
         let _ = writeln!(
             md,
-            "| {name} apply ({} events, {} partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect ({:.0} tx/s with them one at a time as text, as before) | {:.1} % | ≥ 80 % | {} |",
-            applied.events, r.consumer_partitions, applied.per_second, raw.per_second, unprepared.per_second, q, verdict(q >= CONSUMER_TARGET_PCT)
+            "| {name} apply ({} events of {} orders placed, paid, delivered; {} partitions) | {:.0} events/s | {:.0} tx/s raw inbox + effect ({:.0} tx/s with them one at a time as text, as before) | {:.1} % | ≥ 80 % | {} |",
+            applied.events, r.consumer_orders, r.consumer_partitions, applied.per_second, raw.per_second, unprepared.per_second, q, verdict(q >= CONSUMER_TARGET_PCT)
         );
     }
     let _ = writeln!(
