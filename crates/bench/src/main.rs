@@ -109,6 +109,9 @@ pub struct Results {
     /// Events per synthetic order in the relay's backlog (1: every event
     /// the first of its order, whose claim skips the hold-back probe).
     pub relay_events_per_order: i64,
+    /// The orders the relay's backlog holds (the API phase's one-event
+    /// orders and the synthetic ones).
+    pub relay_backlog_orders: u64,
     /// The consumers' partitions (the production default, 4) and so the
     /// raw loop's sequential workers.
     pub consumer_partitions: usize,
@@ -144,6 +147,20 @@ fn phase(name: &str) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let settings = Settings::from_env();
+    // Checked before anything starts (the relay phase's top-up would refuse
+    // them only after the API phase).
+    for (name, per_order) in [
+        ("BENCH_EVENTS_PER_ORDER", settings.events_per_order),
+        (
+            "BENCH_BACKLOG_EVENTS_PER_ORDER",
+            settings.backlog_events_per_order,
+        ),
+    ] {
+        anyhow::ensure!(
+            (1..=3).contains(&per_order),
+            "{name} must be 1, 2 or 3 (an order has at most three events), not {per_order}"
+        );
+    }
     std::fs::create_dir_all(&settings.out)?;
     match std::env::args().nth(1).as_deref() {
         None | Some("suite") => suite(settings).await,
@@ -363,7 +380,7 @@ impl Bench {
 
     /// Stop every service and delete what the run wrote: the consumers'
     /// inbox rows, the tenants' orders, outbox rows and the consumers'
-    /// effects (see [`cleanup_effects`] for what stays).
+    /// effects, the ledger's journal too ([`cleanup_effects`]).
     async fn teardown(self) {
         for member in self.system.members() {
             stop_member(member);
@@ -619,9 +636,10 @@ async fn applied_by_all(
     orders: &tokio_postgres::Client,
     since: time::OffsetDateTime,
 ) -> anyhow::Result<Applied> {
-    // The order row is written once, by the order's transaction (nothing in
-    // the bench pays or delivers), so its xmin is that transaction; the
-    // outbox row's is not (the relay's claim and mark rewrite it).
+    // The order row of an order placed since `since` is written once, by the
+    // order's transaction (only phase 3 pays and delivers, before any
+    // `since` of phase 4), so its xmin is that transaction; the outbox
+    // row's is not (the relay's claim and mark rewrite it).
     let rows = orders
         .query(
             "SELECT o.event_id, pg_xact_commit_timestamp(r.xmin), o.occurred_at, o.published_at
@@ -884,7 +902,18 @@ async fn relay_drains(
     results: &mut Results,
 ) -> anyhow::Result<i64> {
     let backlog = relay::top_up(orders, &system.tenant, settings.events, per_order).await?;
-    println!("  backlog: {backlog} unpublished events");
+    // The API phase's rows are orders of one event each; only the copies
+    // that top them up have `per_order` events: the table says how many
+    // orders the backlog really holds.
+    let backlog_orders: i64 = orders
+        .query_one(
+            "SELECT count(DISTINCT aggregate_id) FROM outbox_events WHERE tenant_id = $1",
+            &[&system.tenant],
+        )
+        .await?
+        .get(0);
+    results.relay_backlog_orders = u64::try_from(backlog_orders).unwrap_or_default();
+    println!("  backlog: {backlog} unpublished events of {backlog_orders} orders");
     // The relay's own defaults (what `start_system` runs it with): the raw
     // loop cannot drift from them.
     let defaults = outbox_relay::settings::RelaySettings::default();
@@ -1476,7 +1505,15 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
 /// running at the same time in another process holds its lock and keeps
 /// its rows.
 async fn clear_aborted_runs(db: &tokio_postgres::Client) {
-    let tenants: Vec<String> = db
+    // A run is found by what it writes only once it holds its lock: its
+    // pending outbox rows, or its stock receipts (`Bench::start` stocks its
+    // tenants right after taking the lock, and the teardown deletes them
+    // last of all). Not by its `tenants` row: that is written before the
+    // lock is taken, so a run starting in another process would be taken
+    // for an aborted one. The receipts find a run killed after its rows
+    // were published (phases 3 and 4), whose journal entries only this
+    // removes.
+    let mut tenants: Vec<String> = db
         .query(
             "SELECT DISTINCT tenant_id FROM outbox_events
               WHERE published_at IS NULL AND tenant_id LIKE 'bench-%'",
@@ -1485,11 +1522,24 @@ async fn clear_aborted_runs(db: &tokio_postgres::Client) {
         .await
         .map(|rows| rows.iter().map(|r| r.get::<_, String>(0)).collect())
         .unwrap_or_else(|_| Vec::new());
-    let mut runs: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for tenant in tenants {
-        runs.entry(run_tenant(&tenant)).or_default().push(tenant);
-    }
-    for (run, tenants) in &runs {
+    tenants.extend(
+        consumers::db(Kind::Inventory)
+            .await
+            .query(
+                "SELECT DISTINCT tenant_id FROM stock_receipts WHERE tenant_id LIKE 'bench-%'",
+                &[],
+            )
+            .await
+            .map(|rows| {
+                rows.iter()
+                    .map(|r| r.get::<_, String>(0))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default(),
+    );
+    let runs: std::collections::BTreeSet<String> =
+        tenants.iter().map(|tenant| run_tenant(tenant)).collect();
+    for run in &runs {
         let free = db
             .query_one(&format!("SELECT pg_try_advisory_lock({RUN_LOCK})"), &[run])
             .await
@@ -1498,11 +1548,12 @@ async fn clear_aborted_runs(db: &tokio_postgres::Client) {
             println!("  leaving the rows of tenant {run}: a bench running in another process");
             continue;
         }
-        for tenant in tenants {
+        // Every tenant of the run, as its teardown would have.
+        for tenant in [run.clone(), format!("{run}-raw"), format!("{run}-raw2")] {
             println!("  deleting the rows of an aborted run: tenant {tenant}");
-            cleanup_orders(db, tenant).await;
-            cleanup_effects(tenant).await;
-            forget_tenant(db, tenant).await;
+            cleanup_orders(db, &tenant).await;
+            cleanup_effects(&tenant).await;
+            forget_tenant(db, &tenant).await;
         }
         let _ = db
             .execute(&format!("SELECT pg_advisory_unlock({RUN_LOCK})"), &[run])
