@@ -3562,6 +3562,98 @@ async fn the_ledger_dead_letters_a_payment_that_differs_from_the_order() {
     booked_and_balanced(&ledger, &tenant, &good).await;
 }
 
+/// The ledger posts an entry's accounts, header and lines in one round trip
+/// (accounts and lines each one statement): an order without shipping,
+/// paid in cash, gets no shipping line and its lines numbered 1, 2, ... in
+/// the order of the seed's entries, and the tenant the chart of accounts
+/// plus the new method's clearing account, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_posts_no_line_of_zero_and_numbers_the_others_in_order() {
+    let tenant = unique("t5-zero");
+    let name = unique("t5-zero-led");
+    let _ledger = Consumer::start(Kind::Ledger, &name, Options::default()).await;
+    let publisher = Publisher::connect().await;
+
+    let order = Uuid::now_v7();
+    let mut placed = order_placed(&tenant, order, 1, "79", 2);
+    let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
+    raw["payload"]["shipping"] = json!("0.00");
+    raw["payload"]["total"] = json!("88.00");
+    placed.body = serde_json::to_vec(&raw).expect("json");
+    let mut paid = payment_received(&tenant, order, 2, "88.00");
+    let mut raw: Value = serde_json::from_slice(&paid.body).expect("json");
+    raw["payload"]["method"] = json!("cash");
+    paid.body = serde_json::to_vec(&raw).expect("json");
+    let delivered = parcel_delivered(&tenant, order, 3, 2);
+    publisher
+        .all_to_consumer(&name, &[&placed, &paid, &delivered])
+        .await;
+    wait_sequence(Database::Ledger, &name, order, 3).await;
+
+    assert_eq!(
+        journal(&tenant, order).await,
+        vec![
+            (
+                paid.event_id,
+                lines(&[("clearing:cash", 8800, 0), ("customer_deposits", 0, 8800)])
+            ),
+            (
+                delivered.event_id,
+                lines(&[
+                    ("customer_deposits", 8800, 0),
+                    ("sales", 0, 8000),
+                    ("tax_payable", 0, 800),
+                    ("cogs", 4400, 0),
+                    ("inventory", 0, 4400),
+                ])
+            ),
+        ]
+    );
+    let db = pg(Database::Ledger).await;
+    let numbers: Vec<(String, Vec<i32>)> = db
+        .query(
+            "SELECT e.event_type, array_agg(l.line_no ORDER BY l.line_no) \
+               FROM journal_entries e JOIN journal_lines l USING (entry_id) \
+              WHERE e.tenant_id = $1 GROUP BY e.event_type ORDER BY e.event_type",
+            &[&tenant],
+        )
+        .await
+        .expect("line numbers")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(
+        numbers,
+        vec![
+            ("ParcelDelivered".to_owned(), vec![1, 2, 3, 4, 5]),
+            ("PaymentReceived".to_owned(), vec![1, 2]),
+        ]
+    );
+    let accounts: Vec<(String, String, String)> = db
+        .query(
+            "SELECT code, name, kind FROM ledger_accounts WHERE tenant_id = $1 ORDER BY code",
+            &[&tenant],
+        )
+        .await
+        .expect("accounts")
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    let expected: Vec<(String, String, String)> = [
+        ("clearing:cash", "Cash clearing", "asset"),
+        ("cogs", "Cost of goods sold", "expense"),
+        ("customer_deposits", "Customer deposits", "liability"),
+        ("inventory", "Inventory", "asset"),
+        ("sales", "Sales", "revenue"),
+        ("shipping_income", "Shipping income", "revenue"),
+        ("tax_payable", "Tax payable", "liability"),
+    ]
+    .iter()
+    .map(|(c, n, k)| ((*c).to_owned(), (*n).to_owned(), (*k).to_owned()))
+    .collect();
+    assert_eq!(accounts, expected);
+}
+
 /// The ledger never books what does not add up: an order whose total differs
 /// from merchandise + shipping + tax (seed 003's "wrong tax code") fails its
 /// delivery five times and is dead-lettered with the reason; a second delivery

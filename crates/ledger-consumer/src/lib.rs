@@ -53,72 +53,86 @@ pub fn clearing_account(method: &str) -> (String, String) {
 /// One journal line to post: (account code, debit, credit) in minor units.
 type Line = (String, i64, i64);
 
-async fn ensure_accounts(
-    tx: &Transaction<'_>,
-    tenant: &str,
-    extra: Option<(&str, &str, &str)>,
-) -> Result<(), tokio_postgres::Error> {
-    for (code, name, kind) in ACCOUNTS.iter().copied().chain(extra) {
-        tx.execute(&tx.prepare_cached("INSERT INTO ledger_accounts (tenant_id, code, name, kind) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT DO NOTHING").await?,
-            &[&tenant, &code, &name, &kind],
-        )
-        .await?;
-    }
-    Ok(())
-}
+/// The chart of accounts (plus `extra`) for the tenant, each account
+/// created unless it exists: one statement (the accounts in a fixed order,
+/// so two first postings of a tenant wait on each other's rows in the same
+/// order, never in a cycle).
+const ENSURE_ACCOUNTS: &str = "INSERT INTO ledger_accounts (tenant_id, code, name, kind) \
+     SELECT $1, a.code, a.name, a.kind \
+       FROM unnest($2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS a (code, name, kind, n) \
+      ORDER BY a.n \
+     ON CONFLICT DO NOTHING";
+
+const INSERT_ENTRY: &str = "INSERT INTO journal_entries \
+     (entry_id, tenant_id, order_id, event_id, event_type, description, currency, effective_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
+
+/// An entry's lines, numbered from 1 in the order given: one statement.
+const INSERT_LINES: &str = "INSERT INTO journal_lines \
+     (entry_id, line_no, tenant_id, account_code, debit, credit) \
+     SELECT $1, l.n::int, $2, l.account, l.debit, l.credit \
+       FROM unnest($3::text[], $4::bigint[], $5::bigint[]) WITH ORDINALITY AS l (account, debit, credit, n) \
+      ORDER BY l.n";
 
 /// Post one journal entry of `lines`, effective at `effective_at` (the
 /// business time of the event: when the parcel was delivered, when the
-/// payment was recorded).
+/// payment was recorded), with the accounts it needs (the chart, plus
+/// `extra`). The accounts, the entry and its lines are three statements
+/// sent together: one round trip instead of one per account and line
+/// (tokio-postgres pipelines requests polled concurrently; `join3` polls
+/// them in this order, so PostgreSQL runs them in this order, and the
+/// lines find their accounts and their entry). The first error is the
+/// cause: the later statements then fail with "current transaction is
+/// aborted".
 async fn post(
     tx: &Transaction<'_>,
     envelope: &RawEnvelope,
     (order_id, effective_at): (Uuid, time::OffsetDateTime),
     description: &str,
     currency: &str,
+    extra: Option<(&str, &str, &str)>,
     lines: &[Line],
 ) -> Result<(), HandlerError> {
+    let chart: Vec<(&str, &str, &str)> = ACCOUNTS.iter().copied().chain(extra).collect();
+    let codes: Vec<&str> = chart.iter().map(|a| a.0).collect();
+    let names: Vec<&str> = chart.iter().map(|a| a.1).collect();
+    let kinds: Vec<&str> = chart.iter().map(|a| a.2).collect();
+    // e.g. no shipping charged: no line.
+    let lines: Vec<&Line> = lines
+        .iter()
+        .filter(|(_, debit, credit)| *debit != 0 || *credit != 0)
+        .collect();
+    let accounts: Vec<&str> = lines.iter().map(|l| l.0.as_str()).collect();
+    let debits: Vec<i64> = lines.iter().map(|l| l.1).collect();
+    let credits: Vec<i64> = lines.iter().map(|l| l.2).collect();
     let entry_id = Uuid::now_v7();
-    tx.execute(
-        &tx.prepare_cached(
-            "INSERT INTO journal_entries \
-           (entry_id, tenant_id, order_id, event_id, event_type, description, currency, \
-            effective_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        )
-        .await?,
-        &[
-            &entry_id,
-            &envelope.tenant_id,
-            &order_id,
-            &envelope.event_id,
-            &envelope.event_type,
-            &description,
-            &currency,
-            &effective_at,
-        ],
-    )
-    .await?;
-    let mut line_no: i32 = 0;
-    for (account, debit, credit) in lines {
-        if *debit == 0 && *credit == 0 {
-            continue; // e.g. no shipping charged
-        }
-        line_no += 1;
-        tx.execute(&tx.prepare_cached("INSERT INTO journal_lines (entry_id, line_no, tenant_id, account_code, debit, credit) \
-             VALUES ($1, $2, $3, $4, $5, $6)").await?,
+    let ensure = tx.prepare_cached(ENSURE_ACCOUNTS).await?;
+    let insert_entry = tx.prepare_cached(INSERT_ENTRY).await?;
+    let insert_lines = tx.prepare_cached(INSERT_LINES).await?;
+    let (ensured, entry, lines) = futures_util::future::join3(
+        tx.execute(&ensure, &[&envelope.tenant_id, &codes, &names, &kinds]),
+        tx.execute(
+            &insert_entry,
             &[
                 &entry_id,
-                &line_no,
                 &envelope.tenant_id,
-                account,
-                debit,
-                credit,
+                &order_id,
+                &envelope.event_id,
+                &envelope.event_type,
+                &description,
+                &currency,
+                &effective_at,
             ],
-        )
-        .await?;
-    }
+        ),
+        tx.execute(
+            &insert_lines,
+            &[&entry_id, &envelope.tenant_id, &accounts, &debits, &credits],
+        ),
+    )
+    .await;
+    ensured?;
+    entry?;
+    lines?;
     Ok(())
 }
 
@@ -188,6 +202,24 @@ async fn already_posted(
     Ok(row.map(|row| row.get(0)))
 }
 
+/// [`already_posted`] and [`terms`] of one order, asked together (one
+/// round trip; both only read). An entry already posted is the answer even
+/// when the terms are unknown, as when they were asked one after the other.
+async fn posted_and_terms(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order: Uuid,
+    event_type: &str,
+    what: &str,
+) -> Result<(Option<Uuid>, Result<Terms, HandlerError>), HandlerError> {
+    let (posted, terms) = futures_util::future::join(
+        already_posted(tx, tenant, order, event_type),
+        terms(tx, tenant, order, what),
+    )
+    .await;
+    Ok((posted?, terms))
+}
+
 fn overflow(what: &str) -> HandlerError {
     HandlerError::new(format!("{what} overflows"))
 }
@@ -249,9 +281,10 @@ impl consumer_runtime::Domain for Ledger {
                 // One payment per order (order-api enforces it); a second
                 // one would leave Customer deposits holding a balance the
                 // delivery never clears: stop for a human instead.
-                if let Some(first) =
-                    already_posted(tx, tenant, payment.order_id, &envelope.event_type).await?
-                {
+                let (posted, terms) =
+                    posted_and_terms(tx, tenant, payment.order_id, &envelope.event_type, "paid")
+                        .await?;
+                if let Some(first) = posted {
                     return Err(HandlerError::new(format!(
                         "order {} was already paid (event {first}); not booking a second payment",
                         payment.order_id
@@ -263,7 +296,7 @@ impl consumer_runtime::Domain for Ledger {
                 // clears. Stop for a human instead.
                 let Terms {
                     currency, total, ..
-                } = terms(tx, tenant, payment.order_id, "paid").await?;
+                } = terms?;
                 if currency != payment.currency.as_str() || total != payment.amount.minor() {
                     return Err(HandlerError::new(format!(
                         "payment {} of {} {} differs from order {}'s total {} {currency}",
@@ -275,7 +308,6 @@ impl consumer_runtime::Domain for Ledger {
                     )));
                 }
                 let (code, name) = clearing_account(&payment.method);
-                ensure_accounts(tx, tenant, Some((&code, &name, "asset"))).await?;
                 let amount = payment.amount.minor();
                 post(
                     tx,
@@ -285,8 +317,9 @@ impl consumer_runtime::Domain for Ledger {
                     (payment.order_id, envelope.occurred_at),
                     &format!("Payment {} ({})", payment.payment_id, payment.method),
                     payment.currency.as_str(),
+                    Some((&code, &name, "asset")),
                     &[
-                        (code, amount, 0),
+                        (code.clone(), amount, 0),
                         ("customer_deposits".to_owned(), 0, amount),
                     ],
                 )
@@ -295,9 +328,15 @@ impl consumer_runtime::Domain for Ledger {
             Event::ParcelDelivered(delivery) => {
                 // One delivery per order (order-api enforces it); a second one
                 // would book the revenue twice: stop for a human instead.
-                if let Some(first) =
-                    already_posted(tx, tenant, delivery.order_id, &envelope.event_type).await?
-                {
+                let (posted, terms) = posted_and_terms(
+                    tx,
+                    tenant,
+                    delivery.order_id,
+                    &envelope.event_type,
+                    "delivered",
+                )
+                .await?;
+                if let Some(first) = posted {
                     return Err(HandlerError::new(format!(
                         "order {} was already delivered (event {first}); not posting revenue twice",
                         delivery.order_id
@@ -310,7 +349,7 @@ impl consumer_runtime::Domain for Ledger {
                     tax,
                     total,
                     cogs,
-                } = terms(tx, tenant, delivery.order_id, "delivered").await?;
+                } = terms?;
                 let credits = Money::from_minor(merchandise)
                     .checked_add(Money::from_minor(shipping))
                     .and_then(|m| m.checked_add(Money::from_minor(tax)))
@@ -323,7 +362,6 @@ impl consumer_runtime::Domain for Ledger {
                         credits
                     )));
                 }
-                ensure_accounts(tx, tenant, None).await?;
                 post(
                     tx,
                     envelope,
@@ -331,6 +369,7 @@ impl consumer_runtime::Domain for Ledger {
                     (delivery.order_id, delivery.delivered_at),
                     &format!("Delivery {}", delivery.delivery_id),
                     &currency,
+                    None,
                     &[
                         ("customer_deposits".to_owned(), total, 0),
                         ("sales".to_owned(), 0, merchandise),
