@@ -3494,6 +3494,68 @@ async fn inventory_dead_letters_a_second_delivery_and_one_that_differs_from_the_
     assert_levels_equal_movements(&tenant).await;
 }
 
+/// A delivery of several skus sells them all or none: one of whose skus has
+/// no stock on hand (a missing receipt) is dead-lettered with the reason
+/// and its order parked, and the sku that had the stock is not sold (the
+/// sale's locks, checks and writes cover every sku of the delivery at
+/// once). The stock levels still equal their movements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_of_several_skus_with_one_short_sells_none() {
+    let tenant = unique("t5-multi");
+    let name = unique("t5-multi-inv");
+    let inventory = Consumer::start(Kind::Inventory, &name, Options::default()).await;
+    let (status, body) = receipt(&inventory, &tenant, "r-multi", 10).await;
+    assert_eq!(status, 201, "{body}");
+    let publisher = Publisher::connect().await;
+
+    let order = Uuid::now_v7();
+    let mut placed = order_placed(&tenant, order, 1, "80", 2);
+    let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
+    raw["payload"]["lines"] = json!([
+        {"sku": "JKT-M", "qty": 2, "unit_price": "40.00", "unit_cost": "22.00"},
+        {"sku": "JKT-L", "qty": 1, "unit_price": "40.00", "unit_cost": "22.00"},
+    ]);
+    raw["payload"]["total"] = json!("133.00");
+    placed.body = serde_json::to_vec(&raw).expect("json");
+    let mut delivered = parcel_delivered(&tenant, order, 3, 2);
+    let mut raw: Value = serde_json::from_slice(&delivered.body).expect("json");
+    raw["payload"]["lines"] = json!([{"sku": "JKT-L", "qty": 1}, {"sku": "JKT-M", "qty": 2}]);
+    delivered.body = serde_json::to_vec(&raw).expect("json");
+    publisher
+        .all_to_consumer(
+            &name,
+            &[
+                &placed,
+                &payment_received(&tenant, order, 2, "133.00"),
+                &delivered,
+            ],
+        )
+        .await;
+    ran_out_and_parked(
+        &inventory,
+        Database::Inventory,
+        &[(
+            order,
+            2,
+            "cannot sell 1 JKT-L at WH-1: only 0 on hand (missing receipt?)",
+        )],
+    )
+    .await;
+    // JKT-M: 10 on hand, 2 still reserved, none sold.
+    assert_eq!(level(&tenant).await, Some((10, 2, 8)));
+    let sales: i64 = pg(Database::Inventory)
+        .await
+        .query_one(
+            "SELECT count(*) FROM stock_movements WHERE tenant_id = $1 AND movement_type = 'sale'",
+            &[&tenant],
+        )
+        .await
+        .expect("sales")
+        .get(0);
+    assert_eq!(sales, 0);
+    assert_levels_equal_movements(&tenant).await;
+}
+
 /// `good`'s payment and delivery booked as the seed's order, and the
 /// trial balance of `tenant` (returned, its first currency) at zero.
 async fn booked_and_balanced(ledger: &Consumer, tenant: &str, good: &Story) -> Value {

@@ -111,20 +111,16 @@ impl consumer_runtime::Domain for Inventory {
                 Ok(short)
             }
             Event::ParcelDelivered(delivery) => {
-                let location: String = tx
-                    .query_opt(&tx.prepare_cached("SELECT location FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2").await?,
-                        &[&envelope.tenant_id, &delivery.order_id],
-                    )
-                    .await?
-                    .map(|row| row.get(0))
-                    .ok_or_else(|| {
-                        HandlerError::new(format!(
-                            "order {} was delivered but never placed here (no OrderPlaced)",
-                            delivery.order_id
-                        ))
-                    })?;
+                // Where the order was placed and what it holds: asked
+                // together (one round trip; both only read).
+                let (location, held) = futures_util::future::join(
+                    location_of(tx, &envelope.tenant_id, delivery.order_id),
+                    holdings(tx, &envelope.tenant_id, delivery.order_id),
+                )
+                .await;
+                let location = location?;
+                let held = held?;
                 let lines = by_sku(delivery.lines.iter().map(|l| (l.sku.as_str(), l.qty)));
-                let held = holdings(tx, &envelope.tenant_id, delivery.order_id).await?;
                 // One delivery per order, of what was ordered (order-api
                 // enforces both, as the ledger and loyalty check too): a
                 // second one would sell the stock again, and lines that
@@ -146,19 +142,7 @@ impl consumer_runtime::Domain for Inventory {
                         delivery.order_id
                     )));
                 }
-                for (sku, qty) in lines {
-                    let outstanding = held.get(sku).map_or(0, |h| h.outstanding);
-                    sell(
-                        tx,
-                        envelope,
-                        delivery.order_id,
-                        &location,
-                        sku,
-                        qty,
-                        outstanding,
-                    )
-                    .await?;
-                }
+                sell(tx, envelope, delivery.order_id, &location, &lines, &held).await?;
                 Ok(0)
             }
             _ => Ok(0),
@@ -347,43 +331,124 @@ async fn record(tx: &Transaction<'_>, m: &Movement<'_>) -> Result<(), tokio_post
     Ok(())
 }
 
-/// Sell `qty` out of the reservation, of which the order still holds
-/// `outstanding` (other orders' reservations of the same sku are theirs).
+/// The location of an order placed here: a failure of the event when its
+/// OrderPlaced was never applied here.
+async fn location_of(
+    tx: &Transaction<'_>,
+    tenant: &str,
+    order_id: Uuid,
+) -> Result<String, HandlerError> {
+    tx.query_opt(
+        &tx.prepare_cached(
+            "SELECT location FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2",
+        )
+        .await?,
+        &[&tenant, &order_id],
+    )
+    .await?
+    .map(|row| row.get(0))
+    .ok_or_else(|| {
+        HandlerError::new(format!(
+            "order {order_id} was delivered but never placed here (no OrderPlaced)"
+        ))
+    })
+}
+
+/// Each sku's level ensured (`$1` tenant, `$2` location, `$3` skus).
+const ENSURE_LEVELS: &str = "INSERT INTO stock_levels (tenant_id, sku, location) \
+     SELECT $1, s.sku, $2 FROM unnest($3::text[]) AS s (sku) ORDER BY s.sku COLLATE \"C\" \
+     ON CONFLICT DO NOTHING";
+
+/// Each sku's level locked, in sku byte order (the order of the
+/// reservation's upsert and of a receipt's single lock: no deadlock), and
+/// its stock on hand.
+const LOCK_LEVELS: &str = "SELECT sku, on_hand FROM stock_levels \
+     WHERE tenant_id = $1 AND location = $2 AND sku = ANY($3::text[]) \
+     ORDER BY sku COLLATE \"C\" FOR UPDATE";
+
+/// The sale: one `sale` movement per sku and its level's change (`$3`
+/// skus, `$4` quantities sold, `$5` reservations released, `$6` order,
+/// `$7` event). The levels are locked already ([`LOCK_LEVELS`]).
+const RECORD_SALE: &str = "\
+WITH sold AS (
+    SELECT sku, qty, released FROM unnest($3::text[], $4::bigint[], $5::bigint[]) AS m (sku, qty, released)
+), moved AS (
+    INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, on_hand_delta,
+                                 reserved_delta, shortage, order_id, event_id)
+    SELECT $1, sku, $2, 'sale', -qty, -qty, -released, 0, $6, $7
+      FROM sold ORDER BY sku COLLATE \"C\"
+)
+UPDATE stock_levels s SET on_hand = s.on_hand - sold.qty, reserved = s.reserved - sold.released,
+       updated_at = now()
+  FROM sold WHERE s.tenant_id = $1 AND s.location = $2 AND s.sku = sold.sku";
+
+/// Sell `lines` (qty per sku) out of the order's reservations (`held`:
+/// what the order still holds of each; other orders' reservations of the
+/// same sku are theirs), in three statements whatever the number of skus:
+/// the levels ensured and locked (sent together), then, once every sku
+/// has the stock, the movements and the levels' changes.
 async fn sell(
     tx: &Transaction<'_>,
     envelope: &RawEnvelope,
     order_id: Uuid,
     location: &str,
-    sku: &str,
-    qty: i64,
-    outstanding: i64,
+    lines: &BTreeMap<&str, i64>,
+    held: &BTreeMap<String, Holding>,
 ) -> Result<(), HandlerError> {
-    let (on_hand, _reserved) = lock_level(tx, &envelope.tenant_id, sku, location).await?;
-    if on_hand < qty {
-        // Physically delivered but not on the books: a receipt is missing.
-        // Never negative stock: fail (retry, then dead letter for a human).
+    let tenant = envelope.tenant_id.as_str();
+    let skus: Vec<&str> = lines.keys().copied().collect();
+    let ensure = tx.prepare_cached(ENSURE_LEVELS).await?;
+    let lock = tx.prepare_cached(LOCK_LEVELS).await?;
+    // Sent together: PostgreSQL runs them in this order, so the lock sees
+    // the levels just ensured.
+    let (ensured, locked) = futures_util::future::join(
+        tx.execute(&ensure, &[&tenant, &location, &skus]),
+        tx.query(&lock, &[&tenant, &location, &skus]),
+    )
+    .await;
+    ensured?;
+    let on_hand: BTreeMap<String, i64> =
+        locked?.iter().map(|row| (row.get(0), row.get(1))).collect();
+    let mut quantities = Vec::with_capacity(lines.len());
+    let mut released = Vec::with_capacity(lines.len());
+    for (sku, qty) in lines {
+        let have = on_hand.get(*sku).copied().unwrap_or_default();
+        if have < *qty {
+            // Physically delivered but not on the books: a receipt is
+            // missing. Never negative stock: fail (retry, then dead letter
+            // for a human).
+            return Err(HandlerError::new(format!(
+                "cannot sell {qty} {sku} at {location}: only {have} on hand (missing receipt?)"
+            )));
+        }
+        let outstanding = held.get(*sku).map_or(0, |h| h.outstanding);
+        quantities.push(*qty);
+        // Release this order's reservation (at most what was delivered).
+        released.push((*qty).min(outstanding.max(0)));
+    }
+    let record = tx.prepare_cached(RECORD_SALE).await?;
+    let changed = tx
+        .execute(
+            &record,
+            &[
+                &tenant,
+                &location,
+                &skus,
+                &quantities,
+                &released,
+                &order_id,
+                &envelope.event_id,
+            ],
+        )
+        .await?;
+    if changed != lines.len() as u64 {
+        // Cannot happen (each level was locked above); never commit a
+        // partial sale if it does.
         return Err(HandlerError::new(format!(
-            "cannot sell {qty} {sku} at {location}: only {on_hand} on hand (missing receipt?)"
+            "sold {changed} of {} skus of order {order_id}",
+            lines.len()
         )));
     }
-    record(
-        tx,
-        &Movement {
-            tenant: &envelope.tenant_id,
-            sku,
-            location,
-            kind: "sale",
-            qty: -qty,
-            on_hand_delta: -qty,
-            // Release this order's reservation (at most what was delivered).
-            reserved_delta: -qty.min(outstanding.max(0)),
-            shortage: 0,
-            order_id: Some(order_id),
-            receipt_id: None,
-            event_id: Some(envelope.event_id),
-        },
-    )
-    .await?;
     Ok(())
 }
 
