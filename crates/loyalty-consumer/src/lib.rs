@@ -76,22 +76,41 @@ impl consumer_runtime::Domain for Loyalty {
                 Ok(())
             }
             Event::ParcelDelivered(delivery) => {
-                let row = tx
-                    .query_opt(
-                        &tx.prepare_cached(
-                            "SELECT customer_id, merchandise, currency FROM loyalty_orders \
+                // The order's terms and an award it already has, asked
+                // together (one round trip; both only read). One delivery
+                // per order (order-api enforces it): never award twice.
+                // LIMIT 1: a correction by hand leaves several entries (a
+                // negative one and the right one) under the type.
+                let terms = tx
+                    .prepare_cached(
+                        "SELECT customer_id, merchandise, currency FROM loyalty_orders \
                          WHERE tenant_id = $1 AND order_id = $2",
-                        )
-                        .await?,
-                        &[&envelope.tenant_id, &delivery.order_id],
                     )
-                    .await?
-                    .ok_or_else(|| {
-                        HandlerError::new(format!(
-                            "order {} delivered but never placed here (no OrderPlaced)",
-                            delivery.order_id
-                        ))
-                    })?;
+                    .await?;
+                let award = tx
+                    .prepare_cached(
+                        "SELECT event_id FROM loyalty_entries WHERE tenant_id = $1 \
+                         AND order_id = $2 AND event_type = $3 LIMIT 1",
+                    )
+                    .await?;
+                let (row, awarded) = futures_util::future::join(
+                    tx.query_opt(&terms, &[&envelope.tenant_id, &delivery.order_id]),
+                    tx.query_opt(
+                        &award,
+                        &[
+                            &envelope.tenant_id,
+                            &delivery.order_id,
+                            &envelope.event_type,
+                        ],
+                    ),
+                )
+                .await;
+                let row = row?.ok_or_else(|| {
+                    HandlerError::new(format!(
+                        "order {} delivered but never placed here (no OrderPlaced)",
+                        delivery.order_id
+                    ))
+                })?;
                 let customer: String = row.get(0);
                 let merchandise = Money::from_minor(row.get(1));
                 let currency: String = row.get(2);
@@ -99,15 +118,7 @@ impl consumer_runtime::Domain for Loyalty {
                 if points == 0 {
                     return Ok(());
                 }
-                // One delivery per order (order-api enforces it): never award twice.
-                let awarded = tx
-                    // LIMIT 1: a correction by hand leaves several entries
-                    // (a negative one and the right one) under the type.
-                    .query_opt(&tx.prepare_cached("SELECT event_id FROM loyalty_entries WHERE tenant_id = $1 AND order_id = $2 \
-                         AND event_type = $3 LIMIT 1").await?,
-                        &[&envelope.tenant_id, &delivery.order_id, &envelope.event_type],
-                    )
-                    .await?;
+                let awarded = awarded?;
                 if let Some(row) = awarded {
                     let first: Uuid = row.get(0);
                     return Err(HandlerError::new(format!(
