@@ -196,13 +196,24 @@ async fn send_receipt(
     receipt_id: &str,
     qty: i64,
 ) -> reqwest::Result<reqwest::Response> {
+    send_receipt_of(consumer, tenant, receipt_id, "JKT-M", qty).await
+}
+
+/// `POST /stock/receipts` of `qty` of `sku` at WH-1.
+async fn send_receipt_of(
+    consumer: &Consumer,
+    tenant: &str,
+    receipt_id: &str,
+    sku: &str,
+    qty: i64,
+) -> reqwest::Result<reqwest::Response> {
     reqwest::Client::new()
         .post(format!(
             "{}/stock/receipts?tenant={tenant}",
             consumer.base_url()
         ))
         .bearer_auth(TEST_TOKEN)
-        .json(&json!({"receipt_id": receipt_id, "sku": "JKT-M", "location": "WH-1", "qty": qty}))
+        .json(&json!({"receipt_id": receipt_id, "sku": sku, "location": "WH-1", "qty": qty}))
         .send()
         .await
 }
@@ -3494,65 +3505,112 @@ async fn inventory_dead_letters_a_second_delivery_and_one_that_differs_from_the_
     assert_levels_equal_movements(&tenant).await;
 }
 
-/// A delivery of several skus sells them all or none: one of whose skus has
-/// no stock on hand (a missing receipt) is dead-lettered with the reason
-/// and its order parked, and the sku that had the stock is not sold (the
-/// sale's locks, checks and writes cover every sku of the delivery at
-/// once). The stock levels still equal their movements.
+/// A delivery of several skus sells them all or none, in one statement for
+/// all of them: one of whose skus has no stock on hand (a missing receipt)
+/// is dead-lettered with the reason and its order parked, and the sku that
+/// had the stock is not sold; one whose skus are all in stock sells each,
+/// every level down by its own quantity and the order's reservations
+/// released. The stock levels still equal their movements.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delivery_of_several_skus_with_one_short_sells_none() {
+async fn a_delivery_of_several_skus_sells_all_or_none() {
     let tenant = unique("t5-multi");
     let name = unique("t5-multi-inv");
     let inventory = Consumer::start(Kind::Inventory, &name, Options::default()).await;
-    let (status, body) = receipt(&inventory, &tenant, "r-multi", 10).await;
-    assert_eq!(status, 201, "{body}");
+    for (receipt, sku, qty) in [("r-multi-m", "JKT-M", 10), ("r-multi-s", "JKT-S", 5)] {
+        let response = send_receipt_of(&inventory, &tenant, receipt, sku, qty)
+            .await
+            .expect("POST /stock/receipts");
+        assert_eq!(response.status().as_u16(), 201, "{sku}");
+    }
     let publisher = Publisher::connect().await;
 
-    let order = Uuid::now_v7();
-    let mut placed = order_placed(&tenant, order, 1, "80", 2);
-    let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
-    raw["payload"]["lines"] = json!([
-        {"sku": "JKT-M", "qty": 2, "unit_price": "40.00", "unit_cost": "22.00"},
-        {"sku": "JKT-L", "qty": 1, "unit_price": "40.00", "unit_cost": "22.00"},
-    ]);
-    raw["payload"]["total"] = json!("133.00");
-    placed.body = serde_json::to_vec(&raw).expect("json");
-    let mut delivered = parcel_delivered(&tenant, order, 3, 2);
-    let mut raw: Value = serde_json::from_slice(&delivered.body).expect("json");
-    raw["payload"]["lines"] = json!([{"sku": "JKT-L", "qty": 1}, {"sku": "JKT-M", "qty": 2}]);
-    delivered.body = serde_json::to_vec(&raw).expect("json");
+    // (order, its lines as ordered, its lines as delivered)
+    let placed_and_delivered = |order: Uuid, lines: Value, delivered: Value, total: &str| {
+        let mut placed = order_placed(&tenant, order, 1, "80", 2);
+        let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
+        raw["payload"]["lines"] = lines;
+        raw["payload"]["total"] = json!(total);
+        placed.body = serde_json::to_vec(&raw).expect("json");
+        let mut parcel = parcel_delivered(&tenant, order, 3, 2);
+        let mut raw: Value = serde_json::from_slice(&parcel.body).expect("json");
+        raw["payload"]["lines"] = delivered;
+        parcel.body = serde_json::to_vec(&raw).expect("json");
+        (placed, payment_received(&tenant, order, 2, total), parcel)
+    };
+    let (short, sold) = (Uuid::now_v7(), Uuid::now_v7());
+    // JKT-L has no receipt.
+    let a = placed_and_delivered(
+        short,
+        json!([
+            {"sku": "JKT-M", "qty": 2, "unit_price": "40.00", "unit_cost": "22.00"},
+            {"sku": "JKT-L", "qty": 1, "unit_price": "40.00", "unit_cost": "22.00"},
+        ]),
+        json!([{"sku": "JKT-L", "qty": 1}, {"sku": "JKT-M", "qty": 2}]),
+        "133.00",
+    );
+    let b = placed_and_delivered(
+        sold,
+        json!([
+            {"sku": "JKT-S", "qty": 3, "unit_price": "40.00", "unit_cost": "22.00"},
+            {"sku": "JKT-M", "qty": 1, "unit_price": "40.00", "unit_cost": "22.00"},
+        ]),
+        json!([{"sku": "JKT-M", "qty": 1}, {"sku": "JKT-S", "qty": 3}]),
+        "173.00",
+    );
     publisher
-        .all_to_consumer(
-            &name,
-            &[
-                &placed,
-                &payment_received(&tenant, order, 2, "133.00"),
-                &delivered,
-            ],
-        )
+        .all_to_consumer(&name, &[&a.0, &b.0, &a.1, &b.1, &a.2, &b.2])
         .await;
+    wait_sequence(Database::Inventory, &name, sold, 3).await;
     ran_out_and_parked(
         &inventory,
         Database::Inventory,
         &[(
-            order,
+            short,
             2,
             "cannot sell 1 JKT-L at WH-1: only 0 on hand (missing receipt?)",
         )],
     )
     .await;
-    // JKT-M: 10 on hand, 2 still reserved, none sold.
-    assert_eq!(level(&tenant).await, Some((10, 2, 8)));
-    let sales: i64 = pg(Database::Inventory)
+    let db = pg(Database::Inventory).await;
+    let levels: Vec<(String, i64, i64)> = db
+        .query(
+            "SELECT sku, on_hand, reserved FROM stock_levels \
+              WHERE tenant_id = $1 AND location = 'WH-1' ORDER BY sku",
+            &[&tenant],
+        )
         .await
-        .query_one(
-            "SELECT count(*) FROM stock_movements WHERE tenant_id = $1 AND movement_type = 'sale'",
+        .expect("levels")
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    // JKT-L: 1 reserved by the short order (short of it, nothing on hand);
+    // JKT-M: 1 sold, the short order's 2 still reserved; JKT-S: 3 sold.
+    assert_eq!(
+        levels,
+        vec![
+            ("JKT-L".to_owned(), 0, 1),
+            ("JKT-M".to_owned(), 9, 2),
+            ("JKT-S".to_owned(), 2, 0),
+        ]
+    );
+    let sales: Vec<(Uuid, String, i64, i64)> = db
+        .query(
+            "SELECT order_id, sku, qty, reserved_delta FROM stock_movements \
+              WHERE tenant_id = $1 AND movement_type = 'sale' ORDER BY sku",
             &[&tenant],
         )
         .await
         .expect("sales")
-        .get(0);
-    assert_eq!(sales, 0);
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)))
+        .collect();
+    assert_eq!(
+        sales,
+        vec![
+            (sold, "JKT-M".to_owned(), -1, -1),
+            (sold, "JKT-S".to_owned(), -3, -3),
+        ]
+    );
     assert_levels_equal_movements(&tenant).await;
 }
 

@@ -922,7 +922,7 @@ async fn relay_drains(
     results.relay_workers = workers;
     results.relay_window = window;
     results.relay_events_per_order = per_order;
-    let rows = relay::rows(orders, &system.tenant, backlog).await;
+    let rows = relay::rows(orders, &system.tenant, None, backlog).await;
     let half = rows.len() / 2;
     let halves: Vec<Arc<Vec<_>>> = [&rows[..half], &rows[half..]]
         .into_iter()
@@ -1264,7 +1264,7 @@ async fn lifecycle_rows(
         started.elapsed(),
         traffic.retries
     );
-    let rows = relay::rows_since(orders, &system.tenant, since).await;
+    let rows = relay::rows(orders, &system.tenant, Some(since), i64::MAX).await;
     assert_eq!(
         rows.len() as u64,
         3 * count,
@@ -1507,8 +1507,8 @@ async fn e2e_only(settings: Settings) -> anyhow::Result<()> {
 async fn clear_aborted_runs(db: &tokio_postgres::Client) {
     // A run is found by what it writes only once it holds its lock: its
     // pending outbox rows, or its stock receipts (`Bench::start` stocks its
-    // tenants right after taking the lock, and the teardown deletes them
-    // last of all). Not by its `tenants` row: that is written before the
+    // tenants right after taking the lock, and the teardown deletes each
+    // tenant's last of its rows). Not by its `tenants` row: that is written before the
     // lock is taken, so a run starting in another process would be taken
     // for an aborted one. The receipts find a run killed after its rows
     // were published (phases 3 and 4), whose journal entries only this
@@ -1616,17 +1616,9 @@ async fn forget_tenant(db: &tokio_postgres::Client, tenant: &str) {
 /// ledger's journal too ([`cleanup_journal`]).
 async fn cleanup_effects(tenant: &str) {
     cleanup_journal(tenant).await;
+    // The stock receipts last of all: they are how the next run finds this
+    // one if it is killed before its teardown ends ([`clear_aborted_runs`]).
     for (kind, statements) in [
-        (
-            Kind::Inventory,
-            &[
-                "DELETE FROM stock_movements WHERE tenant_id = $1",
-                "DELETE FROM inventory_orders WHERE tenant_id = $1",
-                "DELETE FROM stock_receipts WHERE tenant_id = $1",
-                "DELETE FROM stock_levels WHERE tenant_id = $1",
-                "DELETE FROM order_progress WHERE tenant_id = $1",
-            ][..],
-        ),
         (
             Kind::Ledger,
             &[
@@ -1640,6 +1632,16 @@ async fn cleanup_effects(tenant: &str) {
                 "DELETE FROM loyalty_entries WHERE tenant_id = $1",
                 "DELETE FROM loyalty_orders WHERE tenant_id = $1",
                 "DELETE FROM order_progress WHERE tenant_id = $1",
+            ][..],
+        ),
+        (
+            Kind::Inventory,
+            &[
+                "DELETE FROM stock_movements WHERE tenant_id = $1",
+                "DELETE FROM inventory_orders WHERE tenant_id = $1",
+                "DELETE FROM stock_levels WHERE tenant_id = $1",
+                "DELETE FROM order_progress WHERE tenant_id = $1",
+                "DELETE FROM stock_receipts WHERE tenant_id = $1",
             ][..],
         ),
     ] {

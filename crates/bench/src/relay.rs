@@ -652,32 +652,23 @@ pub fn span_from_first_message(raw: &mut Drain, sink: &Sink) -> anyhow::Result<(
     Ok(())
 }
 
-/// The tenant's rows as the relay claims them.
-pub async fn rows(db: &Client, tenant: &str, limit: i64) -> Vec<OutboxRow> {
+/// The tenant's rows as the relay claims them, written at or after `since`
+/// (`occurred_at`; `None`: every row), at most `limit`, in the order they
+/// were written (an order's events in their sequence).
+pub async fn rows(
+    db: &Client,
+    tenant: &str,
+    since: Option<time::OffsetDateTime>,
+    limit: i64,
+) -> Vec<OutboxRow> {
     db.query(
         "SELECT event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
                 event_type, schema_version, payload, traceparent, tracestate, occurred_at,
                 attempt_count
-           FROM outbox_events WHERE tenant_id = $1 ORDER BY occurred_at, event_id LIMIT $2",
-        &[&tenant, &limit],
-    )
-    .await
-    .expect("rows")
-    .iter()
-    .map(|row| OutboxRow::try_from_row(row).expect("a readable outbox row"))
-    .collect()
-}
-
-/// The tenant's rows written at or after `since` (`occurred_at`), in the
-/// order they were written.
-pub async fn rows_since(db: &Client, tenant: &str, since: time::OffsetDateTime) -> Vec<OutboxRow> {
-    db.query(
-        "SELECT event_id, tenant_id, aggregate_type, aggregate_id, aggregate_sequence,
-                event_type, schema_version, payload, traceparent, tracestate, occurred_at,
-                attempt_count
-           FROM outbox_events WHERE tenant_id = $1 AND occurred_at >= $2
-          ORDER BY occurred_at, aggregate_sequence, event_id",
-        &[&tenant, &since],
+           FROM outbox_events
+          WHERE tenant_id = $1 AND ($2::timestamptz IS NULL OR occurred_at >= $2)
+          ORDER BY occurred_at, aggregate_sequence, event_id LIMIT $3",
+        &[&tenant, &since, &limit],
     )
     .await
     .expect("rows")

@@ -354,11 +354,6 @@ async fn location_of(
     })
 }
 
-/// Each sku's level ensured (`$1` tenant, `$2` location, `$3` skus).
-const ENSURE_LEVELS: &str = "INSERT INTO stock_levels (tenant_id, sku, location) \
-     SELECT $1, s.sku, $2 FROM unnest($3::text[]) AS s (sku) ORDER BY s.sku COLLATE \"C\" \
-     ON CONFLICT DO NOTHING";
-
 /// Each sku's level locked, in sku byte order (the order of the
 /// reservation's upsert and of a receipt's single lock: no deadlock), and
 /// its stock on hand.
@@ -384,9 +379,12 @@ UPDATE stock_levels s SET on_hand = s.on_hand - sold.qty, reserved = s.reserved 
 
 /// Sell `lines` (qty per sku) out of the order's reservations (`held`:
 /// what the order still holds of each; other orders' reservations of the
-/// same sku are theirs), in three statements whatever the number of skus:
-/// the levels ensured and locked (sent together), then, once every sku
-/// has the stock, the movements and the levels' changes.
+/// same sku are theirs), in two statements whatever the number of skus:
+/// the levels locked, then, once every sku has the stock, the movements
+/// and the levels' changes. Every level exists: the caller checked that
+/// the order reserved exactly these skus, and the reservation created
+/// their levels (a level missing anyway has nothing on hand here, and
+/// fails the check).
 async fn sell(
     tx: &Transaction<'_>,
     envelope: &RawEnvelope,
@@ -397,18 +395,13 @@ async fn sell(
 ) -> Result<(), HandlerError> {
     let tenant = envelope.tenant_id.as_str();
     let skus: Vec<&str> = lines.keys().copied().collect();
-    let ensure = tx.prepare_cached(ENSURE_LEVELS).await?;
     let lock = tx.prepare_cached(LOCK_LEVELS).await?;
-    // Sent together: PostgreSQL runs them in this order, so the lock sees
-    // the levels just ensured.
-    let (ensured, locked) = futures_util::future::join(
-        tx.execute(&ensure, &[&tenant, &location, &skus]),
-        tx.query(&lock, &[&tenant, &location, &skus]),
-    )
-    .await;
-    ensured?;
-    let on_hand: BTreeMap<String, i64> =
-        locked?.iter().map(|row| (row.get(0), row.get(1))).collect();
+    let on_hand: BTreeMap<String, i64> = tx
+        .query(&lock, &[&tenant, &location, &skus])
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
     let mut quantities = Vec::with_capacity(lines.len());
     let mut released = Vec::with_capacity(lines.len());
     for (sku, qty) in lines {

@@ -111,6 +111,9 @@ impl consumer_runtime::Domain for Loyalty {
                         delivery.order_id
                     ))
                 })?;
+                // Its failure too, before anything returns: the transaction
+                // is aborted, and a COMMIT of it would roll back silently.
+                let awarded = awarded?;
                 let customer: String = row.get(0);
                 let merchandise = Money::from_minor(row.get(1));
                 let currency: String = row.get(2);
@@ -118,7 +121,6 @@ impl consumer_runtime::Domain for Loyalty {
                 if points == 0 {
                     return Ok(());
                 }
-                let awarded = awarded?;
                 if let Some(row) = awarded {
                     let first: Uuid = row.get(0);
                     return Err(HandlerError::new(format!(
