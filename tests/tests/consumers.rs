@@ -157,6 +157,14 @@ fn lines(spec: &[(&str, i64, i64)]) -> Vec<Line> {
         .collect()
 }
 
+/// `message` with its envelope changed by `edit` (a payload field, say).
+fn edited(mut message: Message, edit: impl FnOnce(&mut Value)) -> Message {
+    let mut envelope: Value = serde_json::from_slice(&message.body).expect("json");
+    edit(&mut envelope);
+    message.body = serde_json::to_vec(&envelope).expect("json");
+    message
+}
+
 fn payment_lines() -> Vec<Line> {
     lines(system_tests::SEED_PAYMENT_JOURNAL)
 }
@@ -3526,15 +3534,13 @@ async fn a_delivery_of_several_skus_sells_all_or_none() {
 
     // (order, its lines as ordered, its lines as delivered)
     let placed_and_delivered = |order: Uuid, lines: Value, delivered: Value, total: &str| {
-        let mut placed = order_placed(&tenant, order, 1, "80", 2);
-        let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
-        raw["payload"]["lines"] = lines;
-        raw["payload"]["total"] = json!(total);
-        placed.body = serde_json::to_vec(&raw).expect("json");
-        let mut parcel = parcel_delivered(&tenant, order, 3, 2);
-        let mut raw: Value = serde_json::from_slice(&parcel.body).expect("json");
-        raw["payload"]["lines"] = delivered;
-        parcel.body = serde_json::to_vec(&raw).expect("json");
+        let placed = edited(order_placed(&tenant, order, 1, "80", 2), |e| {
+            e["payload"]["lines"] = lines;
+            e["payload"]["total"] = json!(total);
+        });
+        let parcel = edited(parcel_delivered(&tenant, order, 3, 2), |e| {
+            e["payload"]["lines"] = delivered;
+        });
         (placed, payment_received(&tenant, order, 2, total), parcel)
     };
     let (short, sold) = (Uuid::now_v7(), Uuid::now_v7());
@@ -3645,10 +3651,9 @@ async fn the_ledger_dead_letters_a_payment_that_differs_from_the_order() {
 
     let over = Uuid::now_v7();
     let euro = Uuid::now_v7();
-    let mut euro_paid = payment_received(&tenant, euro, 2, "93.00");
-    let mut raw: Value = serde_json::from_slice(&euro_paid.body).expect("json");
-    raw["payload"]["currency"] = json!("EUR");
-    euro_paid.body = serde_json::to_vec(&raw).expect("json");
+    let euro_paid = edited(payment_received(&tenant, euro, 2, "93.00"), |e| {
+        e["payload"]["currency"] = json!("EUR");
+    });
     let good = story(&tenant);
     publisher
         .all_to_consumer(
@@ -3695,15 +3700,13 @@ async fn the_ledger_posts_no_line_of_zero_and_numbers_the_others_in_order() {
     let publisher = Publisher::connect().await;
 
     let order = Uuid::now_v7();
-    let mut placed = order_placed(&tenant, order, 1, "79", 2);
-    let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
-    raw["payload"]["shipping"] = json!("0.00");
-    raw["payload"]["total"] = json!("88.00");
-    placed.body = serde_json::to_vec(&raw).expect("json");
-    let mut paid = payment_received(&tenant, order, 2, "88.00");
-    let mut raw: Value = serde_json::from_slice(&paid.body).expect("json");
-    raw["payload"]["method"] = json!("cash");
-    paid.body = serde_json::to_vec(&raw).expect("json");
+    let placed = edited(order_placed(&tenant, order, 1, "79", 2), |e| {
+        e["payload"]["shipping"] = json!("0.00");
+        e["payload"]["total"] = json!("88.00");
+    });
+    let paid = edited(payment_received(&tenant, order, 2, "88.00"), |e| {
+        e["payload"]["method"] = json!("cash");
+    });
     let delivered = parcel_delivered(&tenant, order, 3, 2);
     publisher
         .all_to_consumer(&name, &[&placed, &paid, &delivered])
@@ -3792,10 +3795,9 @@ async fn the_ledger_dead_letters_events_that_would_book_wrong_amounts() {
 
     // Total 94.00 for 80.00 + 5.00 + 8.00.
     let wrong = Uuid::now_v7();
-    let mut placed = order_placed(&tenant, wrong, 1, "77", 2);
-    let mut raw: Value = serde_json::from_slice(&placed.body).expect("json");
-    raw["payload"]["total"] = json!("94.00");
-    placed.body = serde_json::to_vec(&raw).expect("json");
+    let placed = edited(order_placed(&tenant, wrong, 1, "77", 2), |e| {
+        e["payload"]["total"] = json!("94.00");
+    });
     let paid = payment_received(&tenant, wrong, 2, "94.00");
     let delivered = parcel_delivered(&tenant, wrong, 3, 2);
 
