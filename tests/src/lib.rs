@@ -65,7 +65,14 @@ pub async fn lock_table(tx: &tokio_postgres::Transaction<'_>, table: &str) -> i3
     tx.batch_execute(&format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
         .await
         .expect("lock");
-    tx.query_one("SELECT pg_backend_pid()", &[])
+    backend_pid(tx).await
+}
+
+/// The pid of `client`'s session (a connection or a transaction on one),
+/// for [`blocked_by`] and `pg_stat_activity`.
+pub async fn backend_pid(client: &impl tokio_postgres::GenericClient) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
         .await
         .expect("pid")
         .get(0)

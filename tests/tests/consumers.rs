@@ -101,6 +101,21 @@ async fn level(tenant: &str) -> Option<(i64, i64, i64)> {
         .map(|r| (r.get(0), r.get(1), r.get(2)))
 }
 
+/// (sku, on_hand, reserved) of every level of `tenant`, by sku.
+async fn levels(tenant: &str) -> Vec<(String, i64, i64)> {
+    pg(Database::Inventory)
+        .await
+        .query(
+            "SELECT sku, on_hand, reserved FROM stock_levels WHERE tenant_id = $1 ORDER BY sku",
+            &[&tenant],
+        )
+        .await
+        .expect("levels")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
 /// Every level of the tenant equals the sum of its movements.
 async fn assert_levels_equal_movements(tenant: &str) {
     let drift: i64 = pg(Database::Inventory)
@@ -3578,21 +3593,10 @@ async fn a_delivery_of_several_skus_sells_all_or_none() {
     )
     .await;
     let db = pg(Database::Inventory).await;
-    let levels: Vec<(String, i64, i64)> = db
-        .query(
-            "SELECT sku, on_hand, reserved FROM stock_levels \
-              WHERE tenant_id = $1 AND location = 'WH-1' ORDER BY sku",
-            &[&tenant],
-        )
-        .await
-        .expect("levels")
-        .iter()
-        .map(|row| (row.get(0), row.get(1), row.get(2)))
-        .collect();
     // JKT-L: 1 reserved by the short order (short of it, nothing on hand);
     // JKT-M: 1 sold, the short order's 2 still reserved; JKT-S: 3 sold.
     assert_eq!(
-        levels,
+        levels(&tenant).await,
         vec![
             ("JKT-L".to_owned(), 0, 1),
             ("JKT-M".to_owned(), 9, 2),
@@ -4358,18 +4362,8 @@ async fn an_order_reserves_each_sku_once_with_its_own_shortage() {
             ("JKT-M".to_owned(), 5, 0, 5, 2, event),
         ]
     );
-    let levels: Vec<(String, i64, i64)> = db
-        .query(
-            "SELECT sku, on_hand, reserved FROM stock_levels WHERE tenant_id = $1 ORDER BY sku",
-            &[&tenant],
-        )
-        .await
-        .expect("levels")
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
     assert_eq!(
-        levels,
+        levels(&tenant).await,
         vec![("HAT-S".to_owned(), 0, 1), ("JKT-M".to_owned(), 3, 5)]
     );
     let location: String = db
@@ -5147,11 +5141,7 @@ async fn an_event_applied_elsewhere_before_the_park_leaves_the_order_unparked() 
     let poison = order_placed(&tenant, order, 1, "77", 1).as_version_99();
 
     let mut other = pg(Database::Inventory).await;
-    let other_pid: i32 = other
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let other_pid = system_tests::backend_pid(&other).await;
     let tx = other.transaction().await.expect("begin");
     tx.execute(
         "INSERT INTO processed_events (consumer_name, event_id, tenant_id) VALUES ($1, $2, $3)",

@@ -1932,11 +1932,7 @@ async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
         )
         .await
         .expect("lock the row");
-    let holder_pid: i32 = holding
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let holder_pid = system_tests::backend_pid(&holding).await;
     let waiter = pg(Database::Orders).await;
     let tenant = caller.tenant.clone();
     let update = format!("UPDATE idempotency_requests SET expires_at = expires_at {the_key}");
@@ -2062,11 +2058,7 @@ async fn a_loser_waits_for_the_owner_s_commit_and_replays_its_result() {
         .await
         .expect("claim b");
     assert_eq!(claimed, 1);
-    let owner_pid: i32 = tx
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let owner_pid = system_tests::backend_pid(&tx).await;
     let before = key_metrics(&api, "POST /orders").await;
     let request = tokio::spawn({
         let caller = caller.clone();
@@ -2128,11 +2120,7 @@ async fn a_running_owner_is_the_oldest_incomplete_key_and_a_failed_one_a_rollbac
         .await
         .expect("lock the order");
     assert_eq!(locked, 1);
-    let holder_pid: i32 = tx
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let holder_pid = system_tests::backend_pid(&tx).await;
     let before = key_metrics(&api, endpoint).await;
     let pay_url = api.url(&format!("/orders/{id}/payments"));
     let request = tokio::spawn({
@@ -2777,11 +2765,7 @@ async fn a_delivery_that_began_before_the_payment_is_dated_after_it() {
     )
     .await
     .expect("claim");
-    let holder_pid: i32 = tx
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let holder_pid = system_tests::backend_pid(&tx).await;
     let delivery = tokio::spawn({
         let caller = caller.clone();
         let url = api.url(&format!("/orders/{id}/deliveries"));
@@ -2865,11 +2849,7 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
     )
     .await
     .expect("hold the checkout");
-    let holder_pid: i32 = tx
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let holder_pid = system_tests::backend_pid(&tx).await;
     let observer = pg(Database::Orders).await;
     let blocked = blocked_by(&observer, holder_pid);
     let url = api.url("/orders");
@@ -3085,11 +3065,7 @@ async fn a_record_deleted_under_a_takeover_frees_the_key_for_a_new_operation() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let cleanup_pid: i32 = tx
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
+    let cleanup_pid = system_tests::backend_pid(&tx).await;
     let before = key_metrics(&api, "POST /orders").await;
     let request = tokio::spawn({
         let caller = caller.clone();

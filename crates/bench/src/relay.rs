@@ -172,11 +172,7 @@ pub async fn rewrite_in_a_fresh_checkpoint_cycle(db: &Client, tenant: &str) -> a
         "  backlog marked published, CHECKPOINT, backlog made unpublished again (backlog and \
          drain in one checkpoint cycle)"
     );
-    db.execute(
-        "UPDATE outbox_events SET published_at = now() WHERE tenant_id = $1 AND published_at IS NULL",
-        &[&tenant],
-    )
-    .await?;
+    mark_published(db, tenant, None).await?;
     let before = Wal::read(db).await?.checkpoints;
     db.batch_execute("CHECKPOINT").await?;
     reset(db, tenant).await;
@@ -677,16 +673,21 @@ pub async fn rows(
     .collect()
 }
 
-/// Mark the tenant's unpublished rows written at or after `since` published
-/// (the bench published them itself): how many.
-pub async fn mark_published_since(db: &Client, tenant: &str, since: time::OffsetDateTime) -> u64 {
+/// Mark the tenant's unpublished rows written at or after `since`
+/// (`occurred_at`; `None`: all of them) published, as if a relay had: how
+/// many.
+pub async fn mark_published(
+    db: &Client,
+    tenant: &str,
+    since: Option<time::OffsetDateTime>,
+) -> Result<u64, tokio_postgres::Error> {
     db.execute(
         "UPDATE outbox_events SET published_at = now()
-          WHERE tenant_id = $1 AND occurred_at >= $2 AND published_at IS NULL",
+          WHERE tenant_id = $1 AND published_at IS NULL
+            AND ($2::timestamptz IS NULL OR occurred_at >= $2)",
         &[&tenant, &since],
     )
     .await
-    .expect("mark")
 }
 
 /// The relay's message of `row` (body, routing key, properties, headers).
