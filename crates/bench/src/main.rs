@@ -62,6 +62,10 @@ pub struct Settings {
     pub backlog_events_per_order: i64,
     /// `BENCH_OUT`: output directory.
     pub out: String,
+    /// `BENCH_STRICT` (0 or 1): `bench` (the full run) ends with an error,
+    /// after writing its results, when a target was missed (for a gate;
+    /// by default the missed targets are listed and the run succeeds).
+    pub strict: bool,
 }
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -84,6 +88,7 @@ impl Settings {
             events_per_order: env("BENCH_EVENTS_PER_ORDER", 1),
             backlog_events_per_order: env("BENCH_BACKLOG_EVENTS_PER_ORDER", 3),
             out: env("BENCH_OUT", "bench".to_owned()),
+            strict: env("BENCH_STRICT", 0_u8) != 0,
         }
     }
 }
@@ -432,13 +437,18 @@ async fn suite(settings: Settings) -> anyhow::Result<()> {
     )
     .await?;
     let outcome = guarded(suite_phases(&bench, &settings)).await;
-    bench.finish(outcome).await?;
+    let missed = bench.finish(outcome).await?;
     println!("done in {:.0?}", run_started.elapsed());
+    anyhow::ensure!(
+        !settings.strict || missed == 0,
+        "{missed} target(s) missed (BENCH_STRICT=1)"
+    );
     Ok(())
 }
 
-/// Every phase of `bench suite`, then the results written.
-async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<()> {
+/// Every phase of `bench suite`, then the results written; how many
+/// targets the run missed.
+async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<usize> {
     let settings = settings.clone();
     let mut results = Results {
         date: report::now_utc(),
@@ -519,7 +529,7 @@ async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<()> 
 
     phase("writing results");
     report::write(&settings.out, &results)?;
-    Ok(())
+    Ok(report::print_missed(&results))
 }
 
 /// Print and keep the CPU an interval of `events` events took, per process.
