@@ -484,7 +484,7 @@ enum Command {
 /// partition then waited for those locks (inventory +9 points against its
 /// raw limit over five alternating `make bench-consumers` pairs, ledger and
 /// loyalty within the noise, ~10 % more consumer CPU per event;
-/// BENCHMARKS.md, session 6).
+/// bench/findings.md, session 6).
 pub async fn main<D: Domain>() -> anyhow::Result<()> {
     let cli = <Cli as clap::Parser>::parse();
     kit::service_main(D::SERVICE, |shutdown| async move {

@@ -41,9 +41,9 @@ pub struct ConsumerSettings {
     /// idle), so a crash redelivers at most that many per partition, as
     /// inbox duplicates. Every ack is a Raft command of the quorum queue:
     /// 64 instead of 16 cut RabbitMQ's CPU per event from ~100-130 µs to
-    /// ~55-85 µs (BENCHMARKS.md). Not larger: each crash counts a delivery
-    /// for every message in the window, so a crash loop (`delivery_limit`)
-    /// dead-letters the whole window (ARCHITECTURE.md).
+    /// ~55-85 µs (bench/findings.md, session 5). Not larger: each crash
+    /// counts a delivery for every message in the window, so a crash loop
+    /// (`delivery_limit`) dead-letters the whole window (ARCHITECTURE.md).
     pub prefetch: u16,
     /// Retry tier delays in milliseconds, comma separated (one queue
     /// `<name>.retry.<i>` per tier). Default 10 s, 1 min, 5 min, 30 min, 2 h.

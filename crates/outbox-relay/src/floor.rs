@@ -5,7 +5,7 @@
 //! index from the oldest `available_at`, so without a lower bound every claim
 //! steps over every entry published since the last vacuum pass: 0.5 ms with
 //! none, 5.3 ms with 60,000, 17.6 ms with 290,000 for a one-row claim
-//! (BENCHMARKS.md, session 8), and the outbox vacuums after 1 % of a table
+//! (bench/findings.md, session 8), and the outbox vacuums after 1 % of a table
 //! that retains a week of events.
 //!
 //! The floor is a lower bound of every claimable row's `available_at`,
