@@ -130,8 +130,9 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
 /// without a statement timeout (a backfill may take long). Its DDL waits for
 /// a table lock at most [`DDL_LOCK_TIMEOUT`]: every write to that table
 /// queues behind a waiting DDL statement, so behind a long transaction
-/// elsewhere the migration gives way and tries again (a minute, then the
-/// start-up fails) instead of stalling the table's writers. Migrations are written to take their
+/// elsewhere the migration gives way and tries again (`DDL_LOCK_ATTEMPTS`, 60
+/// attempts a second apart: up to two minutes with their lock waits, then
+/// the start-up fails) instead of stalling the table's writers. Migrations are written to take their
 /// exclusive locks only for instants (expand in one, backfill and validate
 /// in the next: orders V6 and V7).
 pub async fn run(pool: &Pool, database: Database) -> Result<Vec<String>, MigrationError> {
