@@ -2477,6 +2477,75 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
     system_tests::drop_database(Database::Loyalty, &database).await;
 }
 
+/// A delivery that earns no points still records its event when the check
+/// for an earlier award (asked together with the order's terms) fails:
+/// that failure aborts the event's transaction. Had the handler returned
+/// success for want of points, the runtime's COMMIT of the aborted
+/// transaction would have ended in a rollback PostgreSQL does not report
+/// as an error, and the message would have been acknowledged with nothing
+/// recorded: the event lost. The check fails here as in the test below: an
+/// online migration changed the type of the column it returns, under the
+/// statement the session had prepared (0A000, retried in place on a fresh
+/// session). One partition, one connection: the delivery runs where the
+/// first order's delivery prepared the statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_earning_no_points_is_not_lost_when_its_award_check_fails() {
+    let (database, url) = system_tests::create_database(Database::Loyalty).await;
+    let name = unique("t5-award-loy");
+    let tenant = unique("t5-award");
+    let loyalty = loyalty_on_one_session(&name, &url).await;
+    let own = system_tests::connect_url(&url).await;
+    let entries = || loyalty_entries(&own, &tenant);
+    let publisher = Publisher::connect().await;
+    let first = story(&tenant);
+    for message in [&first.placed, &first.paid, &first.delivered] {
+        publisher.to_consumer(&name, message).await;
+    }
+    eventually("the first delivery's points", WAIT, || async {
+        (entries().await == 1).then_some(())
+    })
+    .await;
+
+    own.batch_execute("ALTER TABLE loyalty_entries ALTER COLUMN event_id TYPE text")
+        .await
+        .expect("the migration");
+    let second = story(&tenant);
+    // 2 x 0.40 of merchandise: no whole unit, no points.
+    let placed = edited(second.placed.clone(), |envelope| {
+        envelope["payload"]["lines"][0]["unit_price"] = json!("0.40");
+        envelope["payload"]["total"] = json!("13.80");
+    });
+    for message in [&placed, &second.paid, &second.delivered] {
+        publisher.to_consumer(&name, message).await;
+    }
+    let order = second.order.to_string();
+    eventually("the second delivery recorded", WAIT, || async {
+        own.query_opt(
+            "SELECT 1 FROM order_progress WHERE consumer_name = $1 \
+              AND aggregate_id = $2 AND last_sequence = 3",
+            &[&name, &order],
+        )
+        .await
+        .expect("progress")
+    })
+    .await;
+    let recorded: i64 = own
+        .query_one(
+            "SELECT count(*) FROM processed_events WHERE consumer_name = $1 AND event_id = $2",
+            &[&name, &second.delivered.event_id],
+        )
+        .await
+        .expect("inbox")
+        .get(0);
+    assert_eq!(recorded, 1, "the second delivery's inbox row");
+    assert_eq!(entries().await, 1, "no points for the second order");
+    assert!(
+        loyalty.metric("consumer_retried_in_place_total", "").await >= 1.0,
+        "the award check failed once"
+    );
+    no_attempt_counted(loyalty, own, &database).await;
+}
+
 /// A prepared statement an online migration invalidated (a column's type
 /// changed: "cached plan must not change result type", 0A000) fails on
 /// the session that prepared it for as long as that session lives: the
