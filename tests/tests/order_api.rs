@@ -806,6 +806,75 @@ async fn a_body_slower_than_the_budget_is_answered_at_the_budget() {
     assert_eq!(counts(&tenant).await, Counts::NOTHING);
 }
 
+/// A stop lets the requests in flight finish within their budget: a POST
+/// held 12 s before its COMMIT (its budget 15 s), the stop asked while it is
+/// held, is answered 201 and committed, and then the process stops cleanly.
+/// Before, a stop cut the requests still running after 10 s whatever their
+/// budget: the client saw the connection reset and the order rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
+    let caller = Caller::new("stop-drain");
+    let log = std::env::temp_dir().join(format!("{}.log", unique_tenant("stop-drain")));
+    let mut api = OrderApi::start_with_output(
+        &[
+            (
+                "FAILPOINTS",
+                "order_api.committing=return(12000)".to_owned(),
+            ),
+            (
+                "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+                "15000".to_owned(),
+            ),
+            ("RUST_LOG", "info".to_owned()),
+            ("LOG_FORMAT", "json".to_owned()),
+        ],
+        Some(&log),
+    )
+    .await;
+    let observer = pg(Database::Orders).await;
+    let since: std::time::SystemTime = observer
+        .query_one("SELECT now()", &[])
+        .await
+        .expect("now")
+        .get(0);
+    let url = api.url("/orders");
+    let stop = async {
+        // Held: its work done (the last statement stored the response),
+        // COMMIT not yet sent.
+        eventually(
+            "the POST's transaction held before COMMIT",
+            Duration::from_secs(10),
+            || async {
+                observer
+                    .query_opt(
+                        "SELECT 1 FROM pg_stat_activity
+                          WHERE datname = current_database() AND state = 'idle in transaction'
+                            AND query LIKE '%SET response_status%' AND xact_start >= $1",
+                        &[&since],
+                    )
+                    .await
+                    .expect("activity")
+            },
+        )
+        .await;
+        api.service.signal("TERM");
+    };
+    let (response, ()) = tokio::join!(
+        caller.post(&url, "drain-me", SEED_ORDER),
+        stop
+    );
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+    let status = api
+        .service
+        .wait_exit(Duration::from_secs(30))
+        .expect("stopped after answering");
+    assert!(status.success(), "{status:?}");
+    let output = system_tests::take_log(&log);
+    let errors = system_tests::error_lines(&output);
+    assert!(errors.is_empty(), "error lines: {errors:#?}");
+}
+
 /// Bytes no HTTP request can hold (`Content-Length: abc`, a chunked body
 /// with a length too) are refused 400 by actix's own parser, before any
 /// route runs, and log no ERROR line: before, each such connection logged

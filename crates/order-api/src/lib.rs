@@ -101,6 +101,7 @@ impl Application {
         // so the process holds at most `database.pool_size` (the workers')
         // plus these connections.
         let shared_pool = pool_of_size(&settings, SHARED_POOL_SIZE)?;
+        let drain_seconds = settings.drain_seconds();
         kit::db::wait_until_ready(&shared_pool, shutdown).await?;
         kit::migrations::run_until(&shared_pool, Database::Orders, shutdown).await?;
         let metrics = metrics::Metrics::new(SERVICE);
@@ -170,7 +171,7 @@ impl Application {
         .workers(workers);
         let server = server
             .disable_signals()
-            .shutdown_timeout(10)
+            .shutdown_timeout(drain_seconds)
             .listen(listener)?
             .run();
         tracing::info!(port, "listening");

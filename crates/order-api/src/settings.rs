@@ -105,7 +105,30 @@ impl Settings {
                 i.ttl_seconds, i.request_budget_ms
             ));
         }
+        if self.wanted_drain_seconds() > MAX_DRAIN_SECS {
+            warnings.push(format!(
+                "idempotency.request_budget_ms ({} ms) is longer than a stop lets requests \
+                 finish ({MAX_DRAIN_SECS} s, within the stop's grace of {} s): a request in \
+                 flight at a stop may be cut, its client seeing the connection reset instead \
+                 of an answer (a retry with the same key is safe)",
+                i.request_budget_ms,
+                kit::shutdown::GRACE.as_secs()
+            ));
+        }
         warnings
+    }
+
+    /// How long a stop lets the requests in flight finish (actix's
+    /// `shutdown_timeout`): a request's whole budget and the backstop
+    /// behind it, so that one taken just before the stop still gets its
+    /// answer (503 `deadline_exceeded` at worst) rather than a reset; at
+    /// most [`MAX_DRAIN_SECS`].
+    pub fn drain_seconds(&self) -> u64 {
+        self.wanted_drain_seconds().min(MAX_DRAIN_SECS)
+    }
+
+    fn wanted_drain_seconds(&self) -> u64 {
+        (self.idempotency.request_budget_ms + SERVER_BACKSTOP_MS).div_ceil(1000) + 1
     }
 
     /// Refuse values that would change what a setting means or fail every
@@ -171,6 +194,11 @@ pub(crate) const SERVER_BACKSTOP_MS: u64 = 250;
 /// backstop, within the sessions' `statement_timeout`.
 const MAX_REQUEST_BUDGET_MS: u64 = STATEMENT_TIMEOUT_MS - SERVER_BACKSTOP_MS - 1;
 
+/// The longest a stop waits for the requests in flight: the stop's grace
+/// (after which the process exits with an error) less 2 s for the rest of
+/// the stop (the key cleanup, telemetry).
+const MAX_DRAIN_SECS: u64 = kit::shutdown::GRACE.as_secs() - 2;
+
 /// Ten years: far beyond any retention, far inside an interval's range.
 const MAX_TTL_SECONDS: u64 = 10 * 366 * 24 * 3600;
 
@@ -213,6 +241,13 @@ mod tests {
         assert_eq!(short.warnings().len(), 1, "10 s against a 10 s budget");
         short.idempotency.ttl_seconds = 11;
         assert!(short.warnings().is_empty());
+        // A stop waits for a whole request: 10 s + 250 ms, rounded up, + 1 s.
+        assert_eq!(Settings::default().drain_seconds(), 12);
+        let mut long = Settings::default();
+        long.idempotency.request_budget_ms = 21_750;
+        assert_eq!((long.drain_seconds(), long.warnings().len()), (23, 0));
+        long.idempotency.request_budget_ms = 21_751;
+        assert_eq!((long.drain_seconds(), long.warnings().len()), (23, 1));
         assert!(with(|s| s.idempotency.ttl_seconds = u64::MAX).is_err());
         assert!(with(|s| s.idempotency.cleanup_batch = 0).is_err());
         assert!(with(|s| s.auth.key_cache_ms = u64::MAX).is_err());
