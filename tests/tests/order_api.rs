@@ -859,10 +859,7 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
         .await;
         api.service.signal("TERM");
     };
-    let (response, ()) = tokio::join!(
-        caller.post(&url, "drain-me", SEED_ORDER),
-        stop
-    );
+    let (response, ()) = tokio::join!(caller.post(&url, "drain-me", SEED_ORDER), stop);
     assert_eq!(response.status(), StatusCode::CREATED);
     assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
     let status = api

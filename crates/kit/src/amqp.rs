@@ -436,7 +436,7 @@ pub async fn supervise<F, Fut>(
     F: FnMut(Connection) -> Fut,
     Fut: std::future::Future<Output = Result<(), lapin::Error>>,
 {
-    let mut delay = Duration::from_millis(200);
+    let mut delay = FIRST_RECONNECT_PAUSE;
     while !shutdown.is_cancelled() {
         let connection = match connect(settings, connection_name, shutdown).await {
             Ok(connection) => connection,
@@ -444,8 +444,10 @@ pub async fn supervise<F, Fut>(
         };
         connected.watch(&connection);
         connected.set(true);
+        let started = std::time::Instant::now();
         let result = work(connection).await;
         connected.set(false);
+        delay = reconnect_pause(delay, started.elapsed());
         match result {
             Ok(()) => return,
             Err(error) => {
@@ -456,7 +458,26 @@ pub async fn supervise<F, Fut>(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        delay = (delay * 2).min(Duration::from_secs(5));
+        delay = (delay * 2).min(MAX_RECONNECT_PAUSE);
+    }
+}
+
+const FIRST_RECONNECT_PAUSE: Duration = Duration::from_millis(200);
+const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(5);
+/// A connection that worked this long ends a run of failures.
+const CONNECTION_HELD_LONG: Duration = Duration::from_secs(30);
+
+/// The pause before reconnecting, `pause` being the one due after the last
+/// failure, for a connection that held `held`: doubling (up to
+/// [`MAX_RECONNECT_PAUSE`]) while connections fail soon after opening (a
+/// declaration refused: no tight loop), the first again after one that
+/// worked for a while (an outage weeks after the last is not met with the
+/// longest pause).
+fn reconnect_pause(pause: Duration, held: Duration) -> Duration {
+    if held >= CONNECTION_HELD_LONG {
+        FIRST_RECONNECT_PAUSE
+    } else {
+        pause
     }
 }
 
@@ -510,6 +531,23 @@ pub fn str_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_reconnect_pause_grows_while_connections_fail_fast_and_restarts_after_one_that_held() {
+        let mut pause = FIRST_RECONNECT_PAUSE;
+        let mut pauses = Vec::new();
+        for _ in 0..7 {
+            pause = reconnect_pause(pause, Duration::from_secs(1));
+            pauses.push(pause.as_millis());
+            pause = (pause * 2).min(MAX_RECONNECT_PAUSE);
+        }
+        assert_eq!(pauses, [200, 400, 800, 1600, 3200, 5000, 5000]);
+        assert_eq!(
+            reconnect_pause(pause, CONNECTION_HELD_LONG),
+            FIRST_RECONNECT_PAUSE,
+            "a connection that worked for a while"
+        );
+    }
 
     #[test]
     fn a_connect_is_bounded_unless_the_url_says_otherwise() {
