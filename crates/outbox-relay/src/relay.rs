@@ -325,7 +325,10 @@ impl Relay {
             channel,
             &self.settings.exchange,
             messages,
-            self.settings.confirm_timeout(),
+            confirm_wait(
+                self.settings.confirm_timeout(),
+                lease_deadline.saturating_duration_since(tokio::time::Instant::now()),
+            ),
         )
         .await;
         self.metrics.attempts.inc_by(claimed as u64);
@@ -479,6 +482,21 @@ impl Relay {
     }
 }
 
+/// How long a batch's confirms are awaited: `confirm_timeout`, but no
+/// longer than the lease leaves (`lease_left`), less [`MARK_MARGIN`] for
+/// the mark. A claim that took long (waiting on a lock) leaves less than the
+/// whole lease; waiting past it, another instance could take the rows over
+/// and publish them again, and count an expiry against each of them (two,
+/// and healthy rows become suspects). Timed out instead, the batch is
+/// written back as a failure of the broker's (retried, never counted
+/// towards quarantine) while the lease still holds.
+fn confirm_wait(confirm_timeout: Duration, lease_left: Duration) -> Duration {
+    confirm_timeout.min(lease_left.saturating_sub(MARK_MARGIN))
+}
+
+/// The part of a lease kept for writing a batch's outcome.
+const MARK_MARGIN: Duration = Duration::from_secs(2);
+
 /// Retry a database write with capped backoff until it succeeds or
 /// `deadline` passes (after which the lease may be someone else's). Past the
 /// deadline a database that is unreachable ([`kit::db::unavailable`]) is
@@ -588,6 +606,16 @@ impl Drop for Settling<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn confirms_are_awaited_no_longer_than_the_lease_leaves() {
+        let s = Duration::from_secs;
+        // A claim that took no time: the whole confirm timeout.
+        assert_eq!(confirm_wait(s(10), s(30)), s(10));
+        // One that waited 21 s on a lock: 9 s left, 2 s kept for the mark.
+        assert_eq!(confirm_wait(s(10), s(9)), s(7));
+        assert_eq!(confirm_wait(s(10), s(1)), Duration::ZERO);
+    }
 
     fn unreachable() -> anyhow::Error {
         anyhow::Error::new(kit::db::PoolError::Timeout(kit::db::TimeoutType::Wait))
