@@ -1822,6 +1822,31 @@ async fn the_openapi_document_lists_the_real_endpoints() {
             "{method} {path} missing"
         );
     }
+    // The headers the handlers send are declared: each 201 names its order
+    // (Location), and each response a key can replay may say so.
+    for path in [
+        "/orders",
+        "/orders/{id}/payments",
+        "/orders/{id}/deliveries",
+    ] {
+        let responses = &doc["paths"][path]["post"]["responses"];
+        let mut declared = vec![("201", "Location"), ("201", "Idempotent-Replayed")];
+        declared.push(("409", "Idempotent-Replayed"));
+        if path != "/orders" {
+            // A missing order and business rules are stored (an order's 422
+            // is validation only: nothing stored).
+            declared.extend([
+                ("404", "Idempotent-Replayed"),
+                ("422", "Idempotent-Replayed"),
+            ]);
+        }
+        for (code, header) in declared {
+            assert!(
+                responses[code]["headers"][header].is_object(),
+                "POST {path} {code}: {header} not declared"
+            );
+        }
+    }
     // Every documented path answers something other than the not-found fallback.
     let caller = Caller::new("openapi");
     for path in doc["paths"].as_object().expect("paths").keys() {
