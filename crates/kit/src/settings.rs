@@ -355,8 +355,17 @@ pub fn redact_url(url: &str) -> String {
     };
     let mut redacted = String::with_capacity(url.len());
     let mut rest = url.as_str();
-    while let Some(at) = rest.to_ascii_lowercase().find("password=") {
-        let value = at + "password=".len();
+    while let Some(at) = rest.to_ascii_lowercase().find("password") {
+        let key_end = at + "password".len();
+        // The key=value form allows spaces around the `=`.
+        let equals = key_end + leading_spaces(&rest[key_end..]);
+        if !rest[equals..].starts_with('=') {
+            // The word alone (in a host name, say): not a password.
+            redacted.push_str(&rest[..key_end]);
+            rest = &rest[key_end..];
+            continue;
+        }
+        let value = equals + 1 + leading_spaces(&rest[equals + 1..]);
         redacted.push_str(&rest[..value]);
         redacted.push_str("***");
         let end = if rest[value..].starts_with('\'') {
@@ -377,6 +386,11 @@ pub fn redact_url(url: &str) -> String {
     }
     redacted.push_str(rest);
     redacted
+}
+
+/// The length in bytes of `text`'s leading whitespace.
+fn leading_spaces(text: &str) -> usize {
+    text.len() - text.trim_start().len()
 }
 
 #[cfg(test)]
@@ -486,6 +500,15 @@ mod tests {
         assert_eq!(
             redact_url(r"host=db password='a b\' c' dbname=orders"),
             "host=db password=*** dbname=orders"
+        );
+        // tokio-postgres takes spaces around the `=` too.
+        assert_eq!(
+            redact_url("host=db user=app password = S3cret dbname=orders"),
+            "host=db user=app password = *** dbname=orders"
+        );
+        assert_eq!(
+            redact_url("host=password-db sslpassword  =  'x y' password=S3cret"),
+            "host=password-db sslpassword  =  *** password=***"
         );
     }
 
