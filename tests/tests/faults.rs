@@ -762,6 +762,29 @@ async fn the_checker_reports_each_broken_invariant() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert_eq!(output.status.code(), Some(1), "{stdout}");
     assert!(stdout.contains("INVARIANTS VIOLATED"), "{stdout}");
+    // A metrics endpoint that answers 404 (a wrong path) is no measured 0.
+    let output = std::process::Command::new(system_tests::bin("check-invariants"))
+        .args(&args)
+        .args(["--relay-metrics", &system.api.url("/metric")])
+        .output()
+        .expect("check-invariants");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let published = stdout
+        .lines()
+        .find(|line| line.contains("duplicates published"))
+        .unwrap_or_default();
+    assert!(published.ends_with(": n/a"), "{stdout}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("no metrics read"),
+        "{output:?}"
+    );
+    // A consumer's metrics for a consumer not checked: refused.
+    let output = std::process::Command::new(system_tests::bin("check-invariants"))
+        .args(&args)
+        .args(["--consumer-metrics", "nobody=http://127.0.0.1:1/metrics"])
+        .output()
+        .expect("check-invariants");
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
     // A tenant with nothing (a misspelt name) checks nothing: not a pass.
     args[1] = format!("{t}-misspelt");
     let output = std::process::Command::new(system_tests::bin("check-invariants"))

@@ -894,13 +894,16 @@ pub fn metric_sum(body: &str, name: &str) -> u64 {
 }
 
 /// Scrape `url` (a `/metrics` endpoint) and sum metric `name`; `None` when
-/// the endpoint does not answer.
+/// the endpoint does not answer, or answers other than 2xx (a wrong path's
+/// 404 holds no metric: it is no measured 0).
 pub async fn scrape(url: &str, names: &[&str]) -> Option<u64> {
     let body = reqwest::Client::new()
         .get(url)
         .timeout(Duration::from_secs(5))
         .send()
         .await
+        .ok()?
+        .error_for_status()
         .ok()?
         .text()
         .await

@@ -77,24 +77,36 @@ async fn main() -> std::process::ExitCode {
                 return std::process::ExitCode::from(2);
             }
         };
+    // A figure is reported only when every endpoint it sums answered: a
+    // relay that did not is no measured 0 ("n/a", and a warning).
     if !cli.relay_metrics.is_empty() {
-        let mut total = 0;
+        let mut total = Some(0);
         for url in &cli.relay_metrics {
-            total += invariants::scrape(url, &["outbox_mark_lost_total"])
-                .await
-                .unwrap_or(0);
+            let value = invariants::scrape(url, &["outbox_mark_lost_total"]).await;
+            if value.is_none() {
+                eprintln!("check-invariants: --relay-metrics {url}: no metrics read");
+            }
+            total = total.zip(value).map(|(total, value)| total + value);
         }
-        report.duplicates_published = Some(total);
+        report.duplicates_published = total;
     }
     for spec in &cli.consumer_metrics {
-        if let Some((name, url)) = spec.split_once('=') {
-            let value =
-                invariants::scrape(url, &["consumer_duplicates_total", "consumer_stale_total"])
-                    .await;
-            if let Some(c) = report.consumers.iter_mut().find(|c| c.name == name) {
-                c.duplicates_suppressed = value;
-            }
+        let Some((name, url)) = spec.split_once('=') else {
+            eprintln!("--consumer-metrics {spec}: expected NAME=URL");
+            return std::process::ExitCode::from(2);
+        };
+        let Some(consumer) = report.consumers.iter_mut().find(|c| c.name == name) else {
+            eprintln!(
+                "--consumer-metrics {spec}: no consumer named {name} is checked (--consumer)"
+            );
+            return std::process::ExitCode::from(2);
+        };
+        let value =
+            invariants::scrape(url, &["consumer_duplicates_total", "consumer_stale_total"]).await;
+        if value.is_none() {
+            eprintln!("check-invariants: --consumer-metrics {spec}: no metrics read");
         }
+        consumer.duplicates_suppressed = value;
     }
     print!("{}", report.render());
     if cli.tenant.is_some()
