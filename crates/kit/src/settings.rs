@@ -25,9 +25,6 @@ where
     // (`std::env::vars` would; config skips such names too).
     let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
     reject_unknown_variables(prefix, defaults, names)?;
-    let vars = std::env::vars_os()
-        .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)));
-    reject_words_for_numbers(prefix, defaults, vars)?;
     let mut builder = config::Config::builder().add_source(config::Config::try_from(defaults)?);
     if let Some(file) = config_file(prefix, std::env::vars_os())? {
         reject_unknown_file_settings(&file, defaults)?;
@@ -37,14 +34,20 @@ where
     // bool as one, and a text field would read back its spelling as a number
     // (`ONLY_TENANT=007` became "7"). Number and bool fields still parse
     // from the text.
-    builder
+    let loaded: T = builder
         .add_source(
             config::Environment::with_prefix(prefix)
                 .prefix_separator("__")
                 .separator("__"),
         )
         .build()?
-        .try_deserialize()
+        .try_deserialize()?;
+    // Against the settings as loaded: a number setting without a default
+    // (`Option<u64>`, null in `defaults`) is a number there.
+    let vars = std::env::vars_os()
+        .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)));
+    reject_words_for_numbers(prefix, &loaded, vars)?;
+    Ok(loaded)
 }
 
 /// The file `<prefix>__CONFIG_FILE` names, the variable's name in any case
@@ -224,13 +227,15 @@ fn reject_unknown_file_settings<T: Serialize>(
 /// Fail on a word of yes or no given to a number setting
 /// (`..._POOL_SIZE=yes`): `config` reads `true`, `yes` and `on` as 1,
 /// `false`, `no` and `off` as 0, so a mistake ran on 1 or 0 (a pool of one
-/// connection, a batch of none) without a word.
+/// connection, a batch of none) without a word. The number settings are
+/// those that hold a number in `settings` (as loaded: one without a
+/// default holds the word's number then).
 fn reject_words_for_numbers<T: Serialize>(
     prefix: &str,
-    defaults: &T,
+    settings: &T,
     vars: impl Iterator<Item = (String, String)>,
 ) -> Result<(), config::ConfigError> {
-    let numbers: Vec<String> = settings_of(defaults)?
+    let numbers: Vec<String> = settings_of(settings)?
         .into_iter()
         .filter(|(_, default)| default.is_number())
         .map(|(name, _)| name)
@@ -561,6 +566,31 @@ mod tests {
             .expect_err("a word for a number")
             .to_string();
         assert!(error.contains("a number is expected"), "{error}");
+        // A number setting without a default (null in the defaults) too.
+        #[derive(Debug, Serialize, Deserialize)]
+        struct Optional {
+            retention_secs: Option<u64>,
+            name: Option<String>,
+        }
+        let none = Optional {
+            retention_secs: None,
+            name: None,
+        };
+        std::env::set_var("KIT_SETTINGS_OPTIONAL_TEST__RETENTION_SECS", "on");
+        let error = load("KIT_SETTINGS_OPTIONAL_TEST", &none)
+            .expect_err("a word for an optional number")
+            .to_string();
+        assert!(
+            error.contains("KIT_SETTINGS_OPTIONAL_TEST__RETENTION_SECS=on: a number is expected"),
+            "{error}"
+        );
+        std::env::set_var("KIT_SETTINGS_OPTIONAL_TEST__RETENTION_SECS", "7");
+        std::env::set_var("KIT_SETTINGS_OPTIONAL_TEST__NAME", "yes");
+        let loaded = load("KIT_SETTINGS_OPTIONAL_TEST", &none).expect("a number, and a text");
+        assert_eq!(
+            (loaded.retention_secs, loaded.name.as_deref()),
+            (Some(7), Some("yes"))
+        );
         // Numbers, text settings and other prefixes are left to config.
         assert!(reject_words_for_numbers(
             "SVC",
