@@ -811,12 +811,16 @@ async fn a_body_slower_than_the_budget_is_answered_at_the_budget() {
 /// held, is answered 201 and committed, and then the process stops cleanly.
 /// Before, a stop cut the requests still running after 10 s whatever their
 /// budget: the client saw the connection reset and the order rolled back.
+/// On a database of its own, so that the probe sees only this POST.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
-    let caller = Caller::new("stop-drain");
-    let log = std::env::temp_dir().join(format!("{}.log", unique_tenant("stop-drain")));
+    let database = OwnOrdersDatabase::create().await;
+    let tenant = unique_tenant("stop-drain");
+    let key = database.api_key(&tenant);
+    let log = std::env::temp_dir().join(format!("{tenant}.log"));
     let mut api = OrderApi::start_with_output(
         &[
+            ("ORDER_API__DATABASE__URL", database.url.clone()),
             (
                 "FAILPOINTS",
                 "order_api.committing=return(12000)".to_owned(),
@@ -831,13 +835,15 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
         Some(&log),
     )
     .await;
-    let observer = pg(Database::Orders).await;
-    let since: std::time::SystemTime = observer
-        .query_one("SELECT now()", &[])
-        .await
-        .expect("now")
-        .get(0);
-    let url = api.url("/orders");
+    let observer = database.connect().await;
+    let post = Client::new()
+        .post(api.url("/orders"))
+        .bearer_auth(&key)
+        .header("Idempotency-Key", "drain-me")
+        .header("Content-Type", "application/json")
+        .body(SEED_ORDER)
+        .timeout(Duration::from_secs(30))
+        .send();
     let stop = async {
         // Held: its work done (the last statement stored the response),
         // COMMIT not yet sent.
@@ -849,8 +855,8 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
                     .query_opt(
                         "SELECT 1 FROM pg_stat_activity
                           WHERE datname = current_database() AND state = 'idle in transaction'
-                            AND query LIKE '%SET response_status%' AND xact_start >= $1",
-                        &[&since],
+                            AND query LIKE '%SET response_status%'",
+                        &[],
                     )
                     .await
                     .expect("activity")
@@ -859,9 +865,10 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
         .await;
         api.service.signal("TERM");
     };
-    let (response, ()) = tokio::join!(caller.post(&url, "drain-me", SEED_ORDER), stop);
+    let (response, ()) = tokio::join!(post, stop);
+    let response = response.expect("an answer, not a reset");
     assert_eq!(response.status(), StatusCode::CREATED);
-    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+    assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
     let status = api
         .service
         .wait_exit(Duration::from_secs(30))
@@ -870,6 +877,7 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
     let output = system_tests::take_log(&log);
     let errors = system_tests::error_lines(&output);
     assert!(errors.is_empty(), "error lines: {errors:#?}");
+    drop(observer);
 }
 
 /// Bytes no HTTP request can hold (`Content-Length: abc`, a chunked body
@@ -1965,24 +1973,50 @@ async fn a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress() {
     );
 }
 
-/// order-api with `settings` (and no cleanup of its own for an hour), and
-/// a caller (tenant `prefix`-...) whose seed order under key "k" is placed
-/// and its record made expired, as if its TTL had passed, without a cleanup
+/// order-api with `settings` on a database of its own (no other test's
+/// order-api runs a cleanup there; its own runs once, at its start, and is
+/// waited for), and a
+/// caller (tenant `prefix`-...) whose seed order under key "k" is placed and
+/// its record made expired, as if its TTL had passed, without a cleanup
 /// having deleted it.
 async fn an_expired_record_of_key_k(
     prefix: &str,
     mut settings: Vec<(&'static str, String)>,
-) -> (OrderApi, Caller) {
+) -> (OwnOrdersDatabase, OrderApi, Caller) {
+    let database = OwnOrdersDatabase::create().await;
+    settings.push(("ORDER_API__DATABASE__URL", database.url.clone()));
     settings.push((
         "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
         "3600".to_owned(),
     ));
     let api = OrderApi::start(&settings).await;
-    let caller = Caller::new(prefix);
+    let tenant = unique_tenant(prefix);
+    let caller = Caller {
+        client: Client::new(),
+        key: database.api_key(&tenant),
+        tenant,
+    };
     let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
     assert_eq!(first.status(), StatusCode::CREATED);
+    // Its cleanup's run at start is over before the record expires.
+    eventually(
+        "the cleanup's first run",
+        Duration::from_secs(30),
+        || async {
+            (api_metric(
+                &api,
+                "idempotency_cleanup_last_success_timestamp_seconds",
+                None,
+            )
+            .await
+                > 0)
+            .then_some(())
+        },
+    )
+    .await;
     assert_eq!(
-        pg(Database::Orders)
+        database
+            .connect()
             .await
             .execute(
                 "UPDATE idempotency_requests SET expires_at = now() - interval '1 second' \
@@ -1993,7 +2027,7 @@ async fn an_expired_record_of_key_k(
             .expect("expire"),
         1
     );
-    (api, caller)
+    (database, api, caller)
 }
 
 /// A takeover of an expired record that waits for its row behind another
@@ -2004,17 +2038,17 @@ async fn an_expired_record_of_key_k(
 /// `a_lock_on_the_whole_key_table_is_unavailable_not_a_key_in_progress`).
 #[tokio::test]
 async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
-    let (api, caller) = an_expired_record_of_key_k(
+    let (database, api, caller) = an_expired_record_of_key_k(
         "tuple-lock",
         vec![("ORDER_API__IDEMPOTENCY__LOCK_TIMEOUT_MS", "300".to_owned())],
     )
     .await;
-    let orders_db = pg(Database::Orders).await;
+    let orders_db = database.connect().await;
     let the_key = "WHERE tenant_id = $1 AND idempotency_key = 'k'";
     // One session holds the expired record's row (uncommitted), a second
     // waits for it (holding the tuple lock): the POST's takeover queues
     // behind the second (and no cleanup deletes a locked row).
-    let mut holder = pg(Database::Orders).await;
+    let mut holder = database.connect().await;
     let holding = holder.transaction().await.expect("begin");
     holding
         .query_one(
@@ -2024,7 +2058,7 @@ async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
         .await
         .expect("lock the row");
     let holder_pid = system_tests::backend_pid(&holding).await;
-    let waiter = pg(Database::Orders).await;
+    let waiter = database.connect().await;
     let tenant = caller.tenant.clone();
     let update = format!("UPDATE idempotency_requests SET expires_at = expires_at {the_key}");
     let waiting = tokio::spawn(async move { waiter.execute(&update, &[&tenant]).await });
@@ -2056,7 +2090,10 @@ async fn a_takeover_queued_behind_another_waiter_is_in_progress() {
         .expect("the waiter's update, once the row is free");
     // Nothing of the second request stored: the first order, its record
     // (still the first request's, expired).
-    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+    assert_eq!(
+        counts_in(&orders_db, &caller.tenant).await,
+        Counts::ONE_ORDER
+    );
     assert_eq!(
         orders_db
             .query_one(
@@ -2558,12 +2595,11 @@ async fn a_replay_takes_no_lock_on_the_stored_record() {
 #[tokio::test]
 async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     // Nine requests wait for the taker's commit: room for a slow machine.
-    let (api, caller) = an_expired_record_of_key_k("takeover", patient_with(&[])).await;
+    let (database, api, caller) = an_expired_record_of_key_k("takeover", patient_with(&[])).await;
     let other = SEED_ORDER.replace("\"77\"", "\"78\"");
     let url = api.url("/orders");
-    // Another test's order-api may delete the expired record (its cleanup
-    // covers every tenant) between a request's read and its takeover: that
-    // request is told to retry (409 idempotency_in_progress), as a client is.
+    // A request that waited for the taker is told to retry (409
+    // idempotency_in_progress), as a client is.
     let responses = futures_util::future::join_all((0..10).map(|_| async {
         let mut tries = 0;
         loop {
@@ -2597,8 +2633,13 @@ async fn an_expired_record_not_yet_deleted_is_taken_over_once() {
     );
     let order: Value = serde_json::from_slice(&bodies[0]).expect("json");
     assert_eq!(order["customer_id"], "78");
-    let c = counts(&caller.tenant).await;
+    let c = counts_in(&database.connect().await, &caller.tenant).await;
     assert_eq!((c.orders, c.keys), (2, 1));
+    // Taken over, not deleted first and claimed anew: no cleanup deleted it.
+    assert_eq!(
+        api_metric(&api, "idempotency_expired_keys_deleted_total", None).await,
+        0
+    );
 }
 
 /// The payments and deliveries rows of `tenant`.
