@@ -2015,16 +2015,21 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
     let unroutable = format!("RelayTestFailedCrash{}", short_id());
     let events = orders_with_events(1, 1, &unroutable);
     insert(&db, &tenant, &events).await;
-    let due_at = "(extract(epoch FROM available_at) * 1000000)::bigint";
-    let inserted_due: i64 = the_row(&db, &tenant, due_at).await.get(0);
 
-    Relay::crashed_at(&tenant, "relay.after_mark_failed", &patient());
+    // A first failure backs off 30 to 60 s (a base of 60 s, jittered in
+    // its upper half).
+    let mut settings = patient();
+    settings.push(("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "60000".to_owned()));
+    settings.push(("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "60000".to_owned()));
+    Relay::crashed_at(&tenant, "relay.after_mark_failed", &settings);
+    // Seconds until it is due, read right after the crash.
+    let due_in = "extract(epoch FROM available_at - now())::float8";
     let row = the_row(
         &db,
         &tenant,
         &format!(
             "claimed_by IS NULL, claim_until IS NULL, attempt_count, own_failure_count,
-             lease_expiries, last_error IS NOT NULL, published_at IS NULL, {due_at}"
+             lease_expiries, last_error IS NOT NULL, published_at IS NULL, {due_in}"
         ),
     )
     .await;
@@ -2041,11 +2046,21 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
         (true, true, 1, 1, 0, true, true),
         "the failed attempt recorded once, the lease released, unpublished"
     );
+    // At least 30 s after the failure, less the crash and this read (10 s
+    // allowed them on a slow machine).
+    let due_in_seconds: f64 = row.get(7);
     assert!(
-        row.get::<_, i64>(7) > inserted_due,
-        "put off by the backoff: due {} µs, inserted due {inserted_due}",
-        row.get::<_, i64>(7)
+        (20.0..=60.0).contains(&due_in_seconds),
+        "put off by the backoff: due in {due_in_seconds} s"
     );
+    // Due now, not in a minute (the lease columns are the relay's, not
+    // the row's content): the test goes on.
+    db.execute(
+        "UPDATE outbox_events SET available_at = now() WHERE tenant_id = $1",
+        &[&tenant],
+    )
+    .await
+    .expect("due now");
 
     // The route exists before the next relay starts: its first attempt
     // succeeds.
