@@ -122,3 +122,32 @@ pub async fn create_key(pool: &Pool, tenant: &str) -> anyhow::Result<String> {
     kit::failpoint::crash_point("order_api.api_key.after_commit");
     Ok(key)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An entry serves for `auth.key_cache_ms` after it was verified, and
+    /// not a moment longer (the system test allows a slow machine seconds).
+    #[test]
+    fn a_cached_key_serves_for_the_configured_window_only() {
+        let cache = KeyCache::default();
+        let ttl = Duration::from_millis(500);
+        let at = |age: Duration| {
+            let cache = KeyCache::default();
+            cache
+                .keys
+                .lock()
+                .expect("lock")
+                .insert("h".to_owned(), ("acme".to_owned(), Instant::now() - age));
+            cache.get("h", ttl)
+        };
+        assert_eq!(at(Duration::from_millis(100)).as_deref(), Some("acme"));
+        assert_eq!(at(ttl), None);
+        assert_eq!(at(Duration::from_secs(10)), None);
+        cache.put("h".to_owned(), "acme");
+        assert_eq!(cache.get("h", ttl).as_deref(), Some("acme"));
+        assert_eq!(cache.get("h", Duration::ZERO), None, "0: off");
+        assert_eq!(cache.get("other", ttl), None);
+    }
+}
