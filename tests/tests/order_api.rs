@@ -1082,11 +1082,18 @@ async fn a_post_whose_database_stops_answering_is_answered_at_the_budget() {
 /// POST waited until the database answered again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
-    // Each POST waits 1.5 s just before its COMMIT: the window in which the
-    // test partitions the database away.
+    // Each POST waits 5 s just before its COMMIT: the window in which the
+    // test partitions the database away (wide, for a slow machine), within
+    // a budget of 8 s.
     let system = BehindProxy::start(
         "partition-commit",
-        &[("FAILPOINTS", "order_api.committing=return(1500)".to_owned())],
+        &[
+            ("FAILPOINTS", "order_api.committing=return(5000)".to_owned()),
+            (
+                "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
+                "8000".to_owned(),
+            ),
+        ],
     )
     .await;
     let (api, proxy, database, tenant) =
@@ -1118,14 +1125,20 @@ async fn a_post_whose_commit_gets_no_answer_is_answered_at_the_budget() {
         )
         .await;
         // The session shows idle before its answer to the STORE has left
-        // the server: let it pass the proxy (the hold lasts 1.5 s).
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // the server: let it pass the proxy (the hold lasts 5 s).
+        tokio::time::sleep(Duration::from_secs(1)).await;
         proxy.pause();
         held
     };
     let (response, held) = tokio::join!(post(), partitioned);
     let response = response.expect("an answer before the database answers again");
-    answered_at_the_budget(started, "COMMIT");
+    // At its budget (8 s and the backstop), not when the partition heals
+    // (after the answer: the client would wait for its 30 s timeout).
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(20),
+        "COMMIT: answered after {waited:?} (budget 8 s)"
+    );
     let problem = expect_problem(response, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
     assert!(
         problem["detail"]
