@@ -2478,6 +2478,61 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
     system_tests::drop_database(Database::Loyalty, &database).await;
 }
 
+/// A loyalty consumer on one session of a database of its own (see
+/// [`loyalty_on_one_session`]), whose first order's delivery (80 points)
+/// prepared the handler's statements on that session, then `migration` run
+/// under them.
+struct Migrated {
+    database: String,
+    name: String,
+    tenant: String,
+    loyalty: Consumer,
+    own: tokio_postgres::Client,
+    publisher: Publisher,
+}
+
+impl Migrated {
+    /// The migration's failure was retried in place (at least once), and
+    /// counted no attempt; then the consumer is stopped and its database
+    /// dropped.
+    async fn retried_in_place(self, why: &str) {
+        assert!(
+            self.loyalty
+                .metric("consumer_retried_in_place_total", "")
+                .await
+                >= 1.0,
+            "{why}"
+        );
+        no_attempt_counted(self.loyalty, self.own, &self.database).await;
+    }
+}
+
+async fn migrated_under_prepared_statements(prefix: &str, migration: &str) -> Migrated {
+    let (database, url) = system_tests::create_database(Database::Loyalty).await;
+    let name = unique(&format!("{prefix}-loy"));
+    let tenant = unique(prefix);
+    let loyalty = loyalty_on_one_session(&name, &url).await;
+    let own = system_tests::connect_url(&url).await;
+    let publisher = Publisher::connect().await;
+    let first = story(&tenant);
+    for message in [&first.placed, &first.paid, &first.delivered] {
+        publisher.to_consumer(&name, message).await;
+    }
+    eventually("the first delivery's points", WAIT, || async {
+        (loyalty_entries(&own, &tenant).await == 1).then_some(())
+    })
+    .await;
+    own.batch_execute(migration).await.expect("the migration");
+    Migrated {
+        database,
+        name,
+        tenant,
+        loyalty,
+        own,
+        publisher,
+    }
+}
+
 /// A delivery that earns no points still records its event when the check
 /// for an earlier award (asked together with the order's terms) fails:
 /// that failure aborts the event's transaction. Had the handler returned
@@ -2491,60 +2546,51 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
 /// first order's delivery prepared the statement.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delivery_earning_no_points_is_not_lost_when_its_award_check_fails() {
-    let (database, url) = system_tests::create_database(Database::Loyalty).await;
-    let name = unique("t5-award-loy");
-    let tenant = unique("t5-award");
-    let loyalty = loyalty_on_one_session(&name, &url).await;
-    let own = system_tests::connect_url(&url).await;
-    let entries = || loyalty_entries(&own, &tenant);
-    let publisher = Publisher::connect().await;
-    let first = story(&tenant);
-    for message in [&first.placed, &first.paid, &first.delivered] {
-        publisher.to_consumer(&name, message).await;
-    }
-    eventually("the first delivery's points", WAIT, || async {
-        (entries().await == 1).then_some(())
-    })
+    let migrated = migrated_under_prepared_statements(
+        "t5-award",
+        "ALTER TABLE loyalty_entries ALTER COLUMN event_id TYPE text",
+    )
     .await;
-
-    own.batch_execute("ALTER TABLE loyalty_entries ALTER COLUMN event_id TYPE text")
-        .await
-        .expect("the migration");
-    let second = story(&tenant);
+    let entries = || loyalty_entries(&migrated.own, &migrated.tenant);
+    let second = story(&migrated.tenant);
     // 2 x 0.40 of merchandise: no whole unit, no points.
     let placed = edited(second.placed.clone(), |envelope| {
         envelope["payload"]["lines"][0]["unit_price"] = json!("0.40");
         envelope["payload"]["total"] = json!("13.80");
     });
     for message in [&placed, &second.paid, &second.delivered] {
-        publisher.to_consumer(&name, message).await;
+        migrated
+            .publisher
+            .to_consumer(&migrated.name, message)
+            .await;
     }
     let order = second.order.to_string();
     eventually("the second delivery recorded", WAIT, || async {
-        own.query_opt(
-            "SELECT 1 FROM order_progress WHERE consumer_name = $1 \
+        migrated
+            .own
+            .query_opt(
+                "SELECT 1 FROM order_progress WHERE consumer_name = $1 \
               AND aggregate_id = $2 AND last_sequence = 3",
-            &[&name, &order],
-        )
-        .await
-        .expect("progress")
+                &[&migrated.name.as_str(), &order],
+            )
+            .await
+            .expect("progress")
     })
     .await;
-    let recorded: i64 = own
+    let recorded: i64 = migrated
+        .own
         .query_one(
             "SELECT count(*) FROM processed_events WHERE consumer_name = $1 AND event_id = $2",
-            &[&name, &second.delivered.event_id],
+            &[&migrated.name.as_str(), &second.delivered.event_id],
         )
         .await
         .expect("inbox")
         .get(0);
     assert_eq!(recorded, 1, "the second delivery's inbox row");
     assert_eq!(entries().await, 1, "no points for the second order");
-    assert!(
-        loyalty.metric("consumer_retried_in_place_total", "").await >= 1.0,
-        "the award check failed once"
-    );
-    no_attempt_counted(loyalty, own, &database).await;
+    migrated
+        .retried_in_place("the award check failed once")
+        .await;
 }
 
 /// A prepared statement an online migration invalidated (a column's type
@@ -2556,38 +2602,26 @@ async fn a_delivery_earning_no_points_is_not_lost_when_its_award_check_fails() {
 /// statement was prepared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_a_migration_invalidated_is_retried_on_a_fresh_session() {
-    let (database, url) = system_tests::create_database(Database::Loyalty).await;
-    let name = unique("t5-plan-loy");
-    let tenant = unique("t5-plan");
-    let loyalty = loyalty_on_one_session(&name, &url).await;
-    let own = system_tests::connect_url(&url).await;
-    let entries = || loyalty_entries(&own, &tenant);
-    let publisher = Publisher::connect().await;
-    let first = story(&tenant);
-    for message in [&first.placed, &first.paid, &first.delivered] {
-        publisher.to_consumer(&name, message).await;
-    }
-    eventually("the first delivery's points", WAIT, || async {
-        (entries().await == 1).then_some(())
-    })
+    let migrated = migrated_under_prepared_statements(
+        "t5-plan",
+        "ALTER TABLE loyalty_orders ALTER COLUMN customer_id TYPE varchar(255)",
+    )
     .await;
-
-    own.batch_execute("ALTER TABLE loyalty_orders ALTER COLUMN customer_id TYPE varchar(255)")
-        .await
-        .expect("the migration");
-    let second = story(&tenant);
+    let entries = || loyalty_entries(&migrated.own, &migrated.tenant);
+    let second = story(&migrated.tenant);
     for message in [&second.placed, &second.paid, &second.delivered] {
-        publisher.to_consumer(&name, message).await;
+        migrated
+            .publisher
+            .to_consumer(&migrated.name, message)
+            .await;
     }
     eventually("the second delivery's points", WAIT, || async {
         (entries().await == 2).then_some(())
     })
     .await;
-    assert!(
-        loyalty.metric("consumer_retried_in_place_total", "").await >= 1.0,
-        "the invalidated statement failed once"
-    );
-    no_attempt_counted(loyalty, own, &database).await;
+    migrated
+        .retried_in_place("the invalidated statement failed once")
+        .await;
 }
 
 /// A session on a standby (after a failover, the pool's sessions opened
