@@ -78,28 +78,51 @@ pub async fn db(kind: Kind) -> Client {
 /// autovacuum, which may then run during a half: vacuumed, it would be
 /// planned as empty again.
 pub async fn vacuum(db: &Client) {
-    let tables: Vec<String> = db
-        .query(
-            "SELECT format('%I.%I', schemaname, relname) FROM pg_stat_user_tables ORDER BY 1",
-            &[],
-        )
-        .await
-        .expect("tables")
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    for table in tables {
-        let empty: bool = db
-            .query_one(&format!("SELECT NOT EXISTS (SELECT FROM {table})"), &[])
-            .await
-            .expect("empty?")
-            .get(0);
-        if !empty {
+    for table in user_tables(db).await {
+        if !is_empty(db, &table).await {
             db.batch_execute(&format!("VACUUM ANALYZE {table}"))
                 .await
                 .expect("vacuum");
         }
     }
+}
+
+/// Rebuild the indexes of the database's empty tables (an earlier run's
+/// teardown emptied them): a B-tree keeps its pages when its rows are
+/// deleted, and the planner costs an index scan by the index's pages. A
+/// second run on one cluster found the ledger's indexes at 200-340 pages
+/// over an empty table, and the service's first half, planning on them,
+/// spent 765 against the raw side's 540 µs of PostgreSQL per event (a
+/// first run: 551 against 536). Rebuilt, they are as on a fresh cluster.
+/// Only empty tables: nothing of another tenant's is touched, and the
+/// rebuild takes a moment.
+pub async fn compact_empty(db: &Client) {
+    for table in user_tables(db).await {
+        if is_empty(db, &table).await {
+            db.batch_execute(&format!("REINDEX TABLE {table}"))
+                .await
+                .expect("reindex");
+        }
+    }
+}
+
+async fn user_tables(db: &Client) -> Vec<String> {
+    db.query(
+        "SELECT format('%I.%I', schemaname, relname) FROM pg_stat_user_tables ORDER BY 1",
+        &[],
+    )
+    .await
+    .expect("tables")
+    .iter()
+    .map(|row| row.get(0))
+    .collect()
+}
+
+async fn is_empty(db: &Client, table: &str) -> bool {
+    db.query_one(&format!("SELECT NOT EXISTS (SELECT FROM {table})"), &[])
+        .await
+        .expect("empty?")
+        .get(0)
 }
 
 pub async fn now(db: &Client) -> time::OffsetDateTime {

@@ -1212,14 +1212,15 @@ async fn consumer_phase(
     for consumer in &system.consumers {
         let kind = consumer.kind.expect("consumer kind");
         let db = consumers::db(kind).await;
-        // Neither side starts on tables recorded as empty: a table an
-        // earlier run's teardown emptied, and autovacuum then vacuumed, is
-        // planned as empty, and a session's generic plans made then walk a
-        // tenant's rows by the wrong index (the ledger: 731 against 572 µs
-        // of PostgreSQL per event, see `consumers::vacuum`). Some events of
-        // a tenant of the run's own, applied raw and kept until the
+        // Neither side starts on the remains of an earlier run: tables its
+        // teardown emptied keep their indexes' pages (`compact_empty`), and
+        // once autovacuum has vacuumed them they are planned as empty, a
+        // session's generic plans then walking a tenant's rows by the wrong
+        // index (see `consumers::vacuum`). The indexes rebuilt, some events
+        // of a tenant of the run's own, applied raw and kept until the
         // teardown, give every table rows for the halves' vacuum to
         // analyze.
+        consumers::compact_empty(&db).await;
         consumers::raw(kind, &prime_name(&consumer.name), priming, partitions, true).await;
         let (first, first_cpu) = consumer_half(consumer, &db, &rows[..half]).await;
         stop_member(consumer);
