@@ -88,7 +88,8 @@ pub async fn vacuum(db: &Client) {
 }
 
 /// Rebuild the indexes of the database's empty tables (an earlier run's
-/// teardown emptied them): a B-tree keeps its pages when its rows are
+/// teardown emptied them; `Bench::start` does the orders database, phase
+/// 3 each consumer's): a B-tree keeps its pages when its rows are
 /// deleted, and the planner costs an index scan by the index's pages. A
 /// second run on one cluster found the ledger's indexes at 200-340 pages
 /// over an empty table, and the service's first half, planning on them,
