@@ -354,12 +354,16 @@ impl Bench {
         let orders = pg(Database::Orders).await;
         check_commit_timestamps(&orders).await?;
         clear_aborted_runs(&orders).await;
-        // Tables an earlier run's teardown emptied keep their indexes'
-        // pages, and the services' sessions plan on them: a second
-        // `make bench-api` on one cluster read 74.9 % (PostgreSQL 841
-        // against the raw side's 610 µs per order; the first run: 91.5 %,
-        // 658 against 630). Rebuilt before the services start.
-        consumers::compact_empty(&orders).await;
+        // As on a fresh cluster, whatever an earlier run left (see
+        // `consumers::reset_empty`), before the services start.
+        for database in [
+            Database::Orders,
+            Database::Inventory,
+            Database::Ledger,
+            Database::Loyalty,
+        ] {
+            consumers::reset_empty(&mut pg(database).await).await;
+        }
         let system = start_system(relays).await;
         // Before the run writes any outbox row (what `clear_aborted_runs`
         // looks for).
@@ -1218,15 +1222,11 @@ async fn consumer_phase(
     for consumer in &system.consumers {
         let kind = consumer.kind.expect("consumer kind");
         let db = consumers::db(kind).await;
-        // Neither side starts on the remains of an earlier run: tables its
-        // teardown emptied keep their indexes' pages (`compact_empty`), and
-        // once autovacuum has vacuumed them they are planned as empty, a
-        // session's generic plans then walking a tenant's rows by the wrong
-        // index (see `consumers::vacuum`). The indexes rebuilt, some events
-        // of a tenant of the run's own, applied raw and kept until the
-        // teardown, give every table rows for the halves' vacuum to
-        // analyze.
-        consumers::compact_empty(&db).await;
+        // Neither side starts on tables planned as empty (see
+        // `consumers::vacuum`; `Bench::start` returned the tables an
+        // earlier run emptied to a fresh cluster's state): some events of a
+        // tenant of the run's own, applied raw and kept until the teardown,
+        // give every table rows for the halves' vacuum to analyze.
         consumers::raw(kind, &prime_name(&consumer.name), priming, partitions, true).await;
         let (first, first_cpu) = consumer_half(consumer, &db, &rows[..half]).await;
         stop_member(consumer);
