@@ -140,13 +140,7 @@ pub async fn reset_empty(db: &mut Client) {
     .await;
     if let Err(error) = truncated {
         println!("  (could not truncate the empty tables, rebuilding their indexes: {error})");
-        for table in &empty {
-            if is_empty(db, table).await {
-                db.batch_execute(&format!("REINDEX TABLE {table}"))
-                    .await
-                    .expect("reindex");
-            }
-        }
+        compact_empty(db).await;
     }
 }
 

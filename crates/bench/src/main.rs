@@ -351,13 +351,13 @@ impl Bench {
     /// `consumers_running` false stops the consumers again.
     async fn start(title: &str, relays: usize, consumers_running: bool) -> anyhow::Result<Bench> {
         phase(title);
-        let orders = pg(Database::Orders).await;
+        let mut orders = pg(Database::Orders).await;
         check_commit_timestamps(&orders).await?;
         clear_aborted_runs(&orders).await;
         // The orders database as on a fresh cluster, whatever an earlier
         // run left (see `consumers::reset_empty`), before the services
         // start. (The consumers' databases: phase 3, `compact_empty`.)
-        consumers::reset_empty(&mut pg(Database::Orders).await).await;
+        consumers::reset_empty(&mut orders).await;
         let system = start_system(relays).await;
         // Before the run writes any outbox row (what `clear_aborted_runs`
         // looks for).
@@ -409,9 +409,9 @@ impl Bench {
         }
         for consumer in &self.system.consumers {
             if consumer.label.ends_with("-0") {
-                let kind = consumer.kind.expect("kind");
-                consumers::forget(kind, &consumer.name).await;
-                consumers::forget(kind, &prime_name(&consumer.name)).await;
+                // (Phase 3's priming inbox rows go with their tenant's,
+                // `-raw3`, in `cleanup_effects`.)
+                consumers::forget(consumer.kind.expect("kind"), &consumer.name).await;
             }
         }
         for tenant in run_tenants(&self.system.tenant) {
