@@ -26,9 +26,9 @@ where
     let names = std::env::vars_os().filter_map(|(name, _)| name.into_string().ok());
     reject_unknown_variables(prefix, defaults, names)?;
     let mut builder = config::Config::builder().add_source(config::Config::try_from(defaults)?);
-    if let Some(file) = config_file(prefix, std::env::vars_os())? {
-        reject_unknown_file_settings(&file, defaults)?;
-        builder = builder.add_source(config::File::with_name(&file).required(true));
+    let file = config_file(prefix, std::env::vars_os())?;
+    if let Some(file) = &file {
+        builder = builder.add_source(config::File::with_name(file).required(true));
     }
     // No `try_parsing`: it would store a value that looks like a number or a
     // bool as one, and a text field would read back its spelling as a number
@@ -44,6 +44,9 @@ where
         .try_deserialize()?;
     // Against the settings as loaded: a number setting without a default
     // (`Option<u64>`, null in `defaults`) is a number there.
+    if let Some(file) = &file {
+        reject_unknown_file_settings(file, defaults, &loaded)?;
+    }
     let vars = std::env::vars_os()
         .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)));
     reject_words_for_numbers(prefix, &loaded, vars)?;
@@ -177,10 +180,13 @@ fn is_word_for_a_number(value: &str) -> bool {
 /// (`[database] pool_szie = 4`), and on a word of yes or no given to a
 /// number setting there (`pool_size = "yes"`), as for the variables: config
 /// ignored the one (the service ran on the default) and read the other as
-/// 1. A setting whose default is absent (null) may be given as a table.
+/// one. A setting whose default is absent (null) may be given as a table.
+/// The number settings are those that hold a number in `loaded` (the
+/// settings as loaded: one without a default holds the word's number then).
 fn reject_unknown_file_settings<T: Serialize>(
     file: &str,
     defaults: &T,
+    loaded: &T,
 ) -> Result<(), config::ConfigError> {
     let tree: serde_json::Value = config::Config::builder()
         .add_source(config::File::with_name(file).required(true))
@@ -193,6 +199,11 @@ fn reject_unknown_file_settings<T: Serialize>(
         .into_iter()
         .map(|(name, default)| (name.to_lowercase(), default))
         .collect();
+    let numbers: Vec<String> = settings_of(loaded)?
+        .into_iter()
+        .filter(|(_, value)| value.is_number())
+        .map(|(name, _)| name.to_lowercase())
+        .collect();
     let mut given = Vec::new();
     leaves_as_written(tree, String::new(), &mut given);
     let key = |path: &str| path.replace("__", ".");
@@ -203,8 +214,8 @@ fn reject_unknown_file_settings<T: Serialize>(
         });
         match setting {
             None => refused.push(format!("{} names no setting", key(&path))),
-            Some((_, default))
-                if default.is_number()
+            Some((name, _))
+                if numbers.contains(name)
                     && (value.is_boolean() || value.as_str().is_some_and(is_word_for_a_number)) =>
             {
                 refused.push(format!("{} = {value}: a number is expected", key(&path)));
@@ -621,7 +632,7 @@ mod tests {
             "good",
             "name = \"z\"\n[database]\npool_size = 4\nurl = \"postgres://db/x\"\n",
         );
-        reject_unknown_file_settings(&good, &defaults).expect("every key a setting");
+        reject_unknown_file_settings(&good, &defaults, &defaults).expect("every key a setting");
         // As `load` reads it.
         std::env::set_var("KIT_SETTINGS_FILE_TEST__CONFIG_FILE", &good);
         let loaded: Demo = load("KIT_SETTINGS_FILE_TEST", &defaults).expect("load");
@@ -654,7 +665,7 @@ mod tests {
             ),
         ] {
             let path = file(name, text);
-            let error = reject_unknown_file_settings(&path, &defaults)
+            let error = reject_unknown_file_settings(&path, &defaults, &defaults)
                 .expect_err(name)
                 .to_string();
             assert!(error.contains(expected), "{name}: {error}");
@@ -668,6 +679,47 @@ mod tests {
             std::fs::remove_file(&path).expect("remove");
         }
         std::fs::remove_file(&good).expect("remove");
+        // A number setting without a default (null in the defaults): before,
+        // `retention_secs = "on"` loaded as 1.
+        #[derive(Debug, Serialize, Deserialize)]
+        struct Optional {
+            retention_secs: Option<u64>,
+            name: Option<String>,
+        }
+        let none = Optional {
+            retention_secs: None,
+            name: None,
+        };
+        for (name, text, expected) in [
+            (
+                "optional-word",
+                "retention_secs = \"on\"\n",
+                "retention_secs = \"on\": a number is expected",
+            ),
+            (
+                "optional-boolean",
+                "retention_secs = true\n",
+                "retention_secs = true: a number is expected",
+            ),
+        ] {
+            let path = file(name, text);
+            let prefix = format!(
+                "KIT_SETTINGS_FILE_{}",
+                name.to_uppercase().replace('-', "_")
+            );
+            std::env::set_var(format!("{prefix}__CONFIG_FILE"), &path);
+            let error = load(&prefix, &none).expect_err(name).to_string();
+            assert!(error.contains(expected), "{name}: {error}");
+            std::fs::remove_file(&path).expect("remove");
+        }
+        let path = file("optional-good", "retention_secs = 7\nname = \"yes\"\n");
+        std::env::set_var("KIT_SETTINGS_FILE_OPTIONAL_GOOD__CONFIG_FILE", &path);
+        let loaded = load("KIT_SETTINGS_FILE_OPTIONAL_GOOD", &none).expect("a number, and a text");
+        assert_eq!(
+            (loaded.retention_secs, loaded.name.as_deref()),
+            (Some(7), Some("yes"))
+        );
+        std::fs::remove_file(&path).expect("remove");
     }
 
     #[test]
