@@ -1679,7 +1679,98 @@ async fn malformed_input_gets_a_clear_4xx_and_writes_nothing() {
             422,
             "lines[0]",
         ),
+        (
+            "101 lines",
+            SEED_ORDER.replace(
+                r#"[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}]"#,
+                &format!(
+                    "[{}]",
+                    vec![r#"{"sku":"JKT-M","qty":1,"unit_price":"0.00","unit_cost":"0.00"}"#; 101]
+                        .join(",")
+                ),
+            ),
+            422,
+            "lines",
+        ),
+        (
+            "qty over the limit",
+            SEED_ORDER.replace("\"qty\":2", "\"qty\":1000001"),
+            422,
+            "lines[0].qty",
+        ),
+        (
+            "control character in a sku",
+            SEED_ORDER.replace("JKT-M", "JKT\\nM"),
+            422,
+            "lines[0].sku",
+        ),
+        (
+            "sku ending in white space",
+            SEED_ORDER.replace("JKT-M", "JKT-M "),
+            422,
+            "lines[0].sku",
+        ),
+        (
+            "customer id of white space alone",
+            SEED_ORDER.replace("\"77\"", "\"   \""),
+            422,
+            "customer_id",
+        ),
+        (
+            "invisible character in a checkout id",
+            SEED_ORDER.replace(
+                "{\"customer_id\"",
+                "{\"checkout_id\":\"chk-1\\u200B\",\"customer_id\"",
+            ),
+            422,
+            "checkout_id",
+        ),
     ];
+    // The same checks on a delivery (before the order is looked up: this
+    // one does not exist).
+    let delivery_url = api.url(&format!("/orders/{}/deliveries", uuid::Uuid::now_v7()));
+    let bad_deliveries: &[(&str, String, &str)] = &[
+        (
+            "delivery of 101 lines",
+            format!(
+                r#"{{"delivery_id":"311","lines":[{}]}}"#,
+                vec![r#"{"sku":"JKT-M","qty":1}"#; 101].join(",")
+            ),
+            "lines",
+        ),
+        (
+            "delivery qty over the limit",
+            SEED_DELIVERY.replace("\"qty\":2", "\"qty\":1000001"),
+            "lines[0].qty",
+        ),
+        (
+            "delivery sku with a control character",
+            SEED_DELIVERY.replace("JKT-M", "JKT\\nM"),
+            "lines[0].sku",
+        ),
+        (
+            "delivery id with a zero-width space",
+            SEED_DELIVERY.replace("\"311\"", "\"311\\u200B\""),
+            "delivery_id",
+        ),
+    ];
+    for (what, body, field) in bad_deliveries {
+        let (got, problem) = json_of(
+            caller
+                .post(
+                    &delivery_url,
+                    &format!("k-{}", what.replace(' ', "-")),
+                    body,
+                )
+                .await,
+        )
+        .await;
+        assert_eq!(
+            (got.as_u16(), problem["field"].as_str()),
+            (422, Some(*field)),
+            "{what}: {problem}"
+        );
+    }
     for (what, body, status, field) in bad_bodies {
         let (got, problem) = json_of(
             caller
@@ -1868,6 +1959,35 @@ async fn the_openapi_document_lists_the_real_endpoints() {
             );
         }
     }
+    // And the problems' headers, wherever the status is documented: a 503
+    // and a POST's 409 (idempotency_in_progress) may say Retry-After
+    // (/readyz's 503 does not), a 401 WWW-Authenticate, a 405 Allow.
+    let mut checked = 0;
+    for (path, operations) in doc["paths"].as_object().expect("paths") {
+        for (method, operation) in operations.as_object().expect("operations") {
+            let Some(responses) = operation["responses"].as_object() else {
+                continue;
+            };
+            for (code, response) in responses {
+                let header = match code.as_str() {
+                    "503" if path != "/readyz" => "Retry-After",
+                    "409" if method == "post" => "Retry-After",
+                    "401" => "WWW-Authenticate",
+                    "405" => "Allow",
+                    _ => continue,
+                };
+                let reference = response["headers"][header]["$ref"].as_str();
+                let name = reference.and_then(|r| r.strip_prefix("#/components/headers/"));
+                assert!(
+                    name.is_some_and(|n| doc["components"]["headers"][n].is_object()),
+                    "{method} {path} {code}: {header} not declared"
+                );
+                checked += 1;
+            }
+        }
+    }
+    // 503: 4 operations; a POST's 409: 3; 401: 4; 405: 8 paths.
+    assert_eq!(checked, 19, "responses checked");
     // Every documented path answers something other than the not-found fallback.
     let caller = Caller::new("openapi");
     for path in doc["paths"].as_object().expect("paths").keys() {
@@ -3025,12 +3145,15 @@ async fn a_request_past_its_budget_is_rolled_back_and_its_key_stays_free() {
 
 /// Seed 003: revenue is recognised on delivery, so ParcelDelivered carries
 /// when the parcel was delivered, which the courier may report later than
-/// it happened. A delivery's `delivered_at` (RFC 3339, any offset): before
-/// the order was placed or in the future is 422 and malformed is 400, each
-/// naming the field and storing nothing; the order's placement time itself
-/// is accepted, and the event carries it while `occurred_at` stays the
-/// recording time; the same key with the same instant in another offset
-/// replays, with another time or none it is 409 idempotency_key_reused.
+/// it happened. A delivery's `delivered_at` (RFC 3339, any offset): in the
+/// future is 422 and malformed is 400, each naming the field and storing
+/// nothing; before the order was placed is 422 too, decided under the
+/// order's lock and stored (DESIGN.md section 5: the placement time never
+/// changes), so its key replays it and refuses another body; the order's
+/// placement time itself is accepted, and the event carries it while
+/// `occurred_at` stays the recording time; the same key with the same
+/// instant in another offset replays, with another time or none it is 409
+/// idempotency_key_reused.
 #[tokio::test]
 async fn a_delivery_carries_the_given_delivered_at_and_its_fingerprint() {
     use time::format_description::well_known::Rfc3339;
@@ -3062,13 +3185,39 @@ async fn a_delivery_carries_the_given_delivered_at_and_its_fingerprint() {
     let future = (time::OffsetDateTime::now_utc() + time::Duration::hours(1))
         .replace_nanosecond(0)
         .expect("whole second");
+    // Before placement: stored under its key, replayed byte for byte.
+    let early = delivered_at(&at(placed - time::Duration::microseconds(1)));
+    let response = caller.post(&url, "d-early", &early).await;
+    assert!(!is_replay(&response));
+    let first = response.bytes().await.expect("body");
+    let problem: Value = serde_json::from_slice(&first).expect("problem");
+    assert_eq!(
+        (problem["code"].as_str(), problem["field"].as_str()),
+        (Some("validation_failed"), Some("delivered_at")),
+        "{problem}"
+    );
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("before the order was placed")),
+        "{problem}"
+    );
+    let (_, stored_status, stored) = stored_body(&caller.tenant, endpoint, "d-early")
+        .await
+        .expect("the rejection is stored");
+    assert_eq!((stored_status, stored.as_slice()), (422, &first[..]));
+    let again = caller.post(&url, "d-early", &early).await;
+    assert_eq!(again.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(is_replay(&again), "the stored rejection replays");
+    assert_eq!(again.bytes().await.expect("body"), first);
+    let corrected = caller
+        .post(&url, "d-early", &delivered_at(placed_text))
+        .await;
+    expect_problem(corrected, StatusCode::CONFLICT, "idempotency_key_reused").await;
+    assert_eq!(effects(&caller.tenant).await, (1, 0));
+    assert_eq!(outbox_of(&id).await, before);
+
     for (value, status, code, why) in [
-        (
-            at(placed - time::Duration::microseconds(1)),
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "validation_failed",
-            "before the order was placed",
-        ),
         (
             at(future),
             StatusCode::UNPROCESSABLE_ENTITY,

@@ -32,9 +32,9 @@ pub enum Rejection {
     OrderNotPaid,
     OrderAlreadyDelivered,
     DeliveryLinesMismatch,
-    /// A delivery's `delivered_at` before the order was placed: a bad value
-    /// of the request, answered like a validation failure (not stored: the
-    /// same key with a corrected time may run).
+    /// A delivery's `delivered_at` before the order was placed: answered
+    /// like a validation failure, and stored (a placement time never
+    /// changes: the same request can never succeed).
     DeliveredBeforePlaced {
         placed_at: time::OffsetDateTime,
     },
@@ -42,15 +42,14 @@ pub enum Rejection {
 
 impl Rejection {
     /// Whether the rejection is stored with its key and replayed: the same
-    /// request can never succeed later. `OrderNotPaid` is not final (the
-    /// payment may come), so it is answered without being stored; nor is
-    /// `DeliveredBeforePlaced`, a bad request value found under the order's
-    /// lock, which is answered like a validation failure (nothing stored).
+    /// request can never succeed later (DESIGN.md section 5: deterministic
+    /// rejections decided inside the transaction are stored). `OrderNotPaid`
+    /// is not final (the payment may come), so it is answered without being
+    /// stored. `DeliveredBeforePlaced` is: the order's placement time never
+    /// changes (before, it was not stored, and the same key with another
+    /// time ran as a new request instead of 409 `idempotency_key_reused`).
     pub fn is_final(&self) -> bool {
-        !matches!(
-            self,
-            Rejection::OrderNotPaid | Rejection::DeliveredBeforePlaced { .. }
-        )
+        !matches!(self, Rejection::OrderNotPaid)
     }
 
     pub fn problem(&self) -> Problem {

@@ -73,10 +73,63 @@ impl Canonical {
     }
 }
 
-/// A name the order writes into its events (`events::name`: the same rule
-/// the consumers' receipts check, so whatever an order names can be received).
+/// A name the order writes into its events: `events::name`'s rule (the same
+/// the consumers' receipts check, so whatever an order names can be
+/// received), and for a new request no white space at either end (nor white
+/// space alone) and no invisible character: `"JKT-M "` or `"chk-1\u{200B}"`
+/// look like `JKT-M` and `chk-1` to a person and are other names to every
+/// database (stock reserved under an unknown sku, a second order for one
+/// checkout). Only here: events already stored keep the receipts' rule.
+/// Not normalized: composed and decomposed spellings stay two names.
 fn text(field: &str, value: &str) -> Result<(), ApiError> {
-    events::name::check(value).map_err(|why| ApiError::validation(field, why.to_string()))
+    events::name::check(value).map_err(|why| ApiError::validation(field, why.to_string()))?;
+    if value.trim() != value {
+        return Err(ApiError::validation(
+            field,
+            "must not begin or end with white space",
+        ));
+    }
+    if let Some(c) = value.chars().find(|c| invisible(*c)) {
+        return Err(ApiError::validation(
+            field,
+            format!(
+                "must not contain invisible characters (U+{:04X})",
+                u32::from(c)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Unicode's format characters (general category Cf, Unicode 15: soft
+/// hyphen, zero-width and direction marks, the byte order mark, tags) and
+/// its line and paragraph separators (Zl, Zp). Control characters (Cc) are
+/// `events::name`'s.
+fn invisible(c: char) -> bool {
+    matches!(
+        c,
+        '\u{00AD}'
+            | '\u{0600}'..='\u{0605}'
+            | '\u{061C}'
+            | '\u{06DD}'
+            | '\u{070F}'
+            | '\u{0890}'..='\u{0891}'
+            | '\u{08E2}'
+            | '\u{180E}'
+            | '\u{200B}'..='\u{200F}'
+            | '\u{2028}'..='\u{202E}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{206F}'
+            | '\u{FEFF}'
+            | '\u{FFF9}'..='\u{FFFB}'
+            | '\u{110BD}'
+            | '\u{110CD}'
+            | '\u{13430}'..='\u{1343F}'
+            | '\u{1BCA0}'..='\u{1BCA3}'
+            | '\u{1D173}'..='\u{1D17A}'
+            | '\u{E0001}'
+            | '\u{E0020}'..='\u{E007F}'
+    )
 }
 
 fn non_negative(field: &str, value: Money) -> Result<(), ApiError> {
@@ -460,8 +513,71 @@ mod tests {
                 "{\"customer_id\"",
                 "{\"checkout_id\":\"c-1\",\"customer_id\"",
             ),
+            // The same total: shipping and tax swapped.
+            SEED.replace(
+                "\"shipping\":\"5.00\",\"tax\":\"8.00\"",
+                "\"shipping\":\"8.00\",\"tax\":\"5.00\"",
+            ),
         ] {
             assert_ne!(order(&changed).fingerprint(), base, "{changed}");
+        }
+        // Two lines trading their prices (the same total): another order.
+        let two = |a: &str, b: &str| {
+            SEED.replace(
+                r#"[{"sku":"JKT-M","qty":2,"unit_price":"40.00","unit_cost":"22.00"}]"#,
+                &format!(
+                    r#"[{{"sku":"A","qty":1,"unit_price":"{a}","unit_cost":"1.00"}},{{"sku":"B","qty":1,"unit_price":"{b}","unit_cost":"1.00"}}]"#
+                ),
+            )
+        };
+        assert_ne!(
+            order(&two("10.00", "20.00")).fingerprint(),
+            order(&two("20.00", "10.00")).fingerprint()
+        );
+    }
+
+    #[test]
+    fn any_change_of_a_payment_changes_its_fingerprint() {
+        let payment = |body: &str| parse::<PaymentRequest>(body.as_bytes()).expect("parse");
+        let base_body = r#"{"payment_id":"9001","amount":"93.00","method":"card"}"#;
+        let base = payment(base_body).fingerprint(Uuid::nil());
+        assert_ne!(payment(base_body).fingerprint(Uuid::max()), base, "order");
+        for changed in [
+            base_body.replace("9001", "9002"),
+            base_body.replace("93.00", "93.01"),
+            base_body.replace("card", "cash"),
+            base_body.replace("\"card\"", "\"card\",\"currency\":\"USD\""),
+        ] {
+            assert_ne!(
+                payment(&changed).fingerprint(Uuid::nil()),
+                base,
+                "{changed}"
+            );
+        }
+    }
+
+    #[test]
+    fn names_padded_with_white_space_or_holding_invisible_characters_are_refused() {
+        for good in ["JKT-M", "a b", "\u{915}\u{93F}", "WH-1", "x"] {
+            assert!(text("sku", good).is_ok(), "{good:?}");
+        }
+        for (bad, why) in [
+            ("JKT-M ", "white space"),
+            (" JKT-M", "white space"),
+            ("   ", "white space"),
+            ("a\u{00A0}", "white space"),
+            ("chk-1\u{200B}", "U+200B"),
+            ("\u{FEFF}77", "U+FEFF"),
+            ("ab\u{202E}c", "U+202E"),
+            ("a\u{2028}b", "U+2028"),
+            ("a\u{00AD}b", "U+00AD"),
+            ("a\u{E0041}", "U+E0041"),
+            ("a\nb", "control"),
+            ("", "empty"),
+        ] {
+            let problem = text("sku", bad).expect_err(bad).problem();
+            let detail = problem.detail.clone().unwrap_or_default();
+            assert!(detail.contains(why), "{bad:?}: {detail}");
         }
     }
 
@@ -490,6 +606,9 @@ mod tests {
             base
         );
         // Another delivery.
+        let mut renamed = delivery(&[("A", 2), ("B", 1)]);
+        renamed.delivery_id = "312".to_owned();
+        assert_ne!(renamed.fingerprint(order_id), base, "delivery_id");
         for other in [
             delivery(&[("A", 2)]),
             delivery(&[("A", 2), ("B", 2)]),
