@@ -257,8 +257,7 @@ fn millis(duration: Duration) -> i64 {
 /// pending rows (of `settings.only_tenant`, if set) from `floor` on.
 /// `may_take_suspects`: this is the instance's first worker; `settling`:
 /// the leases whose batches the workers of this process are settling (see
-/// [`CLAIM_SQL`], `$8` and `$9`), read once the connection is at hand (a
-/// wait for it can outlast the write that ends one).
+/// [`CLAIM_SQL`], `$8` and `$9`), read once the transaction has begun.
 pub async fn claim(
     pool: &PgPool,
     instance: &str,
@@ -268,11 +267,18 @@ pub async fn claim(
     settling: &SettlingLeases,
 ) -> anyhow::Result<Claimed> {
     let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    // Read after the BEGIN's answer, not before: the claim's `now()` is the
+    // BEGIN's, and a lease that has run out by then was registered as
+    // settling before its end, so before that answer. Read earlier (or
+    // before a wait for a connection), a BEGIN held up on the network past
+    // the lease's end found the list without it, and took over rows whose
+    // confirmed batch this process was still marking (a duplicate publish,
+    // a lease expiry counted against healthy rows).
     let spared = settling
         .lock()
         .map(|leases| leases.clone())
         .unwrap_or_default();
-    let tx = client.transaction().await?;
     // One round trip (an unnamed statement parsed, bound and run at once),
     // planned with these parameters every time, like a first execution.
     let rows = tx

@@ -490,12 +490,12 @@ impl Relay {
 /// and healthy rows become suspects). Timed out instead, the batch is
 /// written back as a failure of the broker's (retried, never counted
 /// towards quarantine) while the lease still holds.
-fn confirm_wait(confirm_timeout: Duration, lease_left: Duration) -> Duration {
+pub(crate) fn confirm_wait(confirm_timeout: Duration, lease_left: Duration) -> Duration {
     confirm_timeout.min(lease_left.saturating_sub(MARK_MARGIN))
 }
 
 /// The part of a lease kept for writing a batch's outcome.
-const MARK_MARGIN: Duration = Duration::from_secs(2);
+pub(crate) const MARK_MARGIN: Duration = Duration::from_secs(2);
 
 /// Retry a database write with capped backoff until it succeeds or
 /// `deadline` passes (after which the lease may be someone else's). Past the

@@ -50,7 +50,8 @@ pub struct RelaySettings {
     /// Batches worked on at once by this instance (each on its own channel).
     pub workers: usize,
     /// How long a claim is owned before another instance may take it over.
-    /// Must comfortably exceed `confirm_timeout_ms`.
+    /// At least `confirm_timeout_ms` + 2000 (the part kept for writing a
+    /// batch's outcome).
     pub lease_ms: u64,
     /// Fallback wake-up when no NOTIFY arrives (NOTIFY is the normal path).
     pub poll_interval_ms: u64,
@@ -208,9 +209,16 @@ impl Settings {
             r.lease_ms <= 86_400_000,
             "relay.lease_ms must be at most a day (86400000)"
         );
+        // The confirms are awaited at most the lease left less the mark's
+        // margin (`relay::confirm_wait`): a lease shorter than the confirm
+        // timeout plus the margin cut every batch's wait short (at 2000 /
+        // 1000, to nothing: every batch timed out, was sent again and never
+        // marked).
+        let margin = crate::relay::MARK_MARGIN.as_millis();
         anyhow::ensure!(
-            r.lease_ms > r.confirm_timeout_ms,
-            "relay.lease_ms ({}) must exceed relay.confirm_timeout_ms ({})",
+            u128::from(r.lease_ms) >= u128::from(r.confirm_timeout_ms) + margin,
+            "relay.lease_ms ({}) must be at least relay.confirm_timeout_ms ({}) + {margin} \
+             (the part of a lease kept for writing a batch's outcome)",
             r.lease_ms,
             r.confirm_timeout_ms
         );
@@ -415,5 +423,37 @@ mod tests {
             ..RelaySettings::default()
         };
         with(day).validate().expect("a day is allowed");
+    }
+
+    #[test]
+    fn a_lease_leaves_the_whole_confirm_timeout_and_the_mark_s_margin() {
+        let with = |lease_ms, confirm_timeout_ms| Settings {
+            relay: RelaySettings {
+                lease_ms,
+                confirm_timeout_ms,
+                ..RelaySettings::default()
+            },
+            ..Settings::default()
+        };
+        for (lease, confirm) in [(2_000, 1_000), (11_000, 10_000), (10_000, 10_000)] {
+            let error = with(lease, confirm).validate().expect_err("too short");
+            assert!(
+                error.to_string().contains("relay.lease_ms"),
+                "{lease}/{confirm}: {error}"
+            );
+        }
+        for (lease, confirm) in [(12_000, 10_000), (30_000, 10_000), (5_000, 3_000)] {
+            let settings = with(lease, confirm);
+            settings.validate().expect("long enough");
+            // A claim that took no time awaits the whole confirm timeout.
+            assert_eq!(
+                crate::relay::confirm_wait(
+                    settings.relay.confirm_timeout(),
+                    settings.relay.lease()
+                ),
+                settings.relay.confirm_timeout(),
+                "{lease}/{confirm}"
+            );
+        }
     }
 }
