@@ -1802,12 +1802,16 @@ async fn sigterm_while_the_relay_declares_its_exchange_logs_no_error() {
     .await;
 }
 
-/// Quarantine counts the message's own failures only: an event that already
-/// failed ten times for the infrastructure's reasons (broker timeouts during
-/// an outage, simulated by its `attempt_count`) and is then returned as
-/// unroutable is quarantined after `max_attempts` returns, not at the first.
+/// Quarantine reads the message's own failures, not all its attempts: an
+/// event whose `attempt_count` says it already failed ten times (as broker
+/// timeouts during an outage would leave it: set here, not caused) and is
+/// then returned as unroutable is quarantined after `max_attempts` returns,
+/// not at the first. That real failures of the infrastructure are not
+/// counted as the message's own is shown by
+/// `nacks_of_a_full_queue_back_off_and_never_quarantine` and the broker
+/// alarm test (`own_failure_count` stays 0).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failures_of_the_infrastructure_do_not_count_towards_quarantine() {
+async fn quarantine_counts_the_message_s_own_failures_not_all_its_attempts() {
     let (tenant, _routed, db, connection, channel, _collector) =
         subscribed("RelayTestOwnRouted").await;
     let unroutable = format!("RelayTestOwnUnroutable{}", short_id());
@@ -2321,12 +2325,16 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
 async fn notify_wakes_an_idle_relay_long_before_its_poll() {
     let (tenant, event_type, db, connection, channel, collector) =
         subscribed("RelayTestNotify").await;
+    let workers = 2;
     let mut relay = Relay::start(
         &tenant,
-        &[(
-            "OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS",
-            "3600000".to_owned(),
-        )],
+        &[
+            (
+                "OUTBOX_RELAY__RELAY__POLL_INTERVAL_MS",
+                "3600000".to_owned(),
+            ),
+            ("OUTBOX_RELAY__RELAY__WORKERS", workers.to_string()),
+        ],
     );
     relay.ready().await;
     // Warm up: published on a NOTIFY, or on the wake-up that follows the
@@ -2349,6 +2357,7 @@ async fn notify_wakes_an_idle_relay_long_before_its_poll() {
     let old = backend(&db, &listener)
         .await
         .expect("the relay's LISTEN connection");
+    let claims_before = relay.metric("outbox_claims_total").await;
     db.execute("SELECT pg_terminate_backend($1)", &[&old])
         .await
         .expect("terminate");
@@ -2374,8 +2383,26 @@ async fn notify_wakes_an_idle_relay_long_before_its_poll() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The wake-up that follows the LISTEN has found nothing by now: idle.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The wake-up that follows the LISTEN wakes each worker once: once each
+    // has claimed (nothing) and the count has stood still for a second,
+    // the relay is idle, and the next row can only be published on its
+    // NOTIFY (before, a fixed pause: on a stalled machine the wake-up's
+    // claim could come after the insert and publish it without one).
+    let mut last = (relay.metric("outbox_claims_total").await, Instant::now());
+    loop {
+        let claims = relay.metric("outbox_claims_total").await;
+        if claims != last.0 {
+            last = (claims, Instant::now());
+        }
+        if claims >= claims_before + workers && last.1.elapsed() >= Duration::from_secs(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(30),
+            "the wake-up after the LISTEN: {claims} claims, {claims_before} before"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let started = Instant::now();
     insert(&db, &tenant, &orders_with_events(1, 1, &event_type)).await;
     collector.wait_distinct(5, Duration::from_secs(30)).await;

@@ -35,6 +35,9 @@ pub struct Metrics {
     /// Rows put into quarantine by this instance.
     pub quarantined_total: IntCounter,
     pub claimed: IntCounter,
+    /// Claims committed, with rows or without (an idle relay's moves on a
+    /// wake-up or its poll only).
+    pub claims: IntCounter,
     pub mark_lost: IntCounter,
     pub confirm_latency: Histogram,
     /// How far the claim's floor trails the database's clock, in seconds
@@ -184,6 +187,10 @@ impl Metrics {
                 "Rows this instance put into quarantine after the maximum attempts",
             ),
             claimed: counter("outbox_claimed_total", "Rows claimed"),
+            claims: counter(
+                "outbox_claims_total",
+                "Claims committed, with rows or without (an idle relay's count moves on a wake-up or its poll only)",
+            ),
             mark_lost: counter(
                 "outbox_mark_lost_total",
                 "Confirmed rows this instance could not mark (its lease was taken over): republished later",

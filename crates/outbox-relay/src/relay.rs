@@ -209,6 +209,7 @@ impl Relay {
                     continue;
                 }
             };
+            self.metrics.claims.inc();
             self.metrics.expired_claims.inc_by(claimed.taken_over);
             // A relay died or stalled holding the row alone: a failed
             // attempt of the row's own that its relay could not count.
