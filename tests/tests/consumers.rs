@@ -3632,6 +3632,44 @@ async fn inventory_dead_letters_a_second_delivery_and_one_that_differs_from_the_
     assert_levels_equal_movements(&tenant).await;
 }
 
+/// One OrderPlaced per order: a second one of a placed order (under a new
+/// event id: hand-written into the outbox, or replayed as a new event; the
+/// inbox drops a redelivery of the same one) fails five times in each
+/// consumer and is dead-lettered with the reason, its order parked after
+/// its first event. Before, inventory reserved the stock again (held for
+/// good: 5 reserved of 10 here, not 2) and the ledger and loyalty dropped
+/// its terms and acknowledged it, with nothing recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_order_placed_of_an_order_is_dead_lettered_by_each_consumer() {
+    let tenant = unique("t5-placed2");
+    let publisher = Publisher::connect().await;
+    let order = Uuid::now_v7();
+    let placed = order_placed(&tenant, order, 1, "77", 2);
+    let placed_again = order_placed(&tenant, order, 2, "77", 3);
+    let reason = format!("already placed (event {})", placed.event_id);
+    for (kind, db, suffix) in [
+        (Kind::Inventory, Database::Inventory, "inv"),
+        (Kind::Ledger, Database::Ledger, "led"),
+        (Kind::Loyalty, Database::Loyalty, "loy"),
+    ] {
+        let name = unique(&format!("t5-placed2-{suffix}"));
+        let consumer = Consumer::start(kind, &name, Options::default()).await;
+        if kind == Kind::Inventory {
+            let (status, body) = receipt(&consumer, &tenant, "r-placed2", 10).await;
+            assert_eq!(status, 201, "{body}");
+        }
+        publisher
+            .all_to_consumer(&name, &[&placed, &placed_again])
+            .await;
+        ran_out_and_parked(&consumer, db, &[(order, 1, &reason)]).await;
+        if kind == Kind::Inventory {
+            // 10 received, the first placement's 2 reserved, once.
+            assert_eq!(level(&tenant).await, Some((10, 2, 8)));
+            assert_levels_equal_movements(&tenant).await;
+        }
+    }
+}
+
 /// A delivery of several skus sells them all or none, in one statement for
 /// all of them: one of whose skus has no stock on hand (a missing receipt)
 /// is dead-lettered with the reason and its order parked, and the sku that

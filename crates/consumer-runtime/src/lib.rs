@@ -169,6 +169,32 @@ impl From<tokio_postgres::Error> for HandlerError {
     }
 }
 
+/// The failure of a second `OrderPlaced` of an order already placed here
+/// (order-api writes one per order; the inbox drops a redelivery of the same
+/// event): one hand-written, or replayed under a new event id, would
+/// otherwise be absorbed (its terms dropped, or its stock reserved again).
+/// It stops for a human, as a second payment or delivery does.
+/// `placed_by_sql` reads the event that placed the order (`$1` tenant, `$2`
+/// order); `refused` says what was not done.
+pub async fn already_placed(
+    tx: &Transaction<'_>,
+    placed_by_sql: &str,
+    tenant: &str,
+    order_id: uuid::Uuid,
+    refused: &str,
+) -> HandlerError {
+    match tx.query_opt(placed_by_sql, &[&tenant, &order_id]).await {
+        Ok(row) => HandlerError::new(format!(
+            "order {order_id} was already placed (event {}); {refused}",
+            row.map_or_else(
+                || "unknown".to_owned(),
+                |row| row.get::<_, uuid::Uuid>(0).to_string()
+            )
+        )),
+        Err(error) => error.into(),
+    }
+}
+
 /// Connections of the read endpoints' and migrations' pool: a process
 /// holds at most `DATABASE__POOL_SIZE` + 4 sessions.
 const READ_POOL_SIZE: usize = 4;

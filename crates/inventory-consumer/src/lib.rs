@@ -87,6 +87,17 @@ impl consumer_runtime::Domain for Inventory {
                         ],
                     )
                     .await?;
+                if reserved.is_empty() && !lines.is_empty() {
+                    // Nothing reserved: the order was placed here before.
+                    return Err(consumer_runtime::already_placed(
+                        tx,
+                        "SELECT event_id FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2",
+                        &envelope.tenant_id,
+                        order.order_id,
+                        "not reserving its stock twice",
+                    )
+                    .await);
+                }
                 if reserved.len() != lines.len() {
                     // Cannot happen (one movement per distinct sku); never
                     // commit a partial reservation if it does.
@@ -171,16 +182,20 @@ impl consumer_runtime::Domain for Inventory {
 /// with its shortage: how much of `qty` exceeded what was available before
 /// (`on_hand - reserved`, never below zero). `$1` tenant, `$2` order, `$3`
 /// location, `$4` skus (distinct), `$5` their quantities, `$6` event id.
-/// Returns (sku, qty, shortage) per sku.
+/// Returns (sku, qty, shortage) per sku; nothing, and nothing written, when
+/// the order was already placed here (by another event: the inbox drops a
+/// redelivery of the same one).
 pub const RESERVE_ORDER: &str = "\
 WITH lines AS (
     SELECT sku, qty FROM unnest($4::text[], $5::bigint[]) AS l(sku, qty)
 ), placed AS (
     INSERT INTO inventory_orders (tenant_id, order_id, location, event_id)
     VALUES ($1, $2, $3, $6) ON CONFLICT DO NOTHING
+    RETURNING order_id
 ), levels AS (
     INSERT INTO stock_levels AS s (tenant_id, sku, location, reserved)
-    SELECT $1, sku, $3, qty FROM lines ORDER BY sku COLLATE \"C\"
+    SELECT $1, sku, $3, qty FROM lines WHERE EXISTS (SELECT FROM placed)
+    ORDER BY sku COLLATE \"C\"
     ON CONFLICT (tenant_id, sku, location)
     DO UPDATE SET reserved = s.reserved + EXCLUDED.reserved, updated_at = now()
     RETURNING s.sku, s.on_hand, s.reserved

@@ -254,7 +254,7 @@ impl consumer_runtime::Domain for Ledger {
                 let cogs = order
                     .cost_of_goods()
                     .ok_or_else(|| overflow("cost of goods"))?;
-                tx.execute(
+                let placed = tx.execute(
                     &tx.prepare_cached(
                         "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, \
                        merchandise, shipping, tax, total, cost_of_goods, placed_event_id) \
@@ -275,6 +275,16 @@ impl consumer_runtime::Domain for Ledger {
                     ],
                 )
                 .await?;
+                if placed == 0 {
+                    return Err(consumer_runtime::already_placed(
+                        tx,
+                        "SELECT placed_event_id FROM ledger_orders WHERE tenant_id = $1 AND order_id = $2",
+                        tenant,
+                        order.order_id,
+                        "not taking its terms twice",
+                    )
+                    .await);
+                }
                 Ok(())
             }
             Event::PaymentReceived(payment) => {

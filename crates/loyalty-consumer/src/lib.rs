@@ -56,23 +56,34 @@ impl consumer_runtime::Domain for Loyalty {
                 let merchandise = order
                     .merchandise()
                     .ok_or_else(|| HandlerError::new("merchandise overflows"))?;
-                tx.execute(
-                    &tx.prepare_cached(
-                        "INSERT INTO loyalty_orders \
+                let placed = tx
+                    .execute(
+                        &tx.prepare_cached(
+                            "INSERT INTO loyalty_orders \
                        (tenant_id, order_id, customer_id, currency, merchandise, placed_event_id) \
                      VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                        )
+                        .await?,
+                        &[
+                            &envelope.tenant_id,
+                            &order.order_id,
+                            &order.customer_id,
+                            &order.currency.as_str(),
+                            &merchandise.minor(),
+                            &envelope.event_id,
+                        ],
                     )
-                    .await?,
-                    &[
+                    .await?;
+                if placed == 0 {
+                    return Err(consumer_runtime::already_placed(
+                        tx,
+                        "SELECT placed_event_id FROM loyalty_orders WHERE tenant_id = $1 AND order_id = $2",
                         &envelope.tenant_id,
-                        &order.order_id,
-                        &order.customer_id,
-                        &order.currency.as_str(),
-                        &merchandise.minor(),
-                        &envelope.event_id,
-                    ],
-                )
-                .await?;
+                        order.order_id,
+                        "not taking its terms twice",
+                    )
+                    .await);
+                }
                 Ok(())
             }
             Event::ParcelDelivered(delivery) => {
