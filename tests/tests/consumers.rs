@@ -3670,6 +3670,40 @@ async fn a_second_order_placed_of_an_order_is_dead_lettered_by_each_consumer() {
     }
 }
 
+/// Loyalty awards an order's points once: a second delivery of a delivered
+/// order that earns points (under a new event id, which the inbox cannot
+/// catch; order-api refuses it, a payload written by hand need not) fails
+/// five times and is dead-lettered with the reason, its order parked after
+/// the first delivery; the customer keeps the one award (no database
+/// constraint stops a second: only the handler's check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loyalty_dead_letters_a_second_delivery_instead_of_awarding_twice() {
+    let tenant = unique("t5-award2");
+    let name = unique("t5-award2-loy");
+    let loyalty_consumer = Consumer::start(Kind::Loyalty, &name, Options::default()).await;
+    let publisher = Publisher::connect().await;
+    let good = story(&tenant);
+    let again = parcel_delivered(&tenant, good.order, 4, 2);
+    publisher
+        .all_to_consumer(&name, &[&good.placed, &good.paid, &good.delivered, &again])
+        .await;
+    let reason = format!(
+        "points for order {} were already awarded (event {})",
+        good.order, good.delivered.event_id
+    );
+    ran_out_and_parked(
+        &loyalty_consumer,
+        Database::Loyalty,
+        &[(good.order, 3, &reason)],
+    )
+    .await;
+    assert_eq!(
+        loyalty(&tenant).await,
+        vec![("77".to_owned(), 80, good.order, good.delivered.event_id)],
+        "one award, the first delivery's"
+    );
+}
+
 /// A delivery of several skus sells them all or none, in one statement for
 /// all of them: one of whose skus has no stock on hand (a missing receipt)
 /// is dead-lettered with the reason and its order parked, and the sku that
