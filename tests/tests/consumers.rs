@@ -831,6 +831,87 @@ async fn an_event_ahead_of_its_predecessor_is_deferred_then_applied_in_order() {
     assert_eq!(ledger.metric("consumer_retried_total", "").await, 0.0);
 }
 
+/// (3b) Deferrals are bounded (DESIGN.md section 8): an event whose
+/// predecessor never comes is deferred `max_deferrals` times, then each
+/// further try is a failed attempt, through the retry tiers, and after the
+/// last it is dead-lettered with the reason and its order parked at its
+/// sequence. The missing predecessor, once it comes, still applies (the
+/// park holds the order at the later event, not before it), and a redrive
+/// then applies the parked one: the order ends in order, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_whose_predecessor_never_comes_is_deferred_a_bounded_number_of_times_then_parked()
+{
+    let tenant = unique("t5-defer");
+    let name = unique("t5-defer-led");
+    let options = Options {
+        max_deferrals: 2,
+        ..Options::default()
+    };
+    let ledger = Consumer::start(Kind::Ledger, &name, options.clone()).await;
+    let s = story(&tenant);
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Ledger, &name, s.order, 1).await;
+    publisher.to_consumer(&name, &s.delivered).await;
+    ledger
+        .wait_metric(
+            "consumer_dead_lettered_total",
+            "reason=\"max_attempts\"",
+            1.0,
+        )
+        .await;
+    assert_eq!(
+        progress(Database::Ledger, &name, s.order).await,
+        Some((1, true)),
+        "parked after sequence 1"
+    );
+    let parked_reason: String = pg(Database::Ledger)
+        .await
+        .query_one(
+            "SELECT parked_reason FROM order_progress WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&name, &s.order.to_string()],
+        )
+        .await
+        .expect("parked reason")
+        .get(0);
+    assert!(
+        parked_reason.contains("sequence 3 still ahead of the last applied 1 after 2 deferrals"),
+        "{parked_reason}"
+    );
+    eventually("the letter in the DLQ", WAIT, || async {
+        (queue_depth(&format!("{name}.dlq")).await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(ledger.metric("consumer_deferred_total", "").await, 2.0);
+    // Attempts 1 to 4 retried through the tiers, the fifth dead-lettered.
+    assert_eq!(ledger.metric("consumer_retried_total", "").await, 4.0);
+    assert!(journal(&tenant, s.order).await.is_empty());
+
+    // The predecessor: applied behind the park (which holds sequence 3).
+    publisher.to_consumer(&name, &s.paid).await;
+    wait_sequence(Database::Ledger, &name, s.order, 2).await;
+    assert_eq!(
+        progress(Database::Ledger, &name, s.order).await,
+        Some((2, true)),
+        "the payment applied, the order still parked at the delivery"
+    );
+    // Moved back by hand: the delivery applies, in order.
+    let stdout = redrive_with(Kind::Ledger, &name, &[], options).await;
+    assert_moved_in_order(&stdout, &[&s.delivered]);
+    wait_sequence(Database::Ledger, &name, s.order, 3).await;
+    assert_eq!(
+        progress(Database::Ledger, &name, s.order).await,
+        Some((3, false))
+    );
+    assert_eq!(
+        journal(&tenant, s.order).await,
+        vec![
+            (s.paid.event_id, payment_lines()),
+            (s.delivered.event_id, delivery_lines()),
+        ]
+    );
+}
+
 /// (4a) A handler that fails twice then succeeds: applied once, after two
 /// retry tiers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
