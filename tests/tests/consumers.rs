@@ -2994,6 +2994,26 @@ async fn a_second_instance_takes_over_when_the_active_one_is_killed() {
         standby.metric("consumer_events_applied_total", "").await > 10.0,
         "the standby took over messages published before the kill"
     );
+    // Exactly once by the inbox, not by the movements' unique index alone:
+    // a redelivery of a message the killed instance committed (its ack not
+    // yet sent) that got past the inbox would fail on that index through
+    // the tiers to the DLQ, its order parked, with the counts above intact.
+    assert_eq!(
+        standby.metric("consumer_dead_lettered_total", "").await,
+        0.0,
+        "nothing dead-lettered"
+    );
+    let parked: i64 = pg(Database::Inventory)
+        .await
+        .query_one(
+            "SELECT count(*) FROM order_progress WHERE consumer_name = $1 AND parked_at IS NOT NULL",
+            &[&name],
+        )
+        .await
+        .expect("parked orders")
+        .get(0);
+    assert_eq!(parked, 0, "no order parked");
+    assert_eq!(inbox(Database::Inventory, &name).await.len(), 40);
 }
 
 /// Inbox cleanup: rows past the horizon are deleted in batches; the progress
