@@ -1298,6 +1298,59 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
     assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
 }
 
+/// A redrive killed between its passes (fail point
+/// `consumer.redrive.after_first_pass`, after its un-park and moves): the
+/// letter dead-lettered behind the park during its first pass (held there
+/// by `consumer.redrive.after_drain`) stays in the DLQ, the order
+/// un-parked and applied up to the moved letter; nothing is lost, and the
+/// next redrive moves it: the order ends applied in order, the DLQ empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_killed_between_its_passes_leaves_letters_the_next_one_moves() {
+    let tenant = unique("t5-redrive-kill");
+    let bad = story(&tenant);
+    let name = unique("t5-redrive-kill-loy");
+    let (fixed, publisher, _stopped) =
+        parked_at_its_first_event(&name, &bad, Options::default()).await;
+    let dlq = format!("{name}.dlq");
+    assert_eq!(queue_depth(&dlq).await, 1);
+
+    let held = held_redrive(
+        &name,
+        "consumer.redrive.after_drain=1*sleep(20000);consumer.redrive.after_first_pass=return",
+    )
+    .await;
+    publisher.to_consumer(&name, &bad.paid).await;
+    fixed
+        .wait_metric("consumer_dead_lettered_total", "reason=\"parked\"", 1.0)
+        .await;
+    let crashed = tokio::time::timeout(Duration::from_secs(120), held.wait_with_output())
+        .await
+        .expect("the redrive ends")
+        .expect("redrive output");
+    assert!(
+        system_tests::system::aborted(&crashed.status),
+        "aborted between its passes: {:?}\n{}",
+        crashed.status,
+        String::from_utf8_lossy(&crashed.stderr)
+    );
+    // The first pass stands: un-parked, its letter applied; the live one
+    // behind the park is left in the DLQ.
+    wait_sequence(Database::Loyalty, &name, bad.order, 1).await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((1, false))
+    );
+    assert_eq!(queue_depth(&dlq).await, 1);
+    let stdout = redrive(Kind::Loyalty, &name, &[]).await;
+    assert_moved_in_order(&stdout, &[&bad.paid]);
+    wait_sequence(Database::Loyalty, &name, bad.order, 2).await;
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((2, false))
+    );
+    assert_eq!(queue_depth(&dlq).await, 0, "{stdout}");
+}
+
 /// An order a redrive un-parked and that is parked again before the
 /// redrive's follow-up pass (its first letter fails again: the fix is not
 /// deployed) keeps the letters the follow-up reads: the follow-up says so

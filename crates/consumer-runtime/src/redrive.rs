@@ -447,6 +447,11 @@ async fn move_in_passes(
             (order.clone(), through)
         })
         .collect();
+    // Crash window: the first pass's un-parks, moves and acks stand; letters
+    // dead-lettered behind the park during it stay in the DLQ, the order
+    // un-parked, until a redrive is run again (which moves them; test
+    // `a_redrive_killed_between_its_passes_leaves_letters_the_next_one_moves`).
+    kit::failpoint::crash_point("consumer.redrive.after_first_pass");
     // Where a test holds the run between its passes, for an order it
     // un-parked to be parked again.
     kit::failpoint::hold_point("consumer.redrive.before_follow_up");
