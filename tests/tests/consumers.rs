@@ -1873,6 +1873,25 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
         refused_lines(&tx, mixed, &tenant, &other).await
     };
     assert!(foreign.contains("its entry tenant"), "{foreign}");
+    // The posting transaction is told by `written_by` (the 64-bit id, V7),
+    // not the entry row's xmin (32 bits: it comes round again, and an old
+    // entry would take lines from a transaction carrying its id): an entry
+    // without it (as written before V5) takes no lines even in the
+    // transaction that wrote it.
+    let unwritten = {
+        let undated = Uuid::now_v7();
+        let tx = client.transaction().await.expect("tx");
+        tx.execute(
+            "INSERT INTO journal_entries (entry_id, tenant_id, order_id, event_id, event_type, \
+               description, currency, written_by) \
+             VALUES ($1, $2, $1, $1, 'Test', 'test', 'USD', NULL)",
+            &[&undated, &tenant],
+        )
+        .await
+        .expect("an entry as written before V5");
+        refused_lines(&tx, undated, &tenant, &tenant).await
+    };
+    assert!(unwritten.contains("is posted"), "{unwritten}");
     // A header without lines is unbalanced too.
     let lonely = Uuid::now_v7();
     client

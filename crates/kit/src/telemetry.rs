@@ -111,7 +111,8 @@ pub fn init(service: &'static str) -> TelemetryGuard {
         EnvFilter::try_from_default_env().unwrap_or_else(|_| {
             EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
         }),
-    ));
+    ))
+    .and(not_never_logged());
     // Without an exporter the spans only carry the trace context (stored and
     // propagated): log events are not recorded into them.
     let exporting = endpoint.is_some() && export_error.is_none();
@@ -126,6 +127,7 @@ pub fn init(service: &'static str) -> TelemetryGuard {
         EnvFilter::try_from_env("OTEL_TRACES_FILTER")
             .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER)),
     )
+    .and(not_never_logged())
     .and(
         filter_fn(move |metadata| exporting || metadata.is_span())
             .with_max_level_hint(LevelFilter::TRACE),
@@ -183,6 +185,21 @@ fn never_logged(filter: EnvFilter) -> EnvFilter {
     NEVER_LOGGED.iter().fold(filter, |filter, directive| {
         filter.add_directive(directive.parse().expect("a valid directive"))
     })
+}
+
+/// [`NEVER_LOGGED`]'s targets refused by a filter of their own, combined
+/// with the `EnvFilter`: its directives alone did not hold, since a span
+/// directive (`RUST_LOG=info,[order_operation]=debug`) enables every event
+/// inside its span before the plain directives are consulted, so the
+/// statements' parameters were logged there. The level hint is TRACE (the
+/// combined hint stays the `EnvFilter`'s).
+fn not_never_logged<S>() -> impl tracing_subscriber::layer::Filter<S> {
+    filter_fn(|metadata| {
+        !NEVER_LOGGED
+            .iter()
+            .any(|directive| directive.strip_suffix("=off") == Some(metadata.target()))
+    })
+    .with_max_level_hint(LevelFilter::TRACE)
 }
 
 /// actix-http's connection dispatcher logs at ERROR what a client's bytes

@@ -586,7 +586,7 @@ async fn get_trial_balance(
              FROM journal_lines l \
              JOIN journal_entries e ON e.entry_id = l.entry_id \
              JOIN ledger_accounts a ON a.tenant_id = l.tenant_id AND a.code = l.account_code \
-             WHERE l.tenant_id = $1 \
+             WHERE l.tenant_id = $1 AND e.tenant_id = $1 \
              GROUP BY e.currency, l.account_code, a.name, a.kind \
              ORDER BY e.currency, l.account_code",
             &[&scope.tenant],

@@ -243,7 +243,11 @@ pub async fn replay(
                         OR (claimed_by IS NOT NULL AND quarantined_at IS NULL))
                    AND ($4::timestamptz IS NULL OR occurred_at >= $4)
                    AND ($5::timestamptz IS NULL OR occurred_at < $5)
-                   AND ($6::text IS NULL OR aggregate_id = $6)
+                   -- An order's type named too: with both, the walk of
+                   -- the unique index starts and stays at the order's rows
+                   -- (the id alone, second in the index, only filtered a
+                   -- walk of every retained row).
+                   AND ($6::text IS NULL OR (aggregate_type = $9 AND aggregate_id = $6))
                    AND ($8 = '' OR tenant_id = $8)
                  ORDER BY aggregate_type, aggregate_id, aggregate_sequence
                  LIMIT $7",
@@ -256,6 +260,7 @@ pub async fn replay(
                     &request.order,
                     &request.page_size,
                     &request.only_tenant,
+                    &events::AGGREGATE_TYPE_ORDER,
                 ],
             )
             .await?;
