@@ -15,6 +15,7 @@
 //! | relay, after the broker's ack, before `published_at` | `relay.after_ack_before_mark` | `relay_crash_after_ack_before_mark` |
 //! | relay, during cleanup | `relay.cleanup` | `relay_crash_during_cleanup` |
 //! | consumer, inside the handler | `consumer.in_handler` | `consumer_crash_inside_the_handler` |
+//! | consumer, after the handler's writes, before commit | `consumer.before_commit` | `consumer_crash_after_the_handler_before_commit` |
 //! | consumer, after commit, before ack | `consumer.after_commit_before_ack` | `consumer_crash_after_commit_before_ack` |
 //!
 //! The tests run one at a time (their consumers share `order-events`).
@@ -410,6 +411,19 @@ async fn consumer_crash_inside_the_handler() {
         "fault-handler",
         "ledger-0",
         "consumer.in_handler=30*off->1*return",
+    )
+    .await;
+}
+
+/// The handler has written its effects (and the runtime its inbox row and
+/// progress) in the open transaction: the crash rolls all of it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_crash_after_the_handler_before_commit() {
+    let _serial = SERIAL.lock().await;
+    crash_under_traffic(
+        "fault-precommit",
+        "loyalty-0",
+        "consumer.before_commit=30*off->1*return",
     )
     .await;
 }

@@ -44,6 +44,8 @@
 //!
 //! - `consumer.in_handler`: a crash point inside the transaction, before the
 //!   handler (`return` aborts the process; `sleep(ms)` slows it down);
+//! - `consumer.before_commit`: a crash point after the handler's writes (and
+//!   the inbox row's), before the commit;
 //! - `consumer.after_commit_before_ack`: a crash point after the commit,
 //!   before the acknowledgement (`consumer.stale.after_commit`: the same
 //!   for a stale copy's inbox row);
@@ -55,7 +57,8 @@
 //!   commits) and after the park commits;
 //! - `consumer.redrive.after_unpark_before_publish`,
 //!   `..._after_unpark_without_letters`, `..._after_publish_before_ack`,
-//!   `..._after_keep_before_ack`, `..._before_discard`: crash points of
+//!   `..._after_keep_before_ack`, `..._before_discard`,
+//!   `..._after_first_pass`: crash points of
 //!   `redrive` (README's crash table);
 //! - `consumer.cleanup`: a crash point in the inbox cleanup, after a batch's
 //!   delete, before its commit;

@@ -591,6 +591,12 @@ impl<D: Domain> Processor<D> {
                     .await;
             }
         };
+        // Crash window: the handler's effects, the inbox row and the
+        // progress are written, not committed: the session ends with the
+        // process, the server rolls all of it back, and the message is
+        // redelivered and applied once (test
+        // `consumer_crash_after_the_handler_before_commit`).
+        kit::failpoint::crash_point("consumer.before_commit");
         if kit::failpoint::error_point("consumer.commit_fails") {
             // The fault of a COMMIT that never reaches the server (the
             // connection lost): rolled back, the message processed again in
