@@ -315,11 +315,14 @@ impl Consumer {
 }
 
 /// Scrape `<base_url>/metrics`: the sum of every series of metric `name`
-/// whose labels contain `labels`.
+/// whose labels contain `labels` (0 when it has none yet). A failed scrape
+/// panics: read as no series, a 404 or a 500 passed every "... is 0" check.
 pub async fn scrape_metric(base_url: &str, name: &str, labels: &str) -> f64 {
     let body = reqwest::get(format!("{base_url}/metrics"))
         .await
         .expect("metrics")
+        .error_for_status()
+        .unwrap_or_else(|error| panic!("{base_url}/metrics: {error}"))
         .text()
         .await
         .expect("metrics body");

@@ -75,6 +75,27 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
     }
 }
 
+/// An operator command's session (`kit::db::pool`: migrate, requeue,
+/// replay, redrive) ends a transaction left idle for 60 s (suspended, or its
+/// network lost between a write and its COMMIT: its row locks released);
+/// its statements are not bounded (a replay's page over a long history).
+#[tokio::test]
+async fn an_operator_command_s_session_cannot_hold_a_transaction_open() {
+    let client = pool(Database::Orders).get().await.expect("connection");
+    let row = client
+        .query_one(
+            "SELECT current_setting('idle_in_transaction_session_timeout'), \
+                    current_setting('statement_timeout')",
+            &[],
+        )
+        .await
+        .expect("settings");
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, String>(1)),
+        ("1min".to_owned(), "0".to_owned())
+    );
+}
+
 #[tokio::test]
 async fn outbox_rows_enforce_the_seed_000_contract() {
     let mut client = pg(Database::Orders).await;

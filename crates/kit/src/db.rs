@@ -113,10 +113,19 @@ fn merged_options(ours: &str, url: Option<&str>) -> String {
     }
 }
 
-/// Build a pool. Connections are opened lazily, so this never touches the
-/// network; use [`wait_until_ready`] to wait for the server.
+/// The bound of the operator commands' sessions (`migrate`, `requeue`,
+/// `replay`, `redrive`): a transaction left idle 60 s (the command
+/// suspended, its network lost between a write and its COMMIT) is ended by
+/// the server, its row locks released. No statement bound: a replay's page
+/// over a long retained history, a migration, may take longer than a
+/// service's statement.
+pub const COMMAND_SESSION_LIMITS: &str = "-c idle_in_transaction_session_timeout=60000";
+
+/// Build a pool for an operator command ([`COMMAND_SESSION_LIMITS`]).
+/// Connections are opened lazily, so this never touches the network; use
+/// [`wait_until_ready`] to wait for the server.
 pub fn pool(settings: &DatabaseSettings) -> Result<Pool, DbError> {
-    pool_with_options(settings, None)
+    pool_with_options(settings, Some(COMMAND_SESSION_LIMITS))
 }
 
 /// Like [`pool`], with server settings for every session of the pool, e.g.
