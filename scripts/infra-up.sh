@@ -252,6 +252,9 @@ emit() {   # KEY=value, double-quoted only when needed (shell- and dotenv-compat
     if [[ "$2" =~ ^[A-Za-z0-9_./:@%+,=-]*$ ]]; then printf '%s=%s\n' "$1" "$2"
     else printf '%s="%s"\n' "$1" "$2"; fi
 }
+# Readable by this user only: it holds the passwords.
+(umask 077 && : >"$RUN_DIR/infra.env")
+chmod 600 "$RUN_DIR/infra.env"
 {
     echo "# written by scripts/infra-up.sh on $(date -u +%FT%TZ)"
     for v in PGHOST PGPORT PGUSER PGPASSWORD PG_DATA_DIR DATABASES; do emit "$v" "${!v}"; done
@@ -266,4 +269,8 @@ emit() {   # KEY=value, double-quoted only when needed (shell- and dotenv-compat
 
 echo
 echo "Infrastructure is up ($(($(date +%s) - START))s). Effective settings ($RUN_DIR/infra.env):"
-grep -v '^#' "$RUN_DIR/infra.env" | sed 's/^/    /'
+# Passwords shown as *** (an overridden one would land in CI logs): the
+# PASSWORD variables' values, and the password part of every URL.
+grep -v '^#' "$RUN_DIR/infra.env" \
+    | sed -E -e 's/^([A-Z_]*PASSWORD=).*/\1***/' -e 's#(://[^:/@]*:)[^@]*@#\1***@#' \
+    | sed 's/^/    /'
