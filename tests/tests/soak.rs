@@ -202,7 +202,7 @@ async fn soak_with_kill_9_broker_and_database_restarts() {
          infrastructure: {infra:?}\n\
          client: {retries} requests retried, {replays} idempotent replays\n\
          events: {}\n\
-         duplicates published (at most): {}\n\
+         duplicates published (as the relays counted): {}\n\
          duplicates suppressed (all consumers, at least): {suppressed}\n\
          lost: {}\n\
          double effects: {}\n\

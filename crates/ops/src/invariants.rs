@@ -225,7 +225,7 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "  duplicates published (at most: leases taken over + confirmed but unmarked): {}",
+            "  duplicates published (leases taken over + confirmed but unmarked, as the relays counted since they started): {}",
             self.duplicates_published
                 .map_or("n/a".to_owned(), |d| d.to_string())
         );

@@ -41,7 +41,8 @@ struct Cli {
     #[arg(long, default_value_t = 0)]
     wait_seconds: u64,
     /// A relay's /metrics URL: its republished messages are reported
-    /// (outbox_mark_lost_total, confirmed but not marked).
+    /// (outbox_expired_claims_total, leases taken over, and
+    /// outbox_mark_lost_total, confirmed but not marked).
     #[arg(long = "relay-metrics", value_name = "URL")]
     relay_metrics: Vec<String>,
     /// A consumer's /metrics URL, e.g. `ledger=http://127.0.0.1:8082/metrics`:
@@ -82,7 +83,11 @@ async fn main() -> std::process::ExitCode {
     if !cli.relay_metrics.is_empty() {
         let mut total = Some(0);
         for url in &cli.relay_metrics {
-            let value = invariants::scrape(url, &["outbox_mark_lost_total"]).await;
+            let value = invariants::scrape(
+                url,
+                &["outbox_expired_claims_total", "outbox_mark_lost_total"],
+            )
+            .await;
             if value.is_none() {
                 eprintln!("check-invariants: --relay-metrics {url}: no metrics read");
             }
