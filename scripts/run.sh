@@ -17,7 +17,15 @@ BIN="${BIN:-target/debug}"
 # returned (no queue bound; retried) or, worse, routed to the consumers
 # already bound only (a later one would miss them).
 SERVICES=(inventory-consumer ledger-consumer loyalty-consumer outbox-relay order-api)
-PORTS=(8081 8082 8083 9100 8080)
+# Each service's HTTP port: its own setting when given (`<PREFIX>__HTTP__PORT`,
+# which the service reads too), else its default.
+PORTS=(
+    "${INVENTORY_CONSUMER__HTTP__PORT:-8081}"
+    "${LEDGER_CONSUMER__HTTP__PORT:-8082}"
+    "${LOYALTY_CONSUMER__HTTP__PORT:-8083}"
+    "${OUTBOX_RELAY__HTTP__PORT:-9100}"
+    "${ORDER_API__HTTP__PORT:-8080}"
+)
 CONSUMERS=3
 mkdir -p .run
 
@@ -94,9 +102,14 @@ for ((i = CONSUMERS; i < ${#SERVICES[@]}; i++)); do await "$i" healthz; done
 echo "==> all services started"
 if [ "${RUN_DEMO:-1}" = 1 ]; then
     echo "==> running the seed 003 story (make demo runs it again)"
-    ORDER_API_BIN="$BIN/order-api" "$BIN/demo" || echo "==> the story did not complete (see above)" >&2
+    ORDER_API_BIN="$BIN/order-api" \
+        ORDER_API_URL="${ORDER_API_URL:-http://127.0.0.1:${PORTS[4]}}" \
+        INVENTORY_URL="${INVENTORY_URL:-http://127.0.0.1:${PORTS[0]}}" \
+        LEDGER_URL="${LEDGER_URL:-http://127.0.0.1:${PORTS[1]}}" \
+        LOYALTY_URL="${LOYALTY_URL:-http://127.0.0.1:${PORTS[2]}}" \
+        "$BIN/demo" || echo "==> the story did not complete (see above)" >&2
 fi
-echo "==> order-api http://127.0.0.1:8080 (GET /openapi.json), inventory :8081, ledger :8082, loyalty :8083, relay metrics :9100/metrics"
+echo "==> order-api http://127.0.0.1:${PORTS[4]} (GET /openapi.json), inventory :${PORTS[0]}, ledger :${PORTS[1]}, loyalty :${PORTS[2]}, relay metrics :${PORTS[3]}/metrics"
 echo "==> demo tenant: $TENANT   API key: $ORDER_API_KEY   service token: $SERVICE_TOKEN  (in $CREDENTIALS)"
 echo "    (README.md, section API, has curl examples: source $CREDENTIALS first)"
 echo "==> Ctrl-C stops everything"
