@@ -26,6 +26,8 @@ missing=()
 [ -x "$PG_BIN/initdb" ] && [ -x "$PG_BIN/pg_ctl" ] || missing+=("postgresql-$PG_VERSION")
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] && command -v rabbitmqctl >/dev/null \
     || missing+=(rabbitmq-server)
+# make run's readiness probes.
+command -v curl >/dev/null || missing+=(curl)
 if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]} with apt-get"
     # Stop apt from auto-starting the Debian-managed services (they'd grab our ports).
