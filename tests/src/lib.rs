@@ -135,6 +135,24 @@ pub async fn delete_outbox_rows(
     deleted.unwrap_or_else(|e| panic!("{statement}: {e}"))
 }
 
+/// Run `statement` (an UPDATE or DELETE of stock movements, which inventory
+/// V2 refuses) as a repair by hand: with `inventory.allow_movement_repair`
+/// set for it alone. A test planting drift, or cleaning up its own rows.
+pub async fn repair_movements(
+    db: &tokio_postgres::Client,
+    statement: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> u64 {
+    db.batch_execute("SET inventory.allow_movement_repair = on")
+        .await
+        .expect("lift the guard");
+    let changed = db.execute(statement, params).await;
+    db.batch_execute("RESET inventory.allow_movement_repair")
+        .await
+        .expect("restore the guard");
+    changed.unwrap_or_else(|e| panic!("{statement}: {e}"))
+}
+
 /// Applies `db`'s migrations unless this process already did. Concurrent
 /// callers are serialised by the migration advisory lock.
 pub async fn ensure_migrated(db: Database) {

@@ -24,32 +24,6 @@ fn drift_check_with(tenant: &str, args: &[&str]) -> (i32, String) {
     )
 }
 
-/// Set the tenant's reserve movements' effect (on hand, reserved deltas) and
-/// its level (on hand, reserved) together: a level that equals its
-/// movements.
-async fn reserve_effect(
-    inventory: &tokio_postgres::Client,
-    tenant: &str,
-    (on_hand_delta, reserved_delta): (i64, i64),
-    (on_hand, reserved): (i64, i64),
-) {
-    inventory
-        .execute(
-            "UPDATE stock_movements SET on_hand_delta = $2, reserved_delta = $3 \
-             WHERE tenant_id = $1 AND movement_type = 'reserve'",
-            &[&tenant, &on_hand_delta, &reserved_delta],
-        )
-        .await
-        .expect("movement effect");
-    inventory
-        .execute(
-            "UPDATE stock_levels SET on_hand = $2, reserved = $3 WHERE tenant_id = $1",
-            &[&tenant, &on_hand, &reserved],
-        )
-        .await
-        .expect("level");
-}
-
 #[tokio::test]
 async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_non_zero() {
     let tenant = unique_tenant("drift");
@@ -161,14 +135,13 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     assert!(out.contains("reservation doubled"), "{out}");
 
     // A level that no longer equals its movements: drift.
-    inventory
-        .execute(
-            "DELETE FROM stock_movements WHERE tenant_id = $1 AND movement_type = 'reserve' \
-             AND movement_id = (SELECT max(movement_id) FROM stock_movements WHERE tenant_id = $1)",
-            &[&tenant],
-        )
-        .await
-        .expect("undo double");
+    system_tests::repair_movements(
+        &inventory,
+        "DELETE FROM stock_movements WHERE tenant_id = $1 AND movement_type = 'reserve' \
+         AND movement_id = (SELECT max(movement_id) FROM stock_movements WHERE tenant_id = $1)",
+        &[&tenant],
+    )
+    .await;
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 1, "{out}");
     assert!(
@@ -177,15 +150,58 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     );
 
     // A reservation with the right qty but another effect (on hand taken,
-    // nothing reserved), its level consistent with it: drift all the same.
-    reserve_effect(&inventory, &tenant, (-2, 0), (46, 0)).await;
-    let (code, out) = drift_check(&tenant);
-    assert_eq!(code, 1, "{out}");
-    assert!(
-        out.contains("reserve of 2 JKT-M@WH-1 moved on hand by -2 and reserved by 0"),
-        "{out}"
+    // nothing reserved) cannot be written (inventory V2: each type has its
+    // one effect), nor can a written movement be changed, even by a repair
+    // that lifts the immutability (the check holds for it too).
+    let wrong_effect = inventory
+        .execute(
+            "INSERT INTO stock_movements (tenant_id, sku, location, movement_type, qty, \
+               on_hand_delta, reserved_delta, order_id, event_id) \
+             VALUES ($1, 'JKT-M', 'WH-1', 'reserve', 2, -2, 0, $2, $3)",
+            &[&tenant, &order, &Uuid::now_v7()],
+        )
+        .await
+        .expect_err("a reservation that takes stock off hand");
+    assert_eq!(
+        wrong_effect.as_db_error().and_then(|e| e.constraint()),
+        Some("stock_movements_effect_of_its_type"),
+        "{wrong_effect:?}"
     );
-    reserve_effect(&inventory, &tenant, (0, 2), (48, 2)).await;
+    let changed = inventory
+        .execute(
+            "UPDATE stock_movements SET on_hand_delta = -2, reserved_delta = 0 \
+             WHERE tenant_id = $1 AND movement_type = 'reserve'",
+            &[&tenant],
+        )
+        .await
+        .expect_err("movements are immutable");
+    assert!(
+        changed
+            .as_db_error()
+            .is_some_and(|e| e.message().contains("stock_movements rows are immutable")),
+        "{changed:?}"
+    );
+    let deleted = inventory
+        .execute(
+            "DELETE FROM stock_movements WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect_err("movements are not deleted");
+    assert!(
+        deleted
+            .as_db_error()
+            .is_some_and(|e| e.message().contains("stock_movements rows are immutable")),
+        "{deleted:?}"
+    );
+    // The level set back to what its movements say: zero drift.
+    inventory
+        .execute(
+            "UPDATE stock_levels SET on_hand = 48, reserved = 2 WHERE tenant_id = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("level");
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 0, "{out}");
 
@@ -209,13 +225,12 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     assert!(out.contains("payment journal missing"), "{out}");
 
     // Leave nothing behind.
-    inventory
-        .execute(
-            "DELETE FROM stock_movements WHERE tenant_id = $1",
-            &[&tenant],
-        )
-        .await
-        .expect("clean");
+    system_tests::repair_movements(
+        &inventory,
+        "DELETE FROM stock_movements WHERE tenant_id = $1",
+        &[&tenant],
+    )
+    .await;
     inventory
         .execute("DELETE FROM stock_levels WHERE tenant_id = $1", &[&tenant])
         .await

@@ -571,14 +571,13 @@ async fn the_checker_reports_each_broken_invariant() {
         .await
         .expect("drop inbox row");
     // (4) order 5's delivery in inventory's inbox without its sale.
-    inventory
-        .execute(
-            "DELETE FROM stock_movements WHERE tenant_id = $1 AND order_id = $2::text::uuid \
-               AND movement_type = 'sale'",
-            &[&t, &ids[5]],
-        )
-        .await
-        .expect("drop sale");
+    system_tests::repair_movements(
+        &inventory,
+        "DELETE FROM stock_movements WHERE tenant_id = $1 AND order_id = $2::text::uuid \
+           AND movement_type = 'sale'",
+        &[&t, &ids[5]],
+    )
+    .await;
     // (1, 2) order 6 set back to paid, its delivery and event left.
     orders
         .execute(
@@ -604,14 +603,13 @@ async fn the_checker_reports_each_broken_invariant() {
         .await
         .expect("wrong type");
     // (5) order 8's reservation rewritten after its sale (a newer movement id).
-    let renumbered = inventory
-        .execute(
-            "UPDATE stock_movements SET movement_id = DEFAULT \
-             WHERE tenant_id = $1 AND order_id = $2::text::uuid AND movement_type = 'reserve'",
-            &[&t, &ids[8]],
-        )
-        .await
-        .expect("renumber");
+    let renumbered = system_tests::repair_movements(
+        &inventory,
+        "UPDATE stock_movements SET movement_id = DEFAULT \
+         WHERE tenant_id = $1 AND order_id = $2::text::uuid AND movement_type = 'reserve'",
+        &[&t, &ids[8]],
+    )
+    .await;
     assert!(renumbered > 0);
     // (4) order 9's reservation booked twice for its event (at another
     // location: one per event, sku and location is all the schema stops).

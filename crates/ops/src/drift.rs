@@ -478,6 +478,9 @@ pub async fn check(
     // from both. A movement with the right qty but another effect (a sale
     // that never releases its reservation) leaves a level that equals its
     // movements and an order whose quantities match: found only here.
+    // (Inventory V2 refuses a receipt's or a reservation's wrong effect and
+    // bounds a sale's; a sale releasing less than it sold passes it and is
+    // found here.)
     for row in inventory
         .query(
             "SELECT tenant_id, order_id, movement_type, sku, location, qty, on_hand_delta, \
