@@ -51,7 +51,8 @@ demo: build
 # Orders changed within DRIFT_GRACE seconds are skipped as in flight (0: every order).
 DRIFT_GRACE ?= 60
 # DRIFT_TENANT: one tenant only (the tests plant drift on purpose under their
-# own tenants of the local cluster: after `make test`, name yours, e.g. demo).
+# own tenants of the local cluster: after `make test`, name yours: demo for
+# requests made with the demo key, or the tenant the story prints).
 DRIFT_TENANT ?=
 drift: build
 	$(ENV) target/debug/drift-check --grace-seconds $(DRIFT_GRACE) $(if $(DRIFT_TENANT),--tenant $(DRIFT_TENANT))
