@@ -1913,6 +1913,70 @@ async fn malformed_input_gets_a_clear_4xx_and_writes_nothing() {
     );
 }
 
+/// A name the stricter rule of new requests refuses (white space at an end,
+/// an invisible character) is refused only once the key holds no stored
+/// record of the request: a request an earlier release took with such a
+/// name, its response lost, still replays under its key byte for byte
+/// (refused before the lookup, the retry got 422 "nothing stored" for an
+/// order that exists, and a retry under a new key would place it again).
+#[tokio::test]
+async fn a_name_the_stricter_rule_refuses_still_replays_what_an_earlier_release_stored() {
+    let api = OrderApi::start(&[]).await;
+    let caller = Caller::new("legacy-name");
+    let url = api.url("/orders");
+    let padded = SEED_ORDER.replace("JKT-M", "JKT-M ");
+    // As the earlier release stored it: the record under the request's
+    // fingerprint, with its response.
+    let fingerprint =
+        order_api::request::parse::<order_api::request::CreateOrderRequest>(padded.as_bytes())
+            .expect("parse")
+            .validate()
+            .expect("valid by the earlier rule")
+            .fingerprint();
+    let earlier_body = br#"{"order_id":"stored-by-an-earlier-release"}"#.to_vec();
+    pg(Database::Orders)
+        .await
+        .execute(
+            "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key, \
+               request_fingerprint, response_status, response_body, expires_at) \
+             VALUES ($1, 'POST /orders', 'legacy', $2, 201, $3, now() + interval '1 hour')",
+            &[&caller.tenant, &fingerprint, &earlier_body],
+        )
+        .await
+        .expect("the earlier release's record");
+    let replay = caller.post(&url, "legacy", &padded).await;
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert!(is_replay(&replay), "a replay");
+    assert_eq!(
+        replay.bytes().await.expect("body").as_ref(),
+        &earlier_body[..]
+    );
+    // Another body under that key: the key's, as ever.
+    let reused = caller.post(&url, "legacy", SEED_ORDER).await;
+    expect_problem(reused, StatusCode::CONFLICT, "idempotency_key_reused").await;
+    // A new key: refused, nothing stored, the key left free.
+    let (status, problem) = json_of(caller.post(&url, "fresh", &padded).await).await;
+    assert_eq!(
+        (status, problem["code"].as_str(), problem["field"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("validation_failed"),
+            Some("lines[0].sku")
+        ),
+        "{problem}"
+    );
+    assert_eq!(
+        stored_body(&caller.tenant, "POST /orders", "fresh").await,
+        None
+    );
+    let placed = caller.post(&url, "fresh", SEED_ORDER).await;
+    assert_eq!(
+        placed.status(),
+        StatusCode::CREATED,
+        "the key was left free"
+    );
+}
+
 #[tokio::test]
 async fn the_openapi_document_lists_the_real_endpoints() {
     let api = OrderApi::start(&[]).await;

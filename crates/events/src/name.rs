@@ -11,6 +11,11 @@
 //! sale that waits for stock can always be given it (a receipt refused for a
 //! location the order was accepted with would leave that sale dead-lettered
 //! for good).
+//!
+//! order-api holds a new request's names to a stricter rule besides (no
+//! white space at either end, no invisible character: its
+//! `request::clear_name`); this rule, and the receipts', stay as they are,
+//! so that what it took before can still be received and replayed.
 
 use std::fmt;
 
@@ -44,8 +49,9 @@ impl std::error::Error for NameError {}
 
 /// Checks one name against the rule.
 pub fn check(value: &str) -> Result<(), NameError> {
-    // White space alone is a name order-api has always taken (and has
-    // stored, and replays under its key): a receipt takes it too.
+    // White space alone is a name order-api took until its stricter rule
+    // for new requests (it has stored some, and replays them under their
+    // keys): a receipt takes it too.
     if value.is_empty() {
         return Err(NameError::Empty);
     }

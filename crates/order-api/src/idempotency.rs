@@ -529,6 +529,11 @@ pub async fn execute(
             return Ok(Step::Answer(stored.response(true)));
         }
 
+        // No stored record of this request: a refusal found before is the
+        // answer now (validation's: nothing stored, the claim rolled back).
+        if let operations::Operation::Refuse(error) = operation {
+            return Err(*error);
+        }
         // The owner. Any error below drops `tx` uncommitted: nothing is stored.
         owner.store(true, std::sync::atomic::Ordering::Relaxed);
         let in_flight = state.in_flight.enter();

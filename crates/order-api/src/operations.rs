@@ -26,6 +26,11 @@ pub enum Operation {
     CreateOrder(NewOrder, TraceContext),
     Pay(Uuid, PaymentRequest, TraceContext),
     Deliver(Uuid, DeliveryRequest, TraceContext),
+    /// A request refused by a rule checked only once its key is known to
+    /// hold no stored record of the same request (a name an earlier release
+    /// took: `request::clear_name`): answered with the error, nothing
+    /// stored, the key left free.
+    Refuse(Box<ApiError>),
 }
 
 pub async fn run(
@@ -41,6 +46,7 @@ pub async fn run(
         Operation::Deliver(order_id, delivery, trace) => {
             deliver(tx, tenant, order_id, delivery, &trace).await
         }
+        Operation::Refuse(error) => Err(*error),
     }
 }
 

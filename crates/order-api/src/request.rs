@@ -75,14 +75,21 @@ impl Canonical {
 
 /// A name the order writes into its events: `events::name`'s rule (the same
 /// the consumers' receipts check, so whatever an order names can be
-/// received), and for a new request no white space at either end (nor white
-/// space alone) and no invisible character: `"JKT-M "` or `"chk-1\u{200B}"`
-/// look like `JKT-M` and `chk-1` to a person and are other names to every
-/// database (stock reserved under an unknown sku, a second order for one
-/// checkout). Only here: events already stored keep the receipts' rule.
-/// Not normalized: composed and decomposed spellings stay two names.
+/// received). See [`clear_name`] for the stricter rule of new requests.
 fn text(field: &str, value: &str) -> Result<(), ApiError> {
-    events::name::check(value).map_err(|why| ApiError::validation(field, why.to_string()))?;
+    events::name::check(value).map_err(|why| ApiError::validation(field, why.to_string()))
+}
+
+/// The stricter rule of a new request's names: no white space at either end
+/// (nor white space alone) and no invisible character: `"JKT-M "` or
+/// `"chk-1\u{200B}"` look like `JKT-M` and `chk-1` to a person and are
+/// other names to every database (stock reserved under an unknown sku, a
+/// second order for one checkout). Checked after the key's stored record
+/// is looked for (`Operation::Refuse`): a request an earlier release took
+/// and stored with such a name still replays under its key. Events already
+/// stored keep the receipts' rule. Not normalized: composed and decomposed
+/// spellings stay two names.
+fn clear_name(field: &str, value: &str) -> Result<(), ApiError> {
     if value.trim() != value {
         return Err(ApiError::validation(
             field,
@@ -101,9 +108,19 @@ fn text(field: &str, value: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The refusal of the first name of `names` (field, value) that breaks
+/// [`clear_name`].
+fn first_unclear(names: &[(String, &str)]) -> Option<ApiError> {
+    names
+        .iter()
+        .find_map(|(field, value)| clear_name(field, value).err())
+}
+
 /// Unicode's format characters (general category Cf, Unicode 15: soft
-/// hyphen, zero-width and direction marks, the byte order mark, tags) and
-/// its line and paragraph separators (Zl, Zp). Control characters (Cc) are
+/// hyphen, zero-width space and direction marks, the byte order mark, tags)
+/// and its line and paragraph separators (Zl, Zp), but the zero-width
+/// non-joiner and joiner (U+200C, U+200D: part of the spelling in Persian
+/// and Indic scripts, and of emoji sequences). Control characters (Cc) are
 /// `events::name`'s.
 fn invisible(c: char) -> bool {
     matches!(
@@ -116,7 +133,8 @@ fn invisible(c: char) -> bool {
             | '\u{0890}'..='\u{0891}'
             | '\u{08E2}'
             | '\u{180E}'
-            | '\u{200B}'..='\u{200F}'
+            | '\u{200B}'
+            | '\u{200E}'..='\u{200F}'
             | '\u{2028}'..='\u{202E}'
             | '\u{2060}'..='\u{2064}'
             | '\u{2066}'..='\u{206F}'
@@ -277,6 +295,24 @@ impl CreateOrderRequest {
 }
 
 impl NewOrder {
+    /// [`clear_name`]'s refusal of the first of its names that breaks it.
+    pub fn unclear_name(&self) -> Option<ApiError> {
+        let mut names = vec![
+            ("customer_id".to_owned(), self.customer_id.as_str()),
+            ("location".to_owned(), self.location.as_str()),
+        ];
+        if let Some(checkout) = &self.checkout_id {
+            names.insert(1, ("checkout_id".to_owned(), checkout.as_str()));
+        }
+        names.extend(
+            self.lines
+                .iter()
+                .enumerate()
+                .map(|(i, line)| (format!("lines[{i}].sku"), line.sku.as_str())),
+        );
+        first_unclear(&names)
+    }
+
     pub fn fingerprint(&self) -> String {
         let mut c = Canonical::new("POST /orders v1");
         c.field("customer_id", &self.customer_id)
@@ -311,6 +347,11 @@ pub struct PaymentRequest {
 }
 
 impl PaymentRequest {
+    /// [`clear_name`]'s refusal of its id, if it breaks it.
+    pub fn unclear_name(&self) -> Option<ApiError> {
+        first_unclear(&[("payment_id".to_owned(), self.payment_id.as_str())])
+    }
+
     pub fn validate(&self) -> Result<(), ApiError> {
         text("payment_id", &self.payment_id)?;
         if self.amount.is_negative() || self.amount.is_zero() {
@@ -381,6 +422,18 @@ pub struct DeliveryLineRequest {
 impl DeliveryRequest {
     pub fn validate(&self) -> Result<(), ApiError> {
         self.validate_at(OffsetDateTime::now_utc())
+    }
+
+    /// [`clear_name`]'s refusal of the first of its names that breaks it.
+    pub fn unclear_name(&self) -> Option<ApiError> {
+        let mut names = vec![("delivery_id".to_owned(), self.delivery_id.as_str())];
+        names.extend(
+            self.lines
+                .iter()
+                .enumerate()
+                .map(|(i, line)| (format!("lines[{i}].sku"), line.sku.as_str())),
+        );
+        first_unclear(&names)
     }
 
     /// [`Self::validate`] with the server's clock at `now`. (That it is not
@@ -558,7 +611,18 @@ mod tests {
 
     #[test]
     fn names_padded_with_white_space_or_holding_invisible_characters_are_refused() {
-        for good in ["JKT-M", "a b", "\u{915}\u{93F}", "WH-1", "x"] {
+        let text =
+            |field: &str, value: &str| text(field, value).and_then(|()| clear_name(field, value));
+        // The joiners are spelling (Persian, Indic scripts, emoji).
+        for good in [
+            "JKT-M",
+            "a b",
+            "\u{915}\u{93F}",
+            "WH-1",
+            "x",
+            "\u{915}\u{94D}\u{200D}",
+            "\u{645}\u{200C}\u{6CC}",
+        ] {
             assert!(text("sku", good).is_ok(), "{good:?}");
         }
         for (bad, why) in [

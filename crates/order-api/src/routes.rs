@@ -173,13 +173,19 @@ async fn create_order(
     let order = request::parse::<CreateOrderRequest>(&body)?.validate()?;
     let fingerprint = order.fingerprint();
     let (span, trace) = operation_span(&request, "create_order");
+    // A name only the stricter rule refuses: refused unless the key holds
+    // this request, stored by an earlier release that took it.
+    let operation = match order.unclear_name() {
+        Some(refusal) => Operation::Refuse(Box::new(refusal)),
+        None => Operation::CreateOrder(order, trace),
+    };
     idempotency::execute(
         &state,
         &tenant,
         "POST /orders",
         &key,
         (&fingerprint, &[]),
-        Operation::CreateOrder(order, trace),
+        operation,
         deadline,
     )
     .instrument(span)
@@ -205,6 +211,10 @@ pub trait OrderCommand: serde::de::DeserializeOwned {
     /// rule keeps its fingerprint).
     fn omit_defaults(&mut self, _order: &OrderDefaults) {}
     fn fingerprint(&self, order_id: Uuid) -> String;
+    /// A name the stricter rule of new requests refuses (see
+    /// `request::clear_name`): answered only when the key holds no stored
+    /// record of this request.
+    fn unclear_name(&self) -> Option<ApiError>;
     /// The fingerprints the previous release computed for this request,
     /// where its canonical form has changed since (see
     /// [`idempotency::execute`]).
@@ -238,6 +248,9 @@ impl OrderCommand for PaymentRequest {
     fn fingerprint(&self, order_id: Uuid) -> String {
         PaymentRequest::fingerprint(self, order_id)
     }
+    fn unclear_name(&self) -> Option<ApiError> {
+        PaymentRequest::unclear_name(self)
+    }
     fn into_operation(self, order_id: Uuid, trace: TraceContext) -> Operation {
         Operation::Pay(order_id, self, trace)
     }
@@ -251,6 +264,9 @@ impl OrderCommand for DeliveryRequest {
     }
     fn fingerprint(&self, order_id: Uuid) -> String {
         DeliveryRequest::fingerprint(self, order_id)
+    }
+    fn unclear_name(&self) -> Option<ApiError> {
+        DeliveryRequest::unclear_name(self)
     }
     fn earlier_fingerprints(&self, order_id: Uuid) -> Vec<String> {
         vec![DeliveryRequest::fingerprint_in_line_order(self, order_id)]
@@ -320,13 +336,17 @@ async fn order_command<C: OrderCommand>(
     };
     let (fingerprint, earlier) = fingerprints(&mut command, order_id, &order);
     let (span, trace) = operation_span(&request, C::SPAN);
+    let operation = match command.unclear_name() {
+        Some(refusal) => Operation::Refuse(Box::new(refusal)),
+        None => command.into_operation(order_id, trace),
+    };
     idempotency::execute(
         &state,
         &tenant,
         C::ENDPOINT,
         &key,
         (&fingerprint, &earlier),
-        command.into_operation(order_id, trace),
+        operation,
         deadline,
     )
     .instrument(span)
