@@ -78,11 +78,10 @@ impl OrderPlacedV1 {
             .try_fold(Money::ZERO, |acc, l| acc.checked_add(l.line_cost()?))
     }
 
-    /// `merchandise + shipping + tax`, or `None` on overflow.
-    ///
-    /// The decoder does not require this to equal [`OrderPlacedV1::total`]
-    /// (a later additive field such as a discount could legitimately make
-    /// them differ for a v1 reader); consumers that book the amounts decide.
+    /// `merchandise + shipping + tax`, or `None` on overflow. The decoder
+    /// requires it to equal [`OrderPlacedV1::total`], as order-api does (a
+    /// discount would be a v2 change: the ledger books the total as these
+    /// three parts).
     #[must_use]
     pub fn computed_total(&self) -> Option<Money> {
         self.merchandise()?
@@ -185,8 +184,20 @@ impl EventPayload for OrderPlacedV1 {
         if self.cost_of_goods().is_none() {
             return Err("the lines' costs overflow in sum".to_owned());
         }
-        if self.computed_total().is_none() {
+        let Some(computed) = self.computed_total() else {
             return Err("merchandise + shipping + tax overflows".to_owned());
+        };
+        // As order-api refuses them (422 on `total`): poison at placement in
+        // every consumer, not an order that inventory and loyalty apply
+        // and the ledger only refuses at its delivery, its payment booked.
+        if computed != self.total {
+            return Err(format!(
+                "total {} does not equal merchandise + shipping + tax {computed}",
+                self.total
+            ));
+        }
+        if self.total.is_zero() {
+            return Err("total must be positive".to_owned());
         }
         Ok(())
     }

@@ -559,12 +559,30 @@ fn payloads_breaking_the_version_s_rules_are_invalid_payload() {
     let free = edited(ORDER_PLACED_JSON, |v| {
         v["payload"]["shipping"] = json!("0.00");
         v["payload"]["tax"] = json!("0.00");
+        v["payload"]["total"] = json!("80.00");
         v["payload"]["lines"][0]["unit_cost"] = json!("0.00");
     });
     assert!(RawEnvelope::parse_raw(&free)
         .expect("parse")
         .decode()
         .is_ok());
+    // The total is the sum of its parts, and not zero, as order-api refuses
+    // the rest: poison at placement (before, every consumer took it and the
+    // ledger refused the order at its delivery, its payment booked).
+    let off_by_a_cent = set(ORDER_PLACED_JSON, "/payload/total", json!("93.01"));
+    assert_contains(
+        &invalid_payload(&off_by_a_cent),
+        "total 93.01 does not equal merchandise + shipping + tax 93.00",
+    );
+    let nothing = edited(ORDER_PLACED_JSON, |v| {
+        v["payload"]["shipping"] = json!("0.00");
+        v["payload"]["tax"] = json!("0.00");
+        v["payload"]["total"] = json!("0.00");
+        for line in v["payload"]["lines"].as_array_mut().expect("lines") {
+            line["unit_price"] = json!("0.00");
+        }
+    });
+    assert_contains(&invalid_payload(&nothing), "total must be positive");
 }
 
 #[test]
@@ -732,7 +750,10 @@ fn sums_that_overflow_are_invalid_payload() {
         "the lines' prices overflow in sum",
     );
     // At the limit, still an event.
-    let bytes = one_line(MAX, MAX, 1, "0.00");
+    let limit = one_line(MAX, MAX, 1, "0.00");
+    let bytes = edited(std::str::from_utf8(&limit).expect("utf-8"), |v| {
+        v["payload"]["total"] = json!(MAX);
+    });
     assert!(
         RawEnvelope::parse_raw(&bytes)
             .expect("parse")

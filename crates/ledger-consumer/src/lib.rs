@@ -366,6 +366,8 @@ impl consumer_runtime::Domain for Ledger {
                     .ok_or_else(|| overflow("delivery credits"))?;
                 if credits.minor() != total {
                     // The database would refuse the unbalanced entry anyway; say why.
+                    // (OrderPlaced v1 whose total is not its parts is poison
+                    // at decoding now; terms stored before could differ.)
                     return Err(HandlerError::new(format!(
                         "order total {} differs from merchandise + shipping + tax {}",
                         Money::from_minor(total),
