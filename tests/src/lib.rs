@@ -125,14 +125,7 @@ pub async fn delete_outbox_rows(
     statement: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> u64 {
-    db.batch_execute("SET outbox.allow_unpublished_delete = on")
-        .await
-        .expect("lift the guard");
-    let deleted = db.execute(statement, params).await;
-    db.batch_execute("RESET outbox.allow_unpublished_delete")
-        .await
-        .expect("restore the guard");
-    deleted.unwrap_or_else(|e| panic!("{statement}: {e}"))
+    with_guard_lifted(db, "outbox.allow_unpublished_delete", statement, params).await
 }
 
 /// Run `statement` (an UPDATE or DELETE of stock movements, which inventory
@@ -143,11 +136,22 @@ pub async fn repair_movements(
     statement: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> u64 {
-    db.batch_execute("SET inventory.allow_movement_repair = on")
+    with_guard_lifted(db, "inventory.allow_movement_repair", statement, params).await
+}
+
+/// Run `statement` with the guard `setting` set on for it alone (set and
+/// reset on this session); the rows it changed.
+async fn with_guard_lifted(
+    db: &tokio_postgres::Client,
+    setting: &str,
+    statement: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> u64 {
+    db.batch_execute(&format!("SET {setting} = on"))
         .await
         .expect("lift the guard");
     let changed = db.execute(statement, params).await;
-    db.batch_execute("RESET inventory.allow_movement_repair")
+    db.batch_execute(&format!("RESET {setting}"))
         .await
         .expect("restore the guard");
     changed.unwrap_or_else(|e| panic!("{statement}: {e}"))

@@ -542,6 +542,13 @@ mod tests {
         assert_eq!(loaded.database.pool_size, 3);
     }
 
+    /// Settings without defaults: a number and a text.
+    #[derive(Debug, Default, Serialize, Deserialize)]
+    struct Optional {
+        retention_secs: Option<u64>,
+        name: Option<String>,
+    }
+
     #[test]
     fn a_word_of_yes_or_no_is_refused_for_a_number() {
         let defaults = Demo {
@@ -578,15 +585,7 @@ mod tests {
             .to_string();
         assert!(error.contains("a number is expected"), "{error}");
         // A number setting without a default (null in the defaults) too.
-        #[derive(Debug, Serialize, Deserialize)]
-        struct Optional {
-            retention_secs: Option<u64>,
-            name: Option<String>,
-        }
-        let none = Optional {
-            retention_secs: None,
-            name: None,
-        };
+        let none = Optional::default();
         std::env::set_var("KIT_SETTINGS_OPTIONAL_TEST__RETENTION_SECS", "on");
         let error = load("KIT_SETTINGS_OPTIONAL_TEST", &none)
             .expect_err("a word for an optional number")
@@ -681,15 +680,7 @@ mod tests {
         std::fs::remove_file(&good).expect("remove");
         // A number setting without a default (null in the defaults): before,
         // `retention_secs = "on"` loaded as 1.
-        #[derive(Debug, Serialize, Deserialize)]
-        struct Optional {
-            retention_secs: Option<u64>,
-            name: Option<String>,
-        }
-        let none = Optional {
-            retention_secs: None,
-            name: None,
-        };
+        let none = Optional::default();
         for (name, text, expected) in [
             (
                 "optional-word",

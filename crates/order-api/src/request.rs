@@ -108,6 +108,12 @@ fn clear_name(field: &str, value: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Lines' skus by their field (`lines[i].sku`).
+fn skus<'a>(skus: impl Iterator<Item = &'a str>) -> impl Iterator<Item = (String, &'a str)> {
+    skus.enumerate()
+        .map(|(i, sku)| (format!("lines[{i}].sku"), sku))
+}
+
 /// The refusal of the first name of `names` (field, value) that breaks
 /// [`clear_name`].
 fn first_unclear(names: &[(String, &str)]) -> Option<ApiError> {
@@ -304,12 +310,7 @@ impl NewOrder {
         if let Some(checkout) = &self.checkout_id {
             names.insert(1, ("checkout_id".to_owned(), checkout.as_str()));
         }
-        names.extend(
-            self.lines
-                .iter()
-                .enumerate()
-                .map(|(i, line)| (format!("lines[{i}].sku"), line.sku.as_str())),
-        );
+        names.extend(skus(self.lines.iter().map(|line| line.sku.as_str())));
         first_unclear(&names)
     }
 
@@ -427,12 +428,7 @@ impl DeliveryRequest {
     /// [`clear_name`]'s refusal of the first of its names that breaks it.
     pub fn unclear_name(&self) -> Option<ApiError> {
         let mut names = vec![("delivery_id".to_owned(), self.delivery_id.as_str())];
-        names.extend(
-            self.lines
-                .iter()
-                .enumerate()
-                .map(|(i, line)| (format!("lines[{i}].sku"), line.sku.as_str())),
-        );
+        names.extend(skus(self.lines.iter().map(|line| line.sku.as_str())));
         first_unclear(&names)
     }
 
