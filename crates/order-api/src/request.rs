@@ -105,7 +105,36 @@ fn clear_name(field: &str, value: &str) -> Result<(), ApiError> {
             ),
         ));
     }
+    if let Some(c) = stray_joiner(value) {
+        return Err(ApiError::validation(
+            field,
+            format!(
+                "must not contain a joiner (U+{:04X}) but between two letters of a \
+                 script that spells with it",
+                u32::from(c)
+            ),
+        ));
+    }
     Ok(())
+}
+
+/// The zero-width non-joiner or joiner (U+200C, U+200D) of `value` that
+/// stands anywhere but between two non-ASCII characters, neither white
+/// space nor a joiner: where Persian, the Indic scripts and emoji spell with
+/// it. At either end, alone, or beside a Latin letter or digit it is as
+/// invisible as any other (`"chk-1\u{200D}"` looks like `chk-1`).
+fn stray_joiner(value: &str) -> Option<char> {
+    let chars: Vec<char> = value.chars().collect();
+    let spelling =
+        |c: Option<&char>| c.is_some_and(|c| !c.is_ascii() && !c.is_whitespace() && !is_joiner(*c));
+    chars.iter().enumerate().find_map(|(i, &c)| {
+        let between = i > 0 && spelling(chars.get(i - 1)) && spelling(chars.get(i + 1));
+        (is_joiner(c) && !between).then_some(c)
+    })
+}
+
+fn is_joiner(c: char) -> bool {
+    matches!(c, '\u{200C}' | '\u{200D}')
 }
 
 /// Lines' skus by their field (`lines[i].sku`).
@@ -609,15 +638,17 @@ mod tests {
     fn names_padded_with_white_space_or_holding_invisible_characters_are_refused() {
         let text =
             |field: &str, value: &str| text(field, value).and_then(|()| clear_name(field, value));
-        // The joiners are spelling (Persian, Indic scripts, emoji).
+        // The joiners are spelling between two letters (Indic scripts,
+        // Persian, emoji).
         for good in [
             "JKT-M",
             "a b",
             "\u{915}\u{93F}",
             "WH-1",
             "x",
-            "\u{915}\u{94D}\u{200D}",
+            "\u{915}\u{94D}\u{200D}\u{937}",
             "\u{645}\u{200C}\u{6CC}",
+            "\u{1F468}\u{200D}\u{1F469}",
         ] {
             assert!(text("sku", good).is_ok(), "{good:?}");
         }
@@ -632,6 +663,11 @@ mod tests {
             ("a\u{2028}b", "U+2028"),
             ("a\u{00AD}b", "U+00AD"),
             ("a\u{E0041}", "U+E0041"),
+            ("chk-1\u{200D}", "U+200D"),
+            ("\u{200C}", "U+200C"),
+            ("\u{200C}\u{645}", "U+200C"),
+            ("JKT\u{200C}M", "U+200C"),
+            ("\u{645}\u{200C}\u{200C}\u{6CC}", "U+200C"),
             ("a\nb", "control"),
             ("", "empty"),
         ] {
