@@ -1975,6 +1975,39 @@ async fn a_name_the_stricter_rule_refuses_still_replays_what_an_earlier_release_
         StatusCode::CREATED,
         "the key was left free"
     );
+    // A checkout an earlier release ordered under such an id: named under a
+    // new key as the order path names it (409 and the order), not refused
+    // (a client trimming the id then would order the checkout again).
+    let with_checkout =
+        |checkout: &str| SEED_ORDER.replacen('{', &format!("{{\"checkout_id\":\"{checkout}\","), 1);
+    let (status, first) = json_of(caller.post(&url, "chk", &with_checkout("chk-9")).await).await;
+    assert_eq!(status, StatusCode::CREATED, "{first}");
+    let order_id = first["order_id"].as_str().expect("order id").to_owned();
+    pg(Database::Orders)
+        .await
+        .execute(
+            "UPDATE orders SET checkout_id = 'chk-9 ' WHERE order_id = $1::text::uuid",
+            &[&order_id],
+        )
+        .await
+        .expect("as an earlier release stored it");
+    let again = caller
+        .post(&url, "chk-again", &with_checkout("chk-9 "))
+        .await;
+    assert_eq!(
+        again
+            .headers()
+            .get("Location")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
+        Some(format!("/orders/{order_id}"))
+    );
+    let problem = expect_problem(again, StatusCode::CONFLICT, "checkout_already_ordered").await;
+    assert_eq!(problem["order_id"], order_id.as_str(), "{problem}");
+    assert_eq!(
+        stored_body(&caller.tenant, "POST /orders", "chk-again").await,
+        None
+    );
 }
 
 #[tokio::test]

@@ -369,6 +369,75 @@ enum Step {
     Owner(Stored, InFlightGuard),
 }
 
+/// A request refused by a rule checked once its key is known to hold no
+/// stored record of it (`Operation::Refuse`): the key's record is only read
+/// (nothing claimed, no row written, no wait behind an owner in flight). A
+/// live record of the same request replays (an earlier release took it); of
+/// another request, 409 `idempotency_key_reused`; an order whose checkout an
+/// earlier release ordered is answered as the order path answers it (409
+/// naming that order; not stored); anything else gets the refusal.
+#[allow(clippy::too_many_arguments)]
+async fn refuse(
+    state: &AppState,
+    tenant: &str,
+    endpoint: &'static str,
+    key: &str,
+    (fingerprint, earlier): (&str, &[String]),
+    refusal: ApiError,
+    checkout: Option<String>,
+    deadline: Deadline,
+) -> Result<HttpResponse, ApiError> {
+    let metrics = &state.metrics;
+    let (record, ordered) = deadline
+        .read(&state.pool, async |client| {
+            let read = client.prepare_cached(READ).await?;
+            let record = client.query_opt(&read, &[&tenant, &endpoint, &key]).await?;
+            let ordered = match &checkout {
+                Some(checkout) => operations::checkout_order(client, tenant, checkout).await?,
+                None => None,
+            };
+            Ok((record, ordered))
+        })
+        .await?;
+    // An expired record is no longer the key's (the next claim takes it over).
+    if let Some(row) = record.filter(|row| !row.get::<_, bool>(4)) {
+        let stored_fingerprint: String = row.get(0);
+        if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
+            metrics.key_conflicts.with_label_values(&[endpoint]).inc();
+            return Err(ApiError::KeyReused);
+        }
+        let (Some(status), Some(body)) = (row.get::<_, Option<i32>>(1), row.get(2)) else {
+            // Its owner is still in flight (an earlier release's).
+            metrics.in_progress.with_label_values(&[endpoint]).inc();
+            return Err(ApiError::InProgress);
+        };
+        metrics.replays.with_label_values(&[endpoint]).inc();
+        let stored = Stored {
+            status: u16::try_from(status).unwrap_or(500),
+            body,
+            resource_id: row.get(3),
+        };
+        return Ok(stored.response(true));
+    }
+    if let (Some(checkout_id), Some(order_id)) = (checkout, ordered) {
+        let rejection = crate::error::Rejection::CheckoutAlreadyOrdered {
+            checkout_id,
+            order_id,
+        };
+        metrics
+            .rejections
+            .with_label_values(&[rejection.problem().code])
+            .inc();
+        let answer = Stored {
+            status: rejection.problem().status,
+            body: rejection.to_body(),
+            resource_id: rejection.resource_id(),
+        };
+        return Ok(answer.response(false));
+    }
+    Err(refusal)
+}
+
 /// Run `operation` at most once per `(tenant, endpoint, key)` and answer with
 /// its response, or with the stored response of the run that did.
 /// `earlier` are the fingerprints an earlier release computed for the same
@@ -386,6 +455,22 @@ pub async fn execute(
     operation: operations::Operation,
     deadline: Deadline,
 ) -> Result<HttpResponse, ApiError> {
+    let operation = match operation {
+        operations::Operation::Refuse(error, checkout) => {
+            return refuse(
+                state,
+                tenant,
+                endpoint,
+                key,
+                (fingerprint, earlier),
+                *error,
+                checkout,
+                deadline,
+            )
+            .await;
+        }
+        operation => operation,
+    };
     let metrics = &state.metrics;
     let key_hash = blake3::hash(key.as_bytes()).to_hex();
     let key_hash = &key_hash.as_str()[..16];
@@ -529,11 +614,6 @@ pub async fn execute(
             return Ok(Step::Answer(stored.response(true)));
         }
 
-        // No stored record of this request: a refusal found before is the
-        // answer now (validation's: nothing stored, the claim rolled back).
-        if let operations::Operation::Refuse(error) = operation {
-            return Err(*error);
-        }
         // The owner. Any error below drops `tx` uncommitted: nothing is stored.
         owner.store(true, std::sync::atomic::Ordering::Relaxed);
         let in_flight = state.in_flight.enter();

@@ -29,8 +29,23 @@ pub enum Operation {
     /// A request refused by a rule checked only once its key is known to
     /// hold no stored record of the same request (a name an earlier release
     /// took: `request::clear_name`): answered with the error, nothing
-    /// stored, the key left free.
-    Refuse(Box<ApiError>),
+    /// stored, the key left free (`idempotency::execute` only reads the
+    /// key's record for it). The order's checkout id, if any: an order an
+    /// earlier release placed for it is named as the order path names it.
+    Refuse(Box<ApiError>, Option<String>),
+}
+
+/// The order placed for `checkout_id` in `tenant`, if any.
+pub async fn checkout_order(
+    client: &deadpool_postgres::Client,
+    tenant: &str,
+    checkout_id: &str,
+) -> Result<Option<Uuid>, ApiError> {
+    let find = client.prepare_cached(CHECKOUT_ORDER).await?;
+    Ok(client
+        .query_opt(&find, &[&tenant, &checkout_id])
+        .await?
+        .map(|row| row.get(0)))
 }
 
 pub async fn run(
@@ -46,7 +61,7 @@ pub async fn run(
         Operation::Deliver(order_id, delivery, trace) => {
             deliver(tx, tenant, order_id, delivery, &trace).await
         }
-        Operation::Refuse(error) => Err(*error),
+        Operation::Refuse(error, _) => Err(*error),
     }
 }
 

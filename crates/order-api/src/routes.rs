@@ -176,7 +176,7 @@ async fn create_order(
     // A name only the stricter rule refuses: refused unless the key holds
     // this request, stored by an earlier release that took it.
     let operation = match order.unclear_name() {
-        Some(refusal) => Operation::Refuse(Box::new(refusal)),
+        Some(refusal) => Operation::Refuse(Box::new(refusal), order.checkout_id),
         None => Operation::CreateOrder(order, trace),
     };
     idempotency::execute(
@@ -337,7 +337,7 @@ async fn order_command<C: OrderCommand>(
     let (fingerprint, earlier) = fingerprints(&mut command, order_id, &order);
     let (span, trace) = operation_span(&request, C::SPAN);
     let operation = match command.unclear_name() {
-        Some(refusal) => Operation::Refuse(Box::new(refusal)),
+        Some(refusal) => Operation::Refuse(Box::new(refusal), None),
         None => command.into_operation(order_id, trace),
     };
     idempotency::execute(
