@@ -376,15 +376,13 @@ enum Step {
 /// another request, 409 `idempotency_key_reused`; an order whose checkout an
 /// earlier release ordered is answered as the order path answers it (409
 /// naming that order; not stored); anything else gets the refusal.
-#[allow(clippy::too_many_arguments)]
 async fn refuse(
     state: &AppState,
     tenant: &str,
     endpoint: &'static str,
     key: &str,
     (fingerprint, earlier): (&str, &[String]),
-    refusal: ApiError,
-    checkout: Option<String>,
+    (refusal, checkout): (ApiError, Option<String>),
     deadline: Deadline,
 ) -> Result<HttpResponse, ApiError> {
     let metrics = &state.metrics;
@@ -463,8 +461,7 @@ pub async fn execute(
                 endpoint,
                 key,
                 (fingerprint, earlier),
-                *error,
-                checkout,
+                (*error, checkout),
                 deadline,
             )
             .await;
