@@ -105,12 +105,7 @@ pub async fn vacuum(db: &Client) {
 /// superuser); if that or the truncation is refused, the indexes are
 /// rebuilt instead, and the run says so.
 pub async fn reset_empty(db: &mut Client) {
-    let mut empty = Vec::new();
-    for table in user_tables(db).await {
-        if is_empty(db, &table).await {
-            empty.push(table);
-        }
-    }
+    let empty = empty_tables(db).await;
     if empty.is_empty() {
         return;
     }
@@ -154,13 +149,22 @@ pub async fn reset_empty(db: &mut Client) {
 /// tables: nothing of another tenant's is touched, and the rebuild takes a
 /// moment.
 pub async fn compact_empty(db: &Client) {
+    for table in empty_tables(db).await {
+        db.batch_execute(&format!("REINDEX TABLE {table}"))
+            .await
+            .expect("reindex");
+    }
+}
+
+/// The database's tables that hold no rows.
+async fn empty_tables(db: &Client) -> Vec<String> {
+    let mut empty = Vec::new();
     for table in user_tables(db).await {
         if is_empty(db, &table).await {
-            db.batch_execute(&format!("REINDEX TABLE {table}"))
-                .await
-                .expect("reindex");
+            empty.push(table);
         }
     }
+    empty
 }
 
 async fn user_tables(db: &Client) -> Vec<String> {

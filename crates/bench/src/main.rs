@@ -1690,7 +1690,8 @@ async fn cleanup_effects(tenant: &str) {
             Kind::Inventory,
             &[
                 // Movements are immutable (inventory V2) but for a repair
-                // that says so: the bench's own tenant's, in one statement.
+                // that says so, set on this session for the one DELETE
+                // between the SET and the RESET: the bench's own tenant's.
                 "SET inventory.allow_movement_repair = on",
                 "DELETE FROM stock_movements WHERE tenant_id = $1",
                 "RESET inventory.allow_movement_repair",

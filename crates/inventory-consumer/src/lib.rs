@@ -87,8 +87,9 @@ impl consumer_runtime::Domain for Inventory {
                         ],
                     )
                     .await?;
-                if reserved.is_empty() && !lines.is_empty() {
-                    // Nothing reserved: the order was placed here before.
+                if reserved.is_empty() {
+                    // Nothing reserved (an order has lines: the decoder
+                    // refuses one without): the order was placed here before.
                     return Err(consumer_runtime::already_placed(
                         tx,
                         "SELECT event_id FROM inventory_orders WHERE tenant_id = $1 AND order_id = $2",

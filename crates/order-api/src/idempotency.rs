@@ -28,7 +28,7 @@ use kit::failpoint::crash_point;
 use uuid::Uuid;
 
 use crate::{
-    error::{ApiError, RejectedError},
+    error::{ApiError, RejectedError, Rejection},
     operations,
     settings::SERVER_BACKSTOP_MS,
     AppState,
@@ -70,6 +70,20 @@ pub struct Stored {
 }
 
 impl Stored {
+    /// A rejection's response: its problem, with the order it names.
+    /// (Counted in `order_business_rejections_total` by its code.)
+    fn of_rejection(metrics: &crate::metrics::Metrics, rejection: &Rejection) -> Stored {
+        metrics
+            .rejections
+            .with_label_values(&[rejection.problem().code])
+            .inc();
+        Stored {
+            status: rejection.problem().status,
+            body: rejection.to_body(),
+            resource_id: rejection.resource_id(),
+        }
+    }
+
     fn response(&self, replayed: bool) -> HttpResponse {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut response = HttpResponse::build(status);
@@ -369,14 +383,54 @@ enum Step {
     Owner(Stored, InFlightGuard),
 }
 
+/// What a committed record of the key (a [`READ`] row) answers a request of
+/// `fingerprint` (or of one of the `earlier` fingerprints of the same
+/// request): its stored response, replayed, or 409
+/// `idempotency_key_reused`. `None` for a record without a response, which
+/// cannot be committed (claim and response are one transaction): defensive.
+fn answer_of_record(
+    metrics: &crate::metrics::Metrics,
+    (endpoint, key_hash): (&'static str, &str),
+    row: &tokio_postgres::Row,
+    (fingerprint, earlier): (&str, &[String]),
+) -> Option<Result<HttpResponse, ApiError>> {
+    let stored_fingerprint: String = row.get(0);
+    if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
+        metrics.key_conflicts.with_label_values(&[endpoint]).inc();
+        tracing::info!(
+            endpoint,
+            key_hash,
+            "idempotency key reused with another request"
+        );
+        return Some(Err(ApiError::KeyReused));
+    }
+    let (Some(status), Some(body)) = (row.get::<_, Option<i32>>(1), row.get(2)) else {
+        return None;
+    };
+    metrics.replays.with_label_values(&[endpoint]).inc();
+    tracing::info!(endpoint, key_hash, status, "idempotent replay");
+    let stored = Stored {
+        status: u16::try_from(status).unwrap_or(500),
+        body,
+        resource_id: row.get(3),
+    };
+    Some(Ok(stored.response(true)))
+}
+
+/// The first 16 hex digits of the key's hash: what the logs name it by.
+fn key_hash(key: &str) -> String {
+    blake3::hash(key.as_bytes()).to_hex().as_str()[..16].to_owned()
+}
+
 /// A request refused by a rule checked once its key is known to hold no
-/// stored record of it (`Operation::Refuse`): the key's record is only read
+/// stored record of it (a name an earlier release took:
+/// `request::clear_name`; called instead of [`execute`]): the key's record is only read
 /// (nothing claimed, no row written, no wait behind an owner in flight). A
 /// live record of the same request replays (an earlier release took it); of
 /// another request, 409 `idempotency_key_reused`; an order whose checkout an
 /// earlier release ordered is answered as the order path answers it (409
 /// naming that order; not stored); anything else gets the refusal.
-async fn refuse(
+pub async fn refuse(
     state: &AppState,
     tenant: &str,
     endpoint: &'static str,
@@ -399,39 +453,16 @@ async fn refuse(
         .await?;
     // An expired record is no longer the key's (the next claim takes it over).
     if let Some(row) = record.filter(|row| !row.get::<_, bool>(4)) {
-        let stored_fingerprint: String = row.get(0);
-        if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
-            metrics.key_conflicts.with_label_values(&[endpoint]).inc();
-            return Err(ApiError::KeyReused);
-        }
-        let (Some(status), Some(body)) = (row.get::<_, Option<i32>>(1), row.get(2)) else {
-            // Its owner is still in flight (an earlier release's).
-            metrics.in_progress.with_label_values(&[endpoint]).inc();
-            return Err(ApiError::InProgress);
-        };
-        metrics.replays.with_label_values(&[endpoint]).inc();
-        let stored = Stored {
-            status: u16::try_from(status).unwrap_or(500),
-            body,
-            resource_id: row.get(3),
-        };
-        return Ok(stored.response(true));
+        let key_hash = key_hash(key);
+        return answer_of_record(metrics, (endpoint, &key_hash), &row, (fingerprint, earlier))
+            .unwrap_or(Err(ApiError::InProgress));
     }
     if let (Some(checkout_id), Some(order_id)) = (checkout, ordered) {
-        let rejection = crate::error::Rejection::CheckoutAlreadyOrdered {
+        let rejection = Rejection::CheckoutAlreadyOrdered {
             checkout_id,
             order_id,
         };
-        metrics
-            .rejections
-            .with_label_values(&[rejection.problem().code])
-            .inc();
-        let answer = Stored {
-            status: rejection.problem().status,
-            body: rejection.to_body(),
-            resource_id: rejection.resource_id(),
-        };
-        return Ok(answer.response(false));
+        return Ok(Stored::of_rejection(metrics, &rejection).response(false));
     }
     Err(refusal)
 }
@@ -453,24 +484,8 @@ pub async fn execute(
     operation: operations::Operation,
     deadline: Deadline,
 ) -> Result<HttpResponse, ApiError> {
-    let operation = match operation {
-        operations::Operation::Refuse(error, checkout) => {
-            return refuse(
-                state,
-                tenant,
-                endpoint,
-                key,
-                (fingerprint, earlier),
-                (*error, checkout),
-                deadline,
-            )
-            .await;
-        }
-        operation => operation,
-    };
     let metrics = &state.metrics;
-    let key_hash = blake3::hash(key.as_bytes()).to_hex();
-    let key_hash = &key_hash.as_str()[..16];
+    let key_hash = &key_hash(key);
     let ttl = i64::try_from(state.settings.idempotency.ttl_seconds).unwrap_or(i64::MAX);
 
     let mut held = Held {
@@ -585,30 +600,15 @@ pub async fn execute(
                     "the record was deleted by the cleanup meanwhile",
                 ));
             };
-            let stored_fingerprint: String = row.get(0);
-            if stored_fingerprint != fingerprint && !earlier.contains(&stored_fingerprint) {
-                metrics.key_conflicts.with_label_values(&[endpoint]).inc();
-                tracing::info!(
-                    endpoint,
-                    key_hash,
-                    "idempotency key reused with another request"
-                );
-                return Err(ApiError::KeyReused);
-            }
-            let status: Option<i32> = row.get(1);
-            let body: Option<Vec<u8>> = row.get(2);
-            let (Some(status), Some(body)) = (status, body) else {
-                // Cannot be committed without a response (one transaction); defensive.
-                return Err(in_progress("the record has no response"));
+            return match answer_of_record(
+                metrics,
+                (endpoint, key_hash),
+                &row,
+                (fingerprint, earlier),
+            ) {
+                Some(answer) => answer.map(Step::Answer),
+                None => Err(in_progress("the record has no response")),
             };
-            metrics.replays.with_label_values(&[endpoint]).inc();
-            tracing::info!(endpoint, key_hash, status, "idempotent replay");
-            let stored = Stored {
-                status: u16::try_from(status).unwrap_or(500),
-                body,
-                resource_id: row.get(3),
-            };
-            return Ok(Step::Answer(stored.response(true)));
         }
 
         // The owner. Any error below drops `tx` uncommitted: nothing is stored.
@@ -638,15 +638,7 @@ pub async fn execute(
                     .inc();
                 return Err(ApiError::Rejected(RejectedError(rejection)));
             }
-            Ok(Err(rejection)) => {
-                let problem = rejection.problem();
-                metrics.rejections.with_label_values(&[problem.code]).inc();
-                Stored {
-                    status: problem.status,
-                    body: rejection.to_body(),
-                    resource_id: rejection.resource_id(),
-                }
-            }
+            Ok(Err(rejection)) => Stored::of_rejection(metrics, &rejection),
             Err(error) => return Err(rollback(error)),
         };
         let status = i32::from(stored.status);

@@ -26,18 +26,11 @@ pub enum Operation {
     CreateOrder(NewOrder, TraceContext),
     Pay(Uuid, PaymentRequest, TraceContext),
     Deliver(Uuid, DeliveryRequest, TraceContext),
-    /// A request refused by a rule checked only once its key is known to
-    /// hold no stored record of the same request (a name an earlier release
-    /// took: `request::clear_name`): answered with the error, nothing
-    /// stored, the key left free (`idempotency::execute` only reads the
-    /// key's record for it). The order's checkout id, if any: an order an
-    /// earlier release placed for it is named as the order path names it.
-    Refuse(Box<ApiError>, Option<String>),
 }
 
 /// The order placed for `checkout_id` in `tenant`, if any.
 pub async fn checkout_order(
-    client: &deadpool_postgres::Client,
+    client: &impl deadpool_postgres::GenericClient,
     tenant: &str,
     checkout_id: &str,
 ) -> Result<Option<Uuid>, ApiError> {
@@ -61,7 +54,6 @@ pub async fn run(
         Operation::Deliver(order_id, delivery, trace) => {
             deliver(tx, tenant, order_id, delivery, &trace).await
         }
-        Operation::Refuse(error, _) => Err(*error),
     }
 }
 
@@ -193,11 +185,8 @@ async fn create_order(
         // The checkout's order committed (the insert waited for it): this
         // statement's snapshot sees it.
         let checkout_id = order.checkout_id.unwrap_or_default();
-        let find = tx.prepare_cached(CHECKOUT_ORDER).await?;
-        let order_id = tx
-            .query_opt(&find, &[&tenant, &checkout_id])
+        let order_id = checkout_order(tx, tenant, &checkout_id)
             .await?
-            .map(|row| row.get(0))
             .ok_or_else(|| {
                 ApiError::Internal(format!(
                     "checkout {checkout_id} conflicted but has no order"

@@ -85,7 +85,7 @@ fn text(field: &str, value: &str) -> Result<(), ApiError> {
 /// `"chk-1\u{200B}"` look like `JKT-M` and `chk-1` to a person and are
 /// other names to every database (stock reserved under an unknown sku, a
 /// second order for one checkout). Checked after the key's stored record
-/// is looked for (`Operation::Refuse`): a request an earlier release took
+/// is looked for (`idempotency::refuse`): a request an earlier release took
 /// and stored with such a name still replays under its key. Events already
 /// stored keep the receipts' rule. Not normalized: composed and decomposed
 /// spellings stay two names.

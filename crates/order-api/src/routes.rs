@@ -175,17 +175,26 @@ async fn create_order(
     let (span, trace) = operation_span(&request, "create_order");
     // A name only the stricter rule refuses: refused unless the key holds
     // this request, stored by an earlier release that took it.
-    let operation = match order.unclear_name() {
-        Some(refusal) => Operation::Refuse(Box::new(refusal), order.checkout_id),
-        None => Operation::CreateOrder(order, trace),
-    };
+    if let Some(refusal) = order.unclear_name() {
+        return idempotency::refuse(
+            &state,
+            &tenant,
+            "POST /orders",
+            &key,
+            (&fingerprint, &[]),
+            (refusal, order.checkout_id),
+            deadline,
+        )
+        .instrument(span)
+        .await;
+    }
     idempotency::execute(
         &state,
         &tenant,
         "POST /orders",
         &key,
         (&fingerprint, &[]),
-        operation,
+        Operation::CreateOrder(order, trace),
         deadline,
     )
     .instrument(span)
@@ -336,17 +345,26 @@ async fn order_command<C: OrderCommand>(
     };
     let (fingerprint, earlier) = fingerprints(&mut command, order_id, &order);
     let (span, trace) = operation_span(&request, C::SPAN);
-    let operation = match command.unclear_name() {
-        Some(refusal) => Operation::Refuse(Box::new(refusal), None),
-        None => command.into_operation(order_id, trace),
-    };
+    if let Some(refusal) = command.unclear_name() {
+        return idempotency::refuse(
+            &state,
+            &tenant,
+            C::ENDPOINT,
+            &key,
+            (&fingerprint, &earlier),
+            (refusal, None),
+            deadline,
+        )
+        .instrument(span)
+        .await;
+    }
     idempotency::execute(
         &state,
         &tenant,
         C::ENDPOINT,
         &key,
         (&fingerprint, &earlier),
-        operation,
+        command.into_operation(order_id, trace),
         deadline,
     )
     .instrument(span)
