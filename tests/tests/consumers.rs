@@ -1921,7 +1921,8 @@ async fn the_database_rejects_unbalanced_entries_and_changes_to_posted_lines() {
 /// metadata, set by the relay from the outbox row) is parked behind it at
 /// once: its next event follows it to the DLQ instead of waiting at the gap
 /// for ~40 minutes first; nothing is lost; the partition keeps flowing. An unknown
-/// event type is acknowledged and advances the order's sequence, and so is
+/// event type (its payload even one no JSON tree here can hold) is
+/// acknowledged and advances the order's sequence, and so is
 /// any version of a type the consumer does not apply (inventory never reads
 /// payments: a `PaymentReceived` v99 is not its poison).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1938,7 +1939,7 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
 
     let good = Uuid::now_v7();
     let placed = order_placed(&tenant, good, 1, "77", 2);
-    let cancelled_type = message(
+    let mut cancelled_type = message(
         &tenant,
         good,
         2,
@@ -1946,6 +1947,18 @@ async fn poison_messages_are_dead_lettered_with_a_reason_and_the_partition_flows
         1,
         json!({"order_id": good, "paper": "red"}),
     );
+    // A new type's payload no JSON tree here can hold (deeper than 128
+    // levels, a number beyond f64) is ignored like any other.
+    let beyond_a_tree = format!(
+        r#""paper":"red","grams":1e400,"folds":{}1{}"#,
+        "[".repeat(300),
+        "]".repeat(300)
+    );
+    cancelled_type.body = String::from_utf8(cancelled_type.body)
+        .expect("utf-8")
+        .replace(r#""paper":"red""#, &beyond_a_tree)
+        .into_bytes();
+    assert!(serde_json::from_slice::<Value>(&cancelled_type.body).is_err());
     let delivered = parcel_delivered(&tenant, good, 3, 2);
     let newer_payments = Uuid::now_v7();
     let newer_placed = order_placed(&tenant, newer_payments, 1, "78", 1);

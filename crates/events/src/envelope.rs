@@ -4,6 +4,7 @@ use std::fmt;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -64,10 +65,14 @@ pub struct Envelope<P> {
 /// readable even when the event type or schema version is unknown to this
 /// build.
 ///
-/// Note: the payload is a [`serde_json::Value`], so re-serialising a raw
-/// envelope keeps the header field order but not necessarily the payload's
-/// key order.
-pub type RawEnvelope = Envelope<serde_json::Value>;
+/// The payload is kept as the text it was sent as ([`RawValue`]: checked to
+/// be JSON, nothing built from it), so a payload this build cannot hold as a
+/// JSON tree (nested deeper than serde_json's 128 levels, a number beyond
+/// `f64`) is still a readable envelope: for a type a consumer ignores it is
+/// acknowledged like any other, not poison (DESIGN.md section 4: a new type
+/// must not need touching a consumer that ignores it). [`RawEnvelope::decode`]
+/// reads it for the types this build knows.
+pub type RawEnvelope = Envelope<Box<RawValue>>;
 
 impl<P: EventPayload> Envelope<P> {
     /// Builds an envelope for `payload`, filling `event_type`,
@@ -131,10 +136,11 @@ impl<P: Serialize> Envelope<P> {
         })
     }
 
-    /// The envelope with its payload as a JSON value (e.g. to store the
-    /// payload in an outbox row). Fails like [`Envelope::to_json_bytes`].
+    /// The envelope with its payload encoded (compact JSON), as
+    /// [`RawEnvelope::parse_raw`] reads it. Fails like
+    /// [`Envelope::to_json_bytes`].
     pub fn into_raw(self) -> Result<RawEnvelope, EncodeError> {
-        let payload = match serde_json::to_value(&self.payload) {
+        let payload = match serde_json::value::to_raw_value(&self.payload) {
             Ok(payload) => payload,
             Err(source) => {
                 return Err(EncodeError {
@@ -166,7 +172,8 @@ impl RawEnvelope {
     /// or `aggregate_id` empty; `aggregate_sequence` below 1; `occurred_at`
     /// whose UTC value is outside years 0000-9999). A malformed
     /// message is poison.
-    /// The payload is not looked at: see [`RawEnvelope::decode`].
+    /// The payload is only checked to be JSON (of any depth, numbers of any
+    /// size): see [`RawEnvelope::decode`].
     pub fn parse_raw(bytes: &[u8]) -> Result<RawEnvelope, DecodeError> {
         // serde's derive would also accept a JSON array of the fields in
         // order; the contract is an object.
@@ -262,11 +269,13 @@ impl RawEnvelope {
                 self.aggregate_type
             )));
         }
-        let payload = P::deserialize(&self.payload).map_err(|e| invalid(e.to_string()))?;
+        let given: serde_json::Value =
+            serde_json::from_str(self.payload.get()).map_err(|e| invalid(e.to_string()))?;
+        let payload = P::deserialize(&given).map_err(|e| invalid(e.to_string()))?;
         // serde's derive also reads a struct from a JSON array of its fields
         // in order (the payload, a line); the contract's are objects.
         let typed = serde_json::to_value(&payload).map_err(|e| invalid(e.to_string()))?;
-        objects_where_the_contract_has_them(&self.payload, &typed, "payload").map_err(invalid)?;
+        objects_where_the_contract_has_them(&given, &typed, "payload").map_err(invalid)?;
         payload.check().map_err(invalid)?;
         let order_id = order_id(&payload);
         // The order's id in its one spelling (lower-case, hyphenated, as

@@ -32,8 +32,49 @@ where
     let golden_value: serde_json::Value = serde_json::from_str(file).expect("json");
     assert_eq!(compact_value, golden_value);
 
+    // The raw envelope keeps the payload as sent: the compact body comes
+    // back byte for byte, and the pretty golden file's payload is the typed
+    // payload's JSON.
+    let raw = RawEnvelope::parse_raw(&compact).expect("raw parse");
+    assert_eq!(raw.to_json_bytes().expect("encode"), compact);
     let raw = RawEnvelope::parse_raw(file.as_bytes()).expect("raw parse");
-    assert_eq!(raw, expected.clone().into_raw().expect("into_raw"));
+    let from_typed = expected.clone().into_raw().expect("into_raw");
+    let value = |raw: &RawEnvelope| -> serde_json::Value {
+        serde_json::from_str(raw.payload.get()).expect("payload json")
+    };
+    assert_eq!(value(&raw), value(&from_typed));
+    assert_eq!(
+        value(&raw),
+        serde_json::to_value(&expected.payload).expect("json")
+    );
+    assert_eq!(
+        (
+            raw.event_id,
+            &raw.event_type,
+            raw.schema_version,
+            &raw.tenant_id
+        ),
+        (
+            from_typed.event_id,
+            &from_typed.event_type,
+            from_typed.schema_version,
+            &from_typed.tenant_id
+        )
+    );
+    assert_eq!(
+        (
+            &raw.aggregate_type,
+            &raw.aggregate_id,
+            raw.aggregate_sequence,
+            raw.occurred_at
+        ),
+        (
+            &from_typed.aggregate_type,
+            &from_typed.aggregate_id,
+            from_typed.aggregate_sequence,
+            from_typed.occurred_at
+        )
+    );
 }
 
 fn assert_seed_header(raw: &RawEnvelope, event_type: &str, sequence: i64) {
@@ -228,7 +269,7 @@ fn checkout_id_round_trips_when_present() {
     env.payload.checkout_id = Some("chk-1042".to_owned());
     let bytes = env.to_json_bytes().expect("encode");
     let raw = RawEnvelope::parse_raw(&bytes).expect("parse");
-    assert_eq!(raw.payload["checkout_id"], "chk-1042");
+    assert!(raw.payload.get().contains(r#""checkout_id":"chk-1042""#));
     assert_eq!(raw.decode(), Ok(Event::OrderPlaced(env.payload)));
 }
 
@@ -237,5 +278,8 @@ fn parse_aliases_agree() {
     let bytes = PAYMENT_RECEIVED_JSON.as_bytes();
     let a = Envelope::parse_raw(bytes).expect("Envelope::parse_raw");
     let b = RawEnvelope::parse(bytes).expect("RawEnvelope::parse");
-    assert_eq!(a, b);
+    assert_eq!(
+        a.to_json_bytes().expect("encode"),
+        b.to_json_bytes().expect("encode")
+    );
 }

@@ -168,7 +168,11 @@ fn unknown_event_type_is_ignorable_and_headers_stay_readable() {
     assert_eq!(raw.aggregate_id, ORDER_1042.to_string());
     assert_eq!(raw.aggregate_sequence, 4);
     assert_eq!(raw.occurred_at, datetime!(2024-05-10 09:16:30 UTC));
-    assert_eq!(raw.payload["refund_id"], "r-1");
+    assert_eq!(
+        serde_json::from_str::<Value>(raw.payload.get()).expect("json"),
+        json!({ "refund_id": "r-1", "amount": 12.5, "whatever": [1, 2] }),
+        "the payload as sent"
+    );
 
     let err = raw.decode().expect_err("unknown type");
     assert_eq!(
@@ -180,6 +184,46 @@ fn unknown_event_type_is_ignorable_and_headers_stay_readable() {
     assert!(err.is_unknown_event_type());
     assert!(!err.is_poison());
     assert_eq!(err.to_string(), "unknown event type \"RefundIssued\"");
+}
+
+/// A payload no JSON tree of this build can hold (nested past serde_json's
+/// 128 levels, a number beyond f64) is still a readable envelope: of a type
+/// this build does not know it is ignorable like any other (a consumer that
+/// ignores a new type needs no change); of a known type it is poison with a
+/// reason, never a panic.
+#[test]
+fn a_payload_too_deep_or_too_large_for_a_tree_is_ignorable_when_its_type_is_unknown() {
+    let deep = format!("{}1{}", "[".repeat(300), "]".repeat(300));
+    let payload = format!(r#"{{"refund_id":"r-1","grams":1e400,"nested":{deep}}}"#);
+    let body = |event_type: &str| {
+        let golden = String::from_utf8(edited(PAYMENT_RECEIVED_JSON, |v| {
+            v["event_type"] = json!(event_type);
+            v["payload"] = json!("PAYLOAD");
+        }))
+        .expect("utf-8");
+        golden.replace(r#""PAYLOAD""#, &payload).into_bytes()
+    };
+    assert!(
+        serde_json::from_slice::<Value>(&body("RefundIssued")).is_err(),
+        "the body is beyond a JSON tree (else this test shows nothing)"
+    );
+
+    let raw =
+        RawEnvelope::parse_raw(&body("RefundIssued")).expect("headers of unknown types parse");
+    assert_eq!(raw.event_type, "RefundIssued");
+    assert_eq!(raw.aggregate_sequence, 2);
+    assert_eq!(raw.payload.get(), payload, "kept as sent");
+    let err = raw.decode().expect_err("unknown type");
+    assert!(err.is_unknown_event_type(), "{err:?}");
+    assert!(!err.is_poison());
+
+    let known = RawEnvelope::parse_raw(&body("PaymentReceived")).expect("the envelope parses");
+    let err = known.decode().expect_err("a known type's payload is read");
+    assert!(err.is_poison(), "{err:?}");
+    assert!(
+        matches!(&err, DecodeError::InvalidPayload { reason, .. } if reason.contains("number out of range")),
+        "{err}"
+    );
 }
 
 #[test]
