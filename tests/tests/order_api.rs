@@ -2041,6 +2041,11 @@ async fn the_openapi_document_lists_the_real_endpoints() {
         let responses = &doc["paths"][path]["post"]["responses"];
         let mut declared = vec![("201", "Location"), ("201", "Idempotent-Replayed")];
         declared.push(("409", "Idempotent-Replayed"));
+        if path != "/orders/{id}/deliveries" {
+            // checkout_already_ordered, payment_already_recorded: the order
+            // that holds the checkout or the payment.
+            declared.push(("409", "Location"));
+        }
         if path != "/orders" {
             // A missing order and business rules are stored (an order's 422
             // is validation only: nothing stored).
@@ -3629,6 +3634,132 @@ async fn concurrent_payments_under_different_keys_pay_once() {
         .expect("order")
         .get(0);
     assert_eq!(last, 2);
+}
+
+/// A provider's payment pays one order of its tenant: the same `payment_id`
+/// on another order is 409 `payment_already_recorded` naming the order that
+/// holds it (`order_id`, `Location`), stored and replayed byte for byte,
+/// nothing else written; another tenant may use the id. Two at once on
+/// different orders take no lock in common: the database's unique index
+/// decides. A payment waiting on another order's uncommitted row with its id
+/// is that 409 once the other commits, and pays once it rolls back.
+#[tokio::test]
+async fn a_payment_id_pays_one_order_of_its_tenant() {
+    let api = OrderApi::start(&patient()).await;
+    let caller = std::sync::Arc::new(Caller::new("pay-id"));
+    let place = |key: &'static str| {
+        let (caller, url) = (caller.clone(), api.url("/orders"));
+        async move {
+            let (status, order) = json_of(caller.post(&url, key, SEED_ORDER).await).await;
+            assert_eq!(status, StatusCode::CREATED, "{order}");
+            order["order_id"].as_str().expect("id").to_owned()
+        }
+    };
+    let pay = |order: &str, key: &'static str, payment_id: &'static str| {
+        let (caller, url) = (
+            caller.clone(),
+            api.url(&format!("/orders/{order}/payments")),
+        );
+        async move {
+            let body =
+                format!(r#"{{"payment_id":"{payment_id}","amount":"93.00","method":"card"}}"#);
+            caller.post(&url, key, &body).await
+        }
+    };
+    let (a, b, c, d) = (
+        place("o-a").await,
+        place("o-b").await,
+        place("o-c").await,
+        place("o-d").await,
+    );
+    assert_eq!(pay(&a, "p-a", "9001").await.status(), StatusCode::CREATED);
+
+    let refused = pay(&b, "p-b", "9001").await;
+    let location = header(&refused, "Location").map(str::to_owned);
+    assert!(!is_replay(&refused));
+    let first = refused.bytes().await.expect("body");
+    let problem: Value = serde_json::from_slice(&first).expect("json");
+    assert_eq!(problem["status"], 409, "{problem}");
+    assert_eq!(problem["code"], "payment_already_recorded", "{problem}");
+    assert_eq!(problem["order_id"], a.as_str(), "{problem}");
+    assert_eq!(problem["field"], "payment_id", "{problem}");
+    assert_eq!(location, Some(format!("/orders/{a}")));
+    let again = pay(&b, "p-b", "9001").await;
+    assert!(is_replay(&again));
+    assert_eq!(again.bytes().await.expect("body"), first, "byte for byte");
+    let stored = stored_body(&caller.tenant, "POST /orders/{id}/payments", "p-b").await;
+    assert_eq!(stored.map(|s| (s.1, s.2)), Some((409, first.to_vec())));
+    assert_eq!(outbox_of(&b).await, vec![(1, "OrderPlaced".to_owned())]);
+    assert_eq!(effects(&caller.tenant).await, (1, 0), "one payment row");
+
+    let other = Caller::new("pay-id-other");
+    let theirs = place_seed_order(&api, &other).await;
+    let response = other
+        .post(
+            &api.url(&format!("/orders/{theirs}/payments")),
+            "p",
+            SEED_PAYMENT,
+        )
+        .await;
+    assert_eq!(
+        response.status(),
+        StatusCode::CREATED,
+        "another tenant's 9001"
+    );
+
+    // Another order's payment with the id, not committed yet: this one
+    // waits on the index, then answers by the other's outcome.
+    let watcher = pg(Database::Orders).await;
+    for (holder_order, key, payment_id, commit) in
+        [(&c, "p-b2", "9100", true), (&d, "p-b3", "9200", false)]
+    {
+        let mut holder = pg(Database::Orders).await;
+        let tx = holder.transaction().await.expect("begin");
+        tx.execute(
+            "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
+             VALUES ($1::text::uuid, $2, $3, 9300, 'card')",
+            &[holder_order, &payment_id, &caller.tenant],
+        )
+        .await
+        .expect("the other order's payment");
+        let holder_pid = system_tests::backend_pid(&tx).await;
+        let request = tokio::spawn(pay(&b, key, payment_id));
+        wait_until_blocked_by(
+            &watcher,
+            holder_pid,
+            "the payment never waited on the index",
+        )
+        .await;
+        if commit {
+            tx.commit().await.expect("commit");
+            let problem = expect_problem(
+                request.await.expect("request task"),
+                StatusCode::CONFLICT,
+                "payment_already_recorded",
+            )
+            .await;
+            assert_eq!(problem["order_id"], holder_order.as_str(), "{problem}");
+        } else {
+            tx.rollback().await.expect("rollback");
+            let (status, paid) = json_of(request.await.expect("request task")).await;
+            assert_eq!(status, StatusCode::CREATED, "{paid}");
+            assert_eq!(paid["payment_id"], payment_id);
+        }
+    }
+    assert_eq!(
+        outbox_of(&b).await,
+        vec![
+            (1, "OrderPlaced".to_owned()),
+            (2, "PaymentReceived".to_owned())
+        ]
+    );
+    assert_eq!(outbox_of(&c).await, vec![(1, "OrderPlaced".to_owned())]);
+    assert_eq!(outbox_of(&d).await, vec![(1, "OrderPlaced".to_owned())]);
+    assert_eq!(
+        effects(&caller.tenant).await,
+        (3, 0),
+        "a's, c's by hand, b's"
+    );
 }
 
 /// Rejected attempts (a payment of the wrong amount, stored; a delivery

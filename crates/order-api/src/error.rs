@@ -21,6 +21,12 @@ pub enum Rejection {
     },
     OrderNotFound,
     OrderAlreadyPaid,
+    /// The payment id is recorded on another order of the tenant
+    /// (`order_id`): one provider payment pays one order.
+    PaymentAlreadyRecorded {
+        payment_id: String,
+        order_id: Uuid,
+    },
     AmountMismatch {
         expected: String,
         got: String,
@@ -76,6 +82,19 @@ impl Rejection {
                 "order_already_paid",
                 "The order is already paid",
             ),
+            PaymentAlreadyRecorded {
+                payment_id,
+                order_id,
+            } => Problem::new(
+                StatusCode::CONFLICT,
+                "payment_already_recorded",
+                "This payment is recorded on another order",
+            )
+            .detail(format!(
+                "payment_id {payment_id} pays order {order_id} (GET /orders/{order_id}); \
+                 one payment pays one order"
+            ))
+            .field("payment_id"),
             AmountMismatch { expected, got } => Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "amount_mismatch",
@@ -124,7 +143,8 @@ impl Rejection {
     /// the key's resource id).
     pub fn resource_id(&self) -> Option<Uuid> {
         match self {
-            Rejection::CheckoutAlreadyOrdered { order_id, .. } => Some(*order_id),
+            Rejection::CheckoutAlreadyOrdered { order_id, .. }
+            | Rejection::PaymentAlreadyRecorded { order_id, .. } => Some(*order_id),
             _ => None,
         }
     }

@@ -364,23 +364,45 @@ async fn pay(
             got: payment.amount.to_string(),
         }));
     }
+    // A payment id names one order of the tenant (orders V17's unique
+    // index). Another order's request with the same id at the same time
+    // holds no lock this one takes: the index decides, this insert waiting
+    // for the other's COMMIT (or ROLLBACK, then it inserts).
     let insert = tx
         .prepare_cached(
             "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
-             VALUES ($1, $2, $3, $4, $5)",
+             VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (tenant_id, payment_id) DO NOTHING",
         )
         .await?;
-    tx.execute(
-        &insert,
-        &[
-            &order_id,
-            &payment.payment_id,
-            &tenant,
-            &payment.amount.minor(),
-            &payment.method,
-        ],
-    )
-    .await?;
+    let inserted = tx
+        .execute(
+            &insert,
+            &[
+                &order_id,
+                &payment.payment_id,
+                &tenant,
+                &payment.amount.minor(),
+                &payment.method,
+            ],
+        )
+        .await?;
+    if inserted == 0 {
+        // Payments are never deleted: the row that conflicted is committed
+        // and this statement (a new snapshot) sees it.
+        let holder = tx
+            .prepare_cached(
+                "SELECT order_id FROM payments WHERE tenant_id = $1 AND payment_id = $2",
+            )
+            .await?;
+        let order = tx
+            .query_one(&holder, &[&tenant, &payment.payment_id])
+            .await?;
+        return Ok(Err(Rejection::PaymentAlreadyRecorded {
+            payment_id: payment.payment_id,
+            order_id: order.get(0),
+        }));
+    }
     let (sequence, at) = advance(tx, order_id, "paid").await?;
     let currency =
         events::Currency::parse(&currency).map_err(|e| ApiError::Internal(e.to_string()))?;
