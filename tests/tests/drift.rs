@@ -2,6 +2,7 @@
 //! real databases, checked with the real `drift-check` binary.
 
 use std::process::Command;
+use system_tests::OutputWithin;
 
 use system_tests::{bin, pg, unique_tenant, Database};
 use uuid::Uuid;
@@ -16,7 +17,7 @@ fn drift_check_with(tenant: &str, args: &[&str]) -> (i32, String) {
     let output = Command::new(bin("drift-check"))
         .args(["--tenant", tenant])
         .args(args)
-        .output()
+        .output_within()
         .expect("run drift-check");
     (
         output.status.code().unwrap_or(-1),
@@ -422,8 +423,8 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         orders
             .execute(
                 "INSERT INTO payments (order_id, payment_id, tenant_id, amount_minor, method) \
-                 VALUES ($1, '9001', $2, 9300, 'Card')",
-                &[&order, &tenant],
+                 VALUES ($1, $3, $2, 9300, 'Card')",
+                &[&order, &tenant, &format!("9001-{order}")],
             )
             .await
             .expect("payment");

@@ -157,8 +157,11 @@ pub struct Report {
     pub pending: i64,
     pub quarantined: i64,
     pub consumers: Vec<ConsumerSummary>,
-    /// Messages published more than once (from the caller's observations,
-    /// e.g. relay metrics); `None` when not measured.
+    /// An upper bound on messages published more than once (from the
+    /// caller's observations: the relays' leases taken over plus rows
+    /// confirmed but left unmarked; one copy confirmed, unmarked and then
+    /// taken over counts in both, a takeover of a row never sent in one);
+    /// `None` when not measured.
     pub duplicates_published: Option<u64>,
     pub violations: Vec<Violation>,
     pub drift: drift::Report,
@@ -225,7 +228,7 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "  duplicates published (leases taken over + confirmed but unmarked, as the relays counted since they started): {}",
+            "  duplicates published, at most (leases taken over + confirmed but unmarked, as the relays counted since they started; one copy can count in both): {}",
             self.duplicates_published
                 .map_or("n/a".to_owned(), |d| d.to_string())
         );

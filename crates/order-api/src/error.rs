@@ -312,7 +312,7 @@ impl ApiError {
             Self::Busy => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "order_busy",
-                "The order or its checkout is being changed by another request",
+                "The order, its checkout or its payment id is being used by another request",
             )
             .detail("nothing was stored; retry with the same key")
             .retry_after(1),
