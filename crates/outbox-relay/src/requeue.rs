@@ -110,9 +110,12 @@ pub async fn describe_unreleased(pool: &PgPool, target: &Target) -> anyhow::Resu
                 .await?,
             Target::Order(order) => client
                 .query(
+                    // The type too: the unique index's leading column
+                    // (without it, a scan of every retained row).
                     "SELECT event_id, aggregate_sequence, published_at IS NOT NULL, attempt_count
-                     FROM outbox_events WHERE aggregate_id = $1 ORDER BY aggregate_sequence",
-                    &[order],
+                     FROM outbox_events WHERE aggregate_type = $2 AND aggregate_id = $1
+                     ORDER BY aggregate_sequence",
+                    &[order, &events::AGGREGATE_TYPE_ORDER],
                 )
                 .await?,
             Target::All { .. } => return Ok("nothing is quarantined".to_owned()),

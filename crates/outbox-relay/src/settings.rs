@@ -30,7 +30,11 @@ pub struct RelaySettings {
     pub instance_id: String,
     /// Restrict this instance to one tenant's rows (a dedicated relay for a
     /// large tenant, or a test sharing a database); empty: every tenant. Its
-    /// pending gauges count that tenant's rows only.
+    /// pending gauges count that tenant's rows only. Not its cleanup: that
+    /// is one job over the whole table (every tenant's published rows past
+    /// this instance's horizon, whichever instance holds the lock), so a
+    /// dedicated relay runs it with the same `cleanup` settings as the
+    /// others, or with `cleanup.enabled = false`.
     pub only_tenant: String,
     /// The topic exchange events are published to (routing key = event
     /// type). Default `order-events`, the exchange of the wire contract; a
@@ -97,7 +101,9 @@ pub struct RelaySettings {
 /// `audit_retention_secs`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CleanupSettings {
-    /// Run the periodic cleanup in `serve` (one instance at a time, by advisory lock).
+    /// Run the periodic cleanup in `serve` (one instance at a time, by
+    /// advisory lock; every tenant's rows, also on an instance restricted
+    /// to one: give every instance the same horizons).
     pub enabled: bool,
     /// The replay horizon: how long a published row stays replayable at
     /// least (`outbox-relay replay`; the consumers' inboxes must remember
