@@ -5,6 +5,7 @@
 //! (own exchange and queues) and a private tenant, and counts only its rows.
 
 use std::time::Duration;
+use system_tests::OutputWithin;
 
 use serde_json::{json, Value};
 use system_tests::{
@@ -239,6 +240,39 @@ async fn send_receipt_of(
         .json(&json!({"receipt_id": receipt_id, "sku": sku, "location": "WH-1", "qty": qty}))
         .send()
         .await
+}
+
+/// Receipts at once, more than the read pool's four connections, new and
+/// repeated: each is answered (201, then 200 replayed), none waits for a
+/// connection another receipt holds. Before, a receipt kept its
+/// transaction's connection while it took a second one to read the level:
+/// four at once held the whole pool, each waiting for the others, and all
+/// were answered 503 after the pool's 5 s wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receipts_at_once_do_not_stall_the_read_pool() {
+    let (tenant, _name, inventory, _publisher) = one_partition_inventory("t5-receipts").await;
+    for replayed in [false, true] {
+        let sent = (0..16).map(|i| {
+            let (inventory, tenant) = (&inventory, &tenant);
+            async move {
+                let (status, body) = receipt(inventory, tenant, &format!("R-{i}"), 1 + i).await;
+                (i, status, body)
+            }
+        });
+        for (i, status, body) in futures_util::future::join_all(sent).await {
+            assert_eq!(
+                (status, body["replayed"].as_bool()),
+                (if replayed { 200 } else { 201 }, Some(replayed)),
+                "receipt R-{i}: {body}"
+            );
+        }
+    }
+    let total: i64 = (0..16).map(|i| 1 + i).sum();
+    assert_eq!(
+        level(&tenant).await,
+        Some((total, 0, total)),
+        "each counted once"
+    );
 }
 
 /// A crash right after a stock receipt commits, before its answer
@@ -2568,7 +2602,7 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
     let migrated = std::process::Command::new(system_tests::bin("loyalty-consumer"))
         .arg("migrate")
         .env("LOYALTY_CONSUMER__DATABASE__URL", &url)
-        .output()
+        .output_within()
         .expect("loyalty-consumer migrate");
     assert!(migrated.status.success(), "{migrated:?}");
     let own = system_tests::connect_url(&url).await;
@@ -3297,7 +3331,7 @@ async fn the_declared_topology_has_the_agreed_shape() {
             "{}__CONSUMER__BIND_ORDER_EVENTS",
             Kind::Inventory.prefix()
         ));
-    let output = tokio::task::spawn_blocking(move || command.output().expect("run redrive"))
+    let output = tokio::task::spawn_blocking(move || command.output_within().expect("run redrive"))
         .await
         .expect("redrive");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -3410,6 +3444,11 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     // then sleeps 10 s).
     let admin = pg(Database::Inventory).await;
     inside_its_transaction(&admin, &name).await;
+    let stopped_at: String = admin
+        .query_one("SELECT clock_timestamp()::text", &[])
+        .await
+        .expect("now")
+        .get(0);
     slow.service.signal("TERM");
     let status = exit_of(slow).await;
     assert!(
@@ -3423,6 +3462,19 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
         Some((1, false)),
         "the in-flight event was applied"
     );
+    // Committed after the stop was asked (track_commit_timestamp, on in
+    // `make up`): else the handler's hold had ended first, and this shows
+    // nothing.
+    let after_the_stop: bool = admin
+        .query_one(
+            "SELECT pg_xact_commit_timestamp(xmin) > $3::text::timestamptz FROM order_progress \
+              WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&name, &s.order.to_string(), &stopped_at],
+        )
+        .await
+        .expect("the progress row's commit time")
+        .get(0);
+    assert!(after_the_stop, "committed before the stop was asked");
     let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
     publisher.to_consumer(&name, &s.paid).await;
     wait_sequence(Database::Inventory, &name, s.order, 2).await;
@@ -4342,7 +4394,7 @@ async fn run_redrive(
 ) -> std::process::Output {
     let mut command = consumer_command(kind, name, options);
     command.arg("redrive").args(args).env("LOG_FORMAT", "json");
-    let output = tokio::task::spawn_blocking(move || command.output().expect("run redrive"))
+    let output = tokio::task::spawn_blocking(move || command.output_within().expect("run redrive"))
         .await
         .expect("redrive");
     if output.status.success() {

@@ -1,7 +1,8 @@
 //! Inbox cleanup: `processed_events` rows older than the replay horizon are
 //! deleted in bounded batches (the per-order progress rows stay, so a stale
 //! copy of a cleaned-up event is still rejected by its sequence). The same
-//! periodic task refreshes the parked-orders and dead-letter gauges.
+//! task refreshes the parked-orders gauge, on a timer of its own (the
+//! dead-letter gauge is `worker::watch_dead_letters`').
 
 use std::time::Duration;
 
@@ -72,13 +73,8 @@ pub(crate) async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
-    // The gauge is refreshed more often than the cleanup runs (a redrive
-    // un-parks orders from another process).
-    let tick = interval.min(Duration::from_secs(15));
-    let mut next_cleanup = tokio::time::Instant::now();
-    loop {
-        if tokio::time::Instant::now() >= next_cleanup {
-            next_cleanup = tokio::time::Instant::now() + interval;
+    let cleanup = async {
+        loop {
             let counted = |deleted| metrics.inbox_cleaned.inc_by(deleted);
             match clean_inbox(&pool, &consumer, retention_hours, batch, counted).await {
                 Ok(deleted) => {
@@ -94,14 +90,27 @@ pub(crate) async fn run(
                     tracing::warn!(error = format!("{error:#}"), "inbox cleanup failed");
                 }
             }
+            tokio::time::sleep(interval).await;
         }
-        match parked_orders(&pool, &consumer).await {
-            Ok(parked) => metrics.parked_orders.set(parked),
-            Err(error) => tracing::warn!(error = format!("{error:#}"), "counting parked orders"),
+    };
+    // The gauge is refreshed on its own, more often than the cleanup runs
+    // (a redrive un-parks orders from another process), also while a long
+    // cleanup run (a backlog of batches) is under way.
+    let tick = interval.min(Duration::from_secs(15));
+    let gauge = async {
+        loop {
+            match parked_orders(&pool, &consumer).await {
+                Ok(parked) => metrics.parked_orders.set(parked),
+                Err(error) => {
+                    tracing::warn!(error = format!("{error:#}"), "counting parked orders")
+                }
+            }
+            tokio::time::sleep(tick).await;
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(tick) => {}
-        }
+    };
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        () = cleanup => {}
+        () = gauge => {}
     }
 }

@@ -36,7 +36,7 @@
 //! | `<PREFIX>__CONSUMER__DELIVERY_LIMIT` (crash-loop backstop) | 20 |
 //! | `<PREFIX>__CONSUMER__BIND_ORDER_EVENTS` | true (tests: false) |
 //! | `<PREFIX>__CONSUMER__ONLY_TENANTS` (test isolation; comma-separated) | empty = every tenant |
-//! | `<PREFIX>__CLEANUP__INBOX_RETENTION_HOURS` (>= `MIN_RETENTION_HOURS`, 168) | 192 |
+//! | `<PREFIX>__CLEANUP__INBOX_RETENTION_HOURS` (>= `__CLEANUP__MIN_RETENTION_HOURS`, 168) | 192 |
 //! | `<PREFIX>__CLEANUP__INTERVAL_SECS`, `__CLEANUP__BATCH_SIZE` | 600, 1000 |
 //! | `SERVICE_TOKEN` (or `<PREFIX>__AUTH__SERVICE_TOKEN`) | `local-dev-token` unless `<PREFIX>__AUTH__REQUIRE_TOKEN=true` |
 //!

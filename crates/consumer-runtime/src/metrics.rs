@@ -12,7 +12,10 @@ pub struct Metrics {
     pub applied: IntCounterVec,
     /// Duplicates recognised by the inbox.
     pub duplicates: IntCounter,
-    /// Events at or below the order's last applied sequence (no inbox row left).
+    /// Copies of events already applied here, told by the order's progress
+    /// rather than the inbox (at or below its last applied sequence: an
+    /// inbox row cleaned up since, a copy applied meanwhile, a copy this
+    /// build cannot decode); acknowledged with an inbox row of their own.
     pub stale: IntCounter,
     /// Events that arrived ahead of a missing predecessor and were deferred.
     pub deferred: IntCounter,

@@ -66,7 +66,9 @@ pub enum Infra {
     /// message again after a pause (it is not the event's fault).
     #[error("database: {0}")]
     Database(String),
-    /// A publish was not confirmed or the channel failed: reconnect.
+    /// A publish was not confirmed or the channel failed: the same message
+    /// is settled again in place on a renewed channel (a new connection
+    /// only when the publishing connection is down).
     #[error("broker: {0}")]
     Broker(String),
 }
@@ -402,7 +404,6 @@ impl<D: Domain> Processor<D> {
                 return Ok(Outcome::Stale);
             }
         }
-        tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettering and parking the order");
         if self
             .dead_letter_and_park(publisher, incoming, order, &reason)
             .await?
@@ -410,6 +411,8 @@ impl<D: Domain> Processor<D> {
         {
             return Ok(self.applied_meanwhile(order));
         }
+        // Logged once it is so (a copy applied meanwhile is no letter).
+        tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettered and parked the order");
         self.metrics
             .dead_lettered
             .with_label_values(&["poison"])
@@ -688,7 +691,6 @@ impl<D: Domain> Processor<D> {
         let attempts = incoming.attempts.saturating_add(1);
         if attempts >= self.max_attempts {
             let reason = format!("failed {attempts} times: {error}");
-            tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettering and parking the order");
             // The letter's attempts header counts this failure too, as its
             // reason does.
             let counted = Incoming {
@@ -702,6 +704,7 @@ impl<D: Domain> Processor<D> {
             {
                 return Ok(self.applied_meanwhile(raw.into()));
             }
+            tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettered and parked the order");
             self.metrics
                 .dead_lettered
                 .with_label_values(&["max_attempts"])
@@ -793,7 +796,6 @@ impl<D: Domain> Processor<D> {
         .await
     }
 
-    /// Whether the order's progress is at or past `raw`'s sequence here.
     /// The order's last applied sequence and tenant (see [`Opened::tenant`]),
     /// if it has a progress row here.
     async fn progress_of(&self, order: OrderRef<'_>) -> Result<Option<(i64, String)>, Infra> {

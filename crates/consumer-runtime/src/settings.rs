@@ -86,7 +86,8 @@ pub struct CleanupSettings {
     pub inbox_retention_hours: u32,
     /// The replay horizon of the relay; the retention may not be shorter.
     pub min_retention_hours: u32,
-    /// Seconds between cleanup runs (and parked-order gauge refreshes).
+    /// Seconds between cleanup runs (the parked-order gauge is refreshed
+    /// every `min(interval, 15 s)`).
     pub interval_secs: u64,
     /// Rows deleted per statement.
     pub batch_size: i64,

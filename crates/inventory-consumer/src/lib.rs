@@ -533,6 +533,10 @@ async fn post_receipt(
             && row.get::<_, String>(1) == r.location
             && row.get::<_, i64>(2) == r.qty;
         tx.rollback().await.map_err(database_problem)?;
+        // Back to the pool before the level's read takes one: requests
+        // holding one each while waiting for a second would stall the read
+        // pool (4 receipts at once) until its wait timed out.
+        drop(client);
         if !same {
             return Err(Problem::new(
                 StatusCode::CONFLICT,
@@ -574,6 +578,7 @@ async fn post_receipt(
     // retry with the same receipt id finds the row and is answered 200
     // `Idempotent-Replayed`: the stock counted once.
     kit::failpoint::crash_point("inventory.receipt.after_commit");
+    drop(client);
     let level = level(&pool, &scope.tenant, &r.sku, &r.location).await?;
     Ok(HttpResponse::Created()
         .json(serde_json::json!({ "receipt_id": r.receipt_id, "replayed": false, "level": level })))
