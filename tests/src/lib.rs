@@ -11,6 +11,77 @@ use std::{
 
 pub use kit::migrations::Database;
 
+/// How long a test lets a service's subcommand (migrate, replay, redrive,
+/// requeue, check-invariants, ...) run before killing it and failing: far
+/// above any run's length here, only so that a hang fails its test instead
+/// of holding up the suite.
+pub const SUBCOMMAND_LIMIT: Duration = Duration::from_secs(300);
+
+/// `output()` bounded by [`SUBCOMMAND_LIMIT`] (stdin empty, stdout and
+/// stderr captured, as `output()` does): past it the child is killed and
+/// the test fails naming the program.
+pub trait OutputWithin {
+    fn output_within(&mut self) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputWithin for Command {
+    fn output_within(&mut self) -> std::io::Result<std::process::Output> {
+        use std::io::Read;
+        let mut child = self
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        // Read both pipes while the child runs (a full pipe would stop it).
+        fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+            std::thread::spawn(move || {
+                let mut bytes = Vec::new();
+                if let Some(mut pipe) = pipe {
+                    let _ = pipe.read_to_end(&mut bytes);
+                }
+                bytes
+            })
+        }
+        let (stdout, stderr) = (drain(child.stdout.take()), drain(child.stderr.take()));
+        let deadline = Instant::now() + SUBCOMMAND_LIMIT;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "{:?} {:?} did not finish within {SUBCOMMAND_LIMIT:?}",
+                    self.get_program(),
+                    self.get_args().collect::<Vec<_>>()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Ok(std::process::Output {
+            status,
+            stdout: stdout.join().unwrap_or_default(),
+            stderr: stderr.join().unwrap_or_default(),
+        })
+    }
+}
+
+/// [`OutputWithin`] for tokio's `Command` (killed when the limit drops it).
+pub async fn output_within(
+    command: &mut tokio::process::Command,
+) -> std::io::Result<std::process::Output> {
+    command.kill_on_drop(true);
+    match tokio::time::timeout(SUBCOMMAND_LIMIT, command.output()).await {
+        Ok(output) => output,
+        Err(_) => panic!(
+            "{:?} {:?} did not finish within {SUBCOMMAND_LIMIT:?}",
+            command.as_std().get_program(),
+            command.as_std().get_args().collect::<Vec<_>>()
+        ),
+    }
+}
+
 /// URL of database `db`: `PG_URL_<DB>` (exported by `scripts/infra-env.sh`)
 /// or the local default.
 pub fn pg_url(db: Database) -> String {
@@ -523,7 +594,7 @@ pub fn api_key_command(tenant: &str) -> Command {
 /// Create a tenant and an API key with the real CLI (`order-api api-key create`).
 pub fn api_key(tenant: &str) -> String {
     let output = api_key_command(tenant)
-        .output()
+        .output_within()
         .expect("run order-api api-key create");
     assert!(
         output.status.success(),

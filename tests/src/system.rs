@@ -15,6 +15,7 @@
 //! Test files still run their systems one at a time (a static mutex): the
 //! machine has two cores.
 
+use crate::OutputWithin;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -139,7 +140,7 @@ impl Member {
                     .filter(|(k, _)| k != "FAILPOINTS")
                     .map(|(k, v)| (k.as_str(), v.as_str())),
             )
-            .output()
+            .output_within()
             .expect("run a subcommand");
         (
             output.status.success(),

@@ -252,8 +252,13 @@ async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledge
     // copy the alarm holds (after which the broker answers nothing on the
     // publishing connection, a channel open included), and for the test to
     // see a consumer ready before its second partition consumes.
+    let log = std::env::temp_dir().join(format!("{name}.delayed.log"));
     let delayed = Options {
         failpoints: Some("consumer.partition_set_up=1*return(10000)".to_owned()),
+        log: Some(log.clone()),
+        // The fail point's warning is read from the log (whatever
+        // CONSUMER_TEST_LOG says).
+        extra: vec![("RUST_LOG".into(), "warn".into())],
         ..options.clone()
     };
     let consumer = Consumer::start(Kind::Ledger, &name, delayed).await;
@@ -265,6 +270,12 @@ async fn a_copy_held_by_the_alarm_does_not_stop_the_other_partitions_acknowledge
             "{queue} has its consumer when the consumer is ready"
         );
     }
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("fail point: delaying"),
+        "the second partition's set-up was not delayed: this shows nothing"
+    );
     // The other partition applies and acknowledges its orders while both
     // partitions wait for the broker to take their copies.
     consumer

@@ -22,6 +22,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use system_tests::OutputWithin;
 
 use system_tests::{
     pg,
@@ -769,7 +770,7 @@ async fn the_checker_reports_each_broken_invariant() {
     }
     let output = std::process::Command::new(system_tests::bin("check-invariants"))
         .args(&args)
-        .output()
+        .output_within()
         .expect("check-invariants");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert_eq!(output.status.code(), Some(1), "{stdout}");
@@ -778,7 +779,7 @@ async fn the_checker_reports_each_broken_invariant() {
     let output = std::process::Command::new(system_tests::bin("check-invariants"))
         .args(&args)
         .args(["--relay-metrics", &system.api.url("/metric")])
-        .output()
+        .output_within()
         .expect("check-invariants");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let published = stdout
@@ -794,14 +795,14 @@ async fn the_checker_reports_each_broken_invariant() {
     let output = std::process::Command::new(system_tests::bin("check-invariants"))
         .args(&args)
         .args(["--consumer-metrics", "nobody=http://127.0.0.1:1/metrics"])
-        .output()
+        .output_within()
         .expect("check-invariants");
     assert_eq!(output.status.code(), Some(2), "{output:?}");
     // A tenant with nothing (a misspelt name) checks nothing: not a pass.
     args[1] = format!("{t}-misspelt");
     let output = std::process::Command::new(system_tests::bin("check-invariants"))
         .args(&args)
-        .output()
+        .output_within()
         .expect("check-invariants");
     assert_eq!(
         output.status.code(),

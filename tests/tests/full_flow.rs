@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use system_tests::OutputWithin;
 
 use futures_util::{stream, StreamExt};
 use reqwest::StatusCode;
@@ -130,7 +131,7 @@ fn replay(system: &System, consumer: &Member, args: &[&str]) {
         ])
         .args(args)
         .env("RUST_LOG", "warn")
-        .output()
+        .output_within()
         .expect("replay");
     assert!(
         output.status.success(),
@@ -577,17 +578,18 @@ async fn the_demo_tells_the_seed_story_and_checks_its_numbers() {
     let _serial = SERIAL.lock().await;
     let system = start("demo").await;
     let url = |kind| system.consumer(kind).base_url();
-    let output = tokio::process::Command::new(system_tests::bin("demo"))
-        .env("ORDER_API_URL", system.api.base_url())
-        .env("INVENTORY_URL", url(Kind::Inventory))
-        .env("LEDGER_URL", url(Kind::Ledger))
-        .env("LOYALTY_URL", url(Kind::Loyalty))
-        .env("SERVICE_TOKEN", system_tests::consumers::TEST_TOKEN)
-        .env("DEMO_TENANT", &system.tenant)
-        .env("DEMO_API_KEY", &system.key)
-        .output()
-        .await
-        .expect("run the demo");
+    let output = system_tests::output_within(
+        tokio::process::Command::new(system_tests::bin("demo"))
+            .env("ORDER_API_URL", system.api.base_url())
+            .env("INVENTORY_URL", url(Kind::Inventory))
+            .env("LEDGER_URL", url(Kind::Ledger))
+            .env("LOYALTY_URL", url(Kind::Loyalty))
+            .env("SERVICE_TOKEN", system_tests::consumers::TEST_TOKEN)
+            .env("DEMO_TENANT", &system.tenant)
+            .env("DEMO_API_KEY", &system.key),
+    )
+    .await
+    .expect("run the demo");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),

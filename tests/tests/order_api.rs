@@ -3,6 +3,7 @@
 //! Every test uses its own tenant and counts that tenant's rows.
 
 use std::time::Duration;
+use system_tests::OutputWithin;
 
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{json, Value};
@@ -501,9 +502,15 @@ async fn a_transaction_longer_than_the_ttl_still_stores_a_live_key() {
     ])
     .await;
     let caller = Caller::new("long-tx");
+    let started = std::time::Instant::now();
     let first = caller.post(&api.url("/orders"), "slow", SEED_ORDER).await;
     assert_eq!(first.status(), StatusCode::CREATED);
     assert!(!is_replay(&first));
+    assert!(
+        started.elapsed() >= Duration::from_secs(12),
+        "the transaction was not held past the TTL (the fail point did not sleep): \
+         this shows nothing"
+    );
     let retry = caller.post(&api.url("/orders"), "slow", SEED_ORDER).await;
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert!(
@@ -602,7 +609,7 @@ impl OwnOrdersDatabase {
     fn api_key(&self, tenant: &str) -> String {
         let output = api_key_command(tenant)
             .env("ORDER_API__DATABASE__URL", &self.url)
-            .output()
+            .output_within()
             .expect("api-key create");
         assert!(output.status.success(), "api-key create failed");
         String::from_utf8(output.stdout)
@@ -807,10 +814,13 @@ async fn a_body_slower_than_the_budget_is_answered_at_the_budget() {
 }
 
 /// A stop lets the requests in flight finish within their budget: a POST
-/// held 12 s before its COMMIT (its budget 15 s), the stop asked while it is
-/// held, is answered 201 and committed, and then the process stops cleanly.
-/// Before, a stop cut the requests still running after 10 s whatever their
-/// budget: the client saw the connection reset and the order rolled back.
+/// held 22 s before its COMMIT (its budget 26 s), the stop asked while it is
+/// held, is answered 201 and committed more than 10 s after the stop, and
+/// then the process stops cleanly. Before, a stop cut the requests still
+/// running after 10 s whatever their budget: the client saw the connection
+/// reset and the order rolled back. (The stop comes at most 10 s into the
+/// hold, so the answer comes at least 12 s after it: more than 10 s however
+/// slow the machine.)
 /// On a database of its own, so that the probe sees only this POST.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
@@ -823,11 +833,11 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
             ("ORDER_API__DATABASE__URL", database.url.clone()),
             (
                 "FAILPOINTS",
-                "order_api.committing=return(12000)".to_owned(),
+                "order_api.committing=return(22000)".to_owned(),
             ),
             (
                 "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
-                "15000".to_owned(),
+                "26000".to_owned(),
             ),
             ("RUST_LOG", "info".to_owned()),
             ("LOG_FORMAT", "json".to_owned()),
@@ -842,7 +852,7 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
         .header("Idempotency-Key", "drain-me")
         .header("Content-Type", "application/json")
         .body(SEED_ORDER)
-        .timeout(Duration::from_secs(30))
+        .timeout(Duration::from_secs(40))
         .send();
     let stop = async {
         // Held: its work done (the last statement stored the response),
@@ -864,10 +874,16 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
         )
         .await;
         api.service.signal("TERM");
+        std::time::Instant::now()
     };
-    let (response, ()) = tokio::join!(post, stop);
+    let (response, stopped) = tokio::join!(post, stop);
     let response = response.expect("an answer, not a reset");
     assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(
+        stopped.elapsed() > Duration::from_secs(10),
+        "answered {:?} after the stop: not past the old 10 s cut, so this shows nothing",
+        stopped.elapsed()
+    );
     assert_eq!(counts_in(&observer, &tenant).await, Counts::ONE_ORDER);
     let status = api
         .service
@@ -4023,7 +4039,7 @@ async fn an_api_key_lost_to_a_crash_after_its_commit_is_replaced_by_the_next_run
     let tenant = unique_tenant("keycrash");
     let crashed = system_tests::api_key_command(&tenant)
         .env("FAILPOINTS", "order_api.api_key.after_commit=return")
-        .output()
+        .output_within()
         .expect("run order-api api-key create");
     assert!(
         system_tests::system::aborted(&crashed.status),

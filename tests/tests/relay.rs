@@ -482,17 +482,17 @@ async fn admin(args: &[&str], env: &[(&str, String)]) -> (bool, String) {
 
 /// [`admin`], with the process's exit status.
 async fn admin_run(args: &[&str], env: &[(&str, String)]) -> (std::process::ExitStatus, String) {
-    let output = tokio::process::Command::new(system_tests::bin("outbox-relay"))
-        .args(args)
-        .env("OUTBOX_RELAY__DATABASE__URL", pg_url(Database::Orders))
-        .env("OUTBOX_RELAY__AMQP__URL", amqp_url())
-        .env("RUST_LOG", "warn,lapin=error")
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .output()
-        .await
-        .expect("run outbox-relay");
+    let output = system_tests::output_within(
+        tokio::process::Command::new(system_tests::bin("outbox-relay"))
+            .args(args)
+            .env("OUTBOX_RELAY__DATABASE__URL", pg_url(Database::Orders))
+            .env("OUTBOX_RELAY__AMQP__URL", amqp_url())
+            .env("RUST_LOG", "warn,lapin=error")
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdin(std::process::Stdio::null()),
+    )
+    .await
+    .expect("run outbox-relay");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&output.stdout),
@@ -1266,6 +1266,9 @@ async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let received = collector.snapshot();
     assert_eq!(received.len(), 6, "each event once");
+    // Sent once each, by the relay's own count (a copy sent again could
+    // still be on its way past the pause above).
+    assert_eq!(relay.metric("outbox_published_total").await, 6);
     let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
     assert_in_sequence_order(&received, &expect);
     assert_eq!(relay.metric("outbox_expired_claims_total").await, 0);
@@ -1369,6 +1372,9 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
         0,
         "the stalled relay never published"
     );
+    // The taker sent each of the eight once, by its own count (a copy sent
+    // again could still be on its way past the pause above).
+    assert_eq!(taker.metric("outbox_published_total").await, 8);
     let early = db
         .query_one(
             "SELECT count(*) FROM outbox_events
@@ -1593,15 +1599,21 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
     )
     .await;
     let instance = relay.instance.clone();
+    let stopped_at: String = db
+        .query_one("SELECT clock_timestamp()::text", &[])
+        .await
+        .expect("now")
+        .get(0);
     relay.stop(); // SIGTERM; asserts a clean exit
     let output = system_tests::take_log(&log);
     system_tests::assert_clean_stop(&output, "relay stopped");
     let row = db
         .query_one(
             "SELECT count(*) FILTER (WHERE published_at IS NOT NULL AND claimed_by = $2),
-                    count(DISTINCT claim_until)
+                    count(DISTINCT claim_until),
+                    count(*) FILTER (WHERE published_at > $3::text::timestamptz)
              FROM outbox_events WHERE tenant_id = $1",
-            &[&tenant, &instance],
+            &[&tenant, &instance, &stopped_at],
         )
         .await
         .expect("state");
@@ -1609,6 +1621,12 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
         row.get::<_, i64>(0),
         2,
         "the batch in flight was published and marked"
+    );
+    assert_eq!(
+        row.get::<_, i64>(2),
+        2,
+        "marked after the stop was asked (else the stop came after the hold: \
+         this shows nothing)"
     );
     assert_eq!(
         row.get::<_, i64>(1),
@@ -2028,8 +2046,10 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
     settings.push(("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "60000".to_owned()));
     settings.push(("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "60000".to_owned()));
     Relay::crashed_at(&tenant, "relay.after_mark_failed", &settings);
-    // Seconds until it is due, read right after the crash.
-    let due_in = "extract(epoch FROM available_at - now())::float8";
+    // Seconds it was put off by, from the failure write's own commit time
+    // (track_commit_timestamp, on in `make up`): a stalled test cannot
+    // make it fail.
+    let due_in = "extract(epoch FROM available_at - pg_xact_commit_timestamp(xmin))::float8";
     let row = the_row(
         &db,
         &tenant,
@@ -2052,11 +2072,11 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
         (true, true, 1, 1, 0, true, true),
         "the failed attempt recorded once, the lease released, unpublished"
     );
-    // At least 30 s after the failure, less the crash and this read (10 s
-    // allowed them on a slow machine).
+    // 30 to 60 s after the failure was recorded (less the moment between
+    // the write's statement and its commit).
     let due_in_seconds: f64 = row.get(7);
     assert!(
-        (20.0..=60.0).contains(&due_in_seconds),
+        (29.0..=60.0).contains(&due_in_seconds),
         "put off by the backoff: due in {due_in_seconds} s"
     );
     // Due now, not in a minute (the lease columns are the relay's, not
@@ -2427,10 +2447,17 @@ async fn notify_wakes_an_idle_relay_long_before_its_poll() {
 }
 
 /// `outbox_claims_total` once it has stood still for a second (every
-/// worker idle: no claim under way).
+/// worker idle: no claim under way). Fails when it never does within 60 s
+/// (an idle relay claiming in a loop, that no NOTIFY need wake).
 async fn claims_at_rest(relay: &Relay) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = (relay.metric("outbox_claims_total").await, Instant::now());
     loop {
+        assert!(
+            Instant::now() < deadline,
+            "the idle relay never stopped claiming: {} claims",
+            last.0
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
         let claims = relay.metric("outbox_claims_total").await;
         if claims != last.0 {
