@@ -82,6 +82,31 @@ pub async fn output_within(
     }
 }
 
+/// The database server's clock now (`clock_timestamp()`), as text for a
+/// later `$n::text::timestamptz`: a moment to compare the server's own
+/// times with (a commit's, a `published_at`), whatever the test's clock.
+pub async fn db_clock(client: &impl tokio_postgres::GenericClient) -> String {
+    client
+        .query_one("SELECT clock_timestamp()::text", &[])
+        .await
+        .expect("the database's clock")
+        .get(0)
+}
+
+/// Fails unless the server records commit times (`track_commit_timestamp`,
+/// on in `make up`): for a test reading `pg_xact_commit_timestamp(xmin)`.
+pub async fn require_commit_timestamps(client: &impl tokio_postgres::GenericClient) {
+    let tracked: String = client
+        .query_one("SHOW track_commit_timestamp", &[])
+        .await
+        .expect("track_commit_timestamp")
+        .get(0);
+    assert_eq!(
+        tracked, "on",
+        "this test needs PostgreSQL's track_commit_timestamp (scripts/infra-up.sh sets it)"
+    );
+}
+
 /// URL of database `db`: `PG_URL_<DB>` (exported by `scripts/infra-env.sh`)
 /// or the local default.
 pub fn pg_url(db: Database) -> String {

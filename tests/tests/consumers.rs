@@ -3444,11 +3444,8 @@ async fn graceful_shutdown_finishes_and_acknowledges_the_in_flight_message() {
     // then sleeps 10 s).
     let admin = pg(Database::Inventory).await;
     inside_its_transaction(&admin, &name).await;
-    let stopped_at: String = admin
-        .query_one("SELECT clock_timestamp()::text", &[])
-        .await
-        .expect("now")
-        .get(0);
+    system_tests::require_commit_timestamps(&admin).await;
+    let stopped_at = system_tests::db_clock(&admin).await;
     slow.service.signal("TERM");
     let status = exit_of(slow).await;
     assert!(

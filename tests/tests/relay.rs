@@ -1266,9 +1266,12 @@ async fn a_crash_during_the_claim_leaves_no_lease_and_loses_nothing() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let received = collector.snapshot();
     assert_eq!(received.len(), 6, "each event once");
-    // Sent once each, by the relay's own count (a copy sent again could
-    // still be on its way past the pause above).
-    assert_eq!(relay.metric("outbox_published_total").await, 6);
+    // Confirmed once each, by the relay's own count of confirmed sends (a
+    // copy sent again could still be on its way past the pause above).
+    assert_eq!(
+        relay.metric("outbox_confirm_latency_seconds_count").await,
+        6
+    );
     let expect: HashMap<String, i64> = events.iter().map(|e| (e.aggregate_id.clone(), 2)).collect();
     assert_in_sequence_order(&received, &expect);
     assert_eq!(relay.metric("outbox_expired_claims_total").await, 0);
@@ -1372,9 +1375,13 @@ async fn leases_of_a_killed_relay_are_taken_over_after_expiry() {
         0,
         "the stalled relay never published"
     );
-    // The taker sent each of the eight once, by its own count (a copy sent
-    // again could still be on its way past the pause above).
-    assert_eq!(taker.metric("outbox_published_total").await, 8);
+    // The taker had each of the eight confirmed once, by its own count of
+    // confirmed sends (a copy sent again could still be on its way past
+    // the pause above).
+    assert_eq!(
+        taker.metric("outbox_confirm_latency_seconds_count").await,
+        8
+    );
     let early = db
         .query_one(
             "SELECT count(*) FROM outbox_events
@@ -1599,11 +1606,7 @@ async fn sigterm_finishes_the_batch_in_flight_then_exits_cleanly() {
     )
     .await;
     let instance = relay.instance.clone();
-    let stopped_at: String = db
-        .query_one("SELECT clock_timestamp()::text", &[])
-        .await
-        .expect("now")
-        .get(0);
+    let stopped_at = system_tests::db_clock(&db).await;
     relay.stop(); // SIGTERM; asserts a clean exit
     let output = system_tests::take_log(&log);
     system_tests::assert_clean_stop(&output, "relay stopped");
@@ -2045,6 +2048,7 @@ async fn a_crash_right_after_a_failure_is_recorded_counts_it_once() {
     let mut settings = patient();
     settings.push(("OUTBOX_RELAY__RELAY__BACKOFF_BASE_MS", "60000".to_owned()));
     settings.push(("OUTBOX_RELAY__RELAY__BACKOFF_CAP_MS", "60000".to_owned()));
+    system_tests::require_commit_timestamps(&db).await;
     Relay::crashed_at(&tenant, "relay.after_mark_failed", &settings);
     // Seconds it was put off by, from the failure write's own commit time
     // (track_commit_timestamp, on in `make up`): a stalled test cannot
@@ -2234,15 +2238,7 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
     // (`track_commit_timestamp`, on in `make up`), not from when this test
     // happened to look: a stalled test cannot make it fail.
     println!("seconds of backoff left when each attempt count was first seen: {remaining:?}");
-    let tracked: String = db
-        .query_one("SHOW track_commit_timestamp", &[])
-        .await
-        .expect("track_commit_timestamp")
-        .get(0);
-    assert_eq!(
-        tracked, "on",
-        "this test needs PostgreSQL's track_commit_timestamp (scripts/infra-up.sh sets it)"
-    );
+    system_tests::require_commit_timestamps(&db).await;
     let set: f64 = db
         .query_one(
             "SELECT EXTRACT(EPOCH FROM available_at - pg_xact_commit_timestamp(xmin))::float8 \

@@ -13,9 +13,10 @@ pub struct Metrics {
     /// Duplicates recognised by the inbox.
     pub duplicates: IntCounter,
     /// Copies of events already applied here, told by the order's progress
-    /// rather than the inbox (at or below its last applied sequence: an
-    /// inbox row cleaned up since, a copy applied meanwhile, a copy this
-    /// build cannot decode); acknowledged with an inbox row of their own.
+    /// rather than the inbox (at or below its last applied sequence): one
+    /// whose inbox row was cleaned up since is acknowledged with a new
+    /// inbox row; one applied meanwhile (found by a park) or that this build
+    /// cannot decode is acknowledged without one.
     pub stale: IntCounter,
     /// Events that arrived ahead of a missing predecessor and were deferred.
     pub deferred: IntCounter,

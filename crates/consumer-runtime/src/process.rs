@@ -411,8 +411,6 @@ impl<D: Domain> Processor<D> {
         {
             return Ok(self.applied_meanwhile(order));
         }
-        // Logged once it is so (a copy applied meanwhile is no letter).
-        tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettered and parked the order");
         self.metrics
             .dead_lettered
             .with_label_values(&["poison"])
@@ -704,7 +702,6 @@ impl<D: Domain> Processor<D> {
             {
                 return Ok(self.applied_meanwhile(raw.into()));
             }
-            tracing::error!(event_id = %raw.event_id, order = %raw.aggregate_id, %reason, "dead-lettered and parked the order");
             self.metrics
                 .dead_lettered
                 .with_label_values(&["max_attempts"])
@@ -884,8 +881,8 @@ impl<D: Domain> Processor<D> {
                 let why = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
                 rollback(tx).await;
                 drop(client);
-                tracing::error!(event_id = %order.event_id, %why, "the order cannot be parked: dead-lettering the event alone");
                 self.dead_letter(publisher, incoming, reason).await?;
+                tracing::error!(event_id = %order.event_id, %reason, %why, "dead-lettered the event alone: its order cannot be parked");
                 return Ok(Letter::Parked);
             }
         };
@@ -909,6 +906,8 @@ impl<D: Domain> Processor<D> {
         if newly_parked {
             self.metrics.parked_orders.inc();
         }
+        // Logged once it is so (a copy applied meanwhile is no letter).
+        tracing::error!(event_id = %order.event_id, order = %order.aggregate_id, %reason, "dead-lettered and parked the order");
         Ok(Letter::Parked)
     }
 

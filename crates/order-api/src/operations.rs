@@ -388,16 +388,21 @@ async fn pay(
         )
         .await?;
     if inserted == 0 {
-        // Payments are never deleted: the row that conflicted is committed
-        // and this statement (a new snapshot) sees it.
+        // The row that conflicted is committed and this statement (a new
+        // snapshot) sees it, unless it was deleted or renamed by hand in
+        // between (the runbook's repair before V17): then nothing is
+        // decided, and a retry under the same key runs it again.
         let holder = tx
             .prepare_cached(
                 "SELECT order_id FROM payments WHERE tenant_id = $1 AND payment_id = $2",
             )
             .await?;
-        let order = tx
-            .query_one(&holder, &[&tenant, &payment.payment_id])
-            .await?;
+        let Some(order) = tx
+            .query_opt(&holder, &[&tenant, &payment.payment_id])
+            .await?
+        else {
+            return Err(ApiError::Busy);
+        };
         return Ok(Err(Rejection::PaymentAlreadyRecorded {
             payment_id: payment.payment_id,
             order_id: order.get(0),
