@@ -214,6 +214,7 @@ pub async fn measure(
     started: Instant,
 ) -> Apply {
     let mut last_print = Instant::now();
+    let mut progress = crate::stats::Progress::new(0);
     loop {
         let (applied, span) = applied_since(db, name, since).await;
         if applied >= events {
@@ -240,6 +241,9 @@ pub async fn measure(
             started.elapsed() < Duration::from_secs(1800),
             "{name}: {applied}/{events}"
         );
+        if let Err(stalled) = progress.check(applied, format_args!("{name}: applied of {events}")) {
+            panic!("{stalled}");
+        }
         // Rarely: the count competes with the consumer for the same
         // PostgreSQL (the raw loop counts in-process), and the rate comes
         // from the `processed_at` span, not from when the count is seen.

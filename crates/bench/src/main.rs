@@ -710,6 +710,7 @@ async fn applied_by_all(
         let db = consumers::db(kind).await;
         let started = Instant::now();
         let mut last_print = Instant::now();
+        let mut progress = stats::Progress::new(0);
         // While the consumer catches up only its count is asked (the same
         // PostgreSQL serves it); the rows once it has them all.
         loop {
@@ -729,6 +730,10 @@ async fn applied_by_all(
                 "{}: {applied} of {want} events applied after {APPLY_DEADLINE:?}: the run fails",
                 kind.binary()
             );
+            progress.check(
+                u64::try_from(applied).unwrap_or_default(),
+                format_args!("{}: applied of {want}", kind.binary()),
+            )?;
             if last_print.elapsed() >= Duration::from_secs(5) {
                 println!(
                     "  waiting for {}: {applied}/{want} applied after {:.0?}",
@@ -1369,7 +1374,14 @@ async fn settle(db: &tokio_postgres::Client) {
 async fn roll_over_quorum_wal() {
     let output = tokio::task::spawn_blocking(|| {
         std::process::Command::new("rabbitmqctl")
-            .args(["-q", "eval", "ra_log_wal:force_roll_over(ra_log_wal)."])
+            // Bounded: the CLI's own timeout is infinite.
+            .args([
+                "-q",
+                "-t",
+                "30",
+                "eval",
+                "ra_log_wal:force_roll_over(ra_log_wal).",
+            ])
             .output()
     })
     .await;

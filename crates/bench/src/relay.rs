@@ -366,12 +366,17 @@ impl Sink {
     /// after `at_most`.
     pub async fn wait_delivered(&self, want: u64, at_most: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + at_most;
+        let mut progress = crate::stats::Progress::new(self.delivered());
         while self.delivered() < want {
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "the sink received {} of {want} messages in {at_most:?}",
                 self.delivered()
             );
+            progress.check(
+                self.delivered(),
+                format_args!("the sink, waiting for {want}"),
+            )?;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Ok(())
@@ -541,11 +546,13 @@ pub async fn measure_drain(
     deadline: Duration,
 ) -> anyhow::Result<Drain> {
     let mut last_print = Instant::now();
+    let mut progress = crate::stats::Progress::new(0);
     loop {
         let delivered = sink.delivered().saturating_sub(delivered_before);
         if delivered >= total {
             break;
         }
+        progress.check(delivered, format_args!("{label}: delivered of {total}"))?;
         if last_print.elapsed() > Duration::from_secs(5) {
             println!(
                 "  {label}: {delivered}/{total} delivered after {:.0?}",
@@ -559,11 +566,16 @@ pub async fn measure_drain(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let mut progress = crate::stats::Progress::new(u64::MAX);
     loop {
         let left = unpublished(db, tenant).await;
         if left == 0 {
             break;
         }
+        progress.check(
+            u64::try_from(left).unwrap_or_default(),
+            format_args!("{label}: rows left unpublished"),
+        )?;
         anyhow::ensure!(
             started.elapsed() < deadline,
             "{label}: {left} rows left unpublished after {deadline:?}"

@@ -3,7 +3,7 @@
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use serde::Serialize;
@@ -103,5 +103,39 @@ mod tests {
         assert_eq!(percentile(&samples, 0.99), 99.0);
         let l = Latency::of(vec![3.0, 1.0, 2.0]);
         assert_eq!((l.p50_ms, l.max_ms, l.count), (2.0, 3.0, 3));
+    }
+}
+
+/// How long a phase's wait may see its count stand still before it fails: a
+/// service that died, or a sink whose stream ended, fails the phase within
+/// a minute instead of at its deadline (up to 30 minutes).
+pub const STALL: Duration = Duration::from_secs(60);
+
+/// A wait's count (messages received, events applied, rows left) and when
+/// it last moved.
+pub struct Progress {
+    count: u64,
+    moved: Instant,
+}
+
+impl Progress {
+    pub fn new(count: u64) -> Progress {
+        Progress {
+            count,
+            moved: Instant::now(),
+        }
+    }
+
+    /// Records `count`; an error naming `what` when it has not moved for
+    /// [`STALL`].
+    pub fn check(&mut self, count: u64, what: impl std::fmt::Display) -> anyhow::Result<()> {
+        if count != self.count {
+            (self.count, self.moved) = (count, Instant::now());
+        }
+        anyhow::ensure!(
+            self.moved.elapsed() < STALL,
+            "{what}: stalled at {count} for {STALL:?} (a service stopped?)"
+        );
+        Ok(())
     }
 }

@@ -148,6 +148,13 @@ impl Settings {
 
     pub fn validate(&self) -> anyhow::Result<()> {
         self.amqp.validate().map_err(anyhow::Error::msg)?;
+        // Accepted by the shared HTTP settings, honoured by order-api only:
+        // refused here rather than ignored (this server, health, metrics
+        // and reads, runs on one worker).
+        anyhow::ensure!(
+            self.http.workers == 0,
+            "http.workers applies to order-api only; this service serves HTTP on one worker"
+        );
         let c = &self.consumer;
         anyhow::ensure!(
             !c.name.is_empty() && c.name.len() <= 200,
@@ -269,6 +276,14 @@ mod tests {
         assert_eq!(secs, vec![10, 60, 300, 1800, 7200]);
         assert_eq!(settings.consumer.max_attempts, 5);
         assert!(settings.cleanup.inbox_retention_hours >= 7 * 24);
+    }
+
+    #[test]
+    fn http_workers_are_refused_not_ignored() {
+        let mut settings = Settings::local("inventory", "inventory", 8081);
+        settings.http.workers = 4;
+        let error = settings.validate().expect_err("not honoured here");
+        assert!(error.to_string().contains("http.workers"), "{error}");
     }
 
     #[test]

@@ -39,7 +39,9 @@ pub const SESSION_LIMITS: &str =
 /// is gone, and the kernel's keepalive default notices after two hours. A
 /// dead peer is found within about 30 s: TCP keepalive after 15 s idle, then
 /// 3 probes 5 s apart; `tcp_user_timeout` 30 s for data sent and never
-/// acknowledged; connecting at most 5 s. A live server answers the probes,
+/// acknowledged; the socket's connect at most 5 s (the whole opening of a
+/// connection outside a pool: [`CONNECT_LIMIT`]; a pool's: its create
+/// timeout). A live server answers the probes,
 /// so a long statement is not cut. Values given in the database URL
 /// (`keepalives_idle`, `tcp_user_timeout`, ...) are kept, except a
 /// `keepalives_idle` equal to the library's default (2 h), which cannot be
@@ -83,16 +85,35 @@ fn refuse_tls(config: &tokio_postgres::Config, url: &str) -> Result<(), DbError>
 /// connection to drive it.
 pub async fn connect(
     url: &str,
-) -> Result<
-    (
-        tokio_postgres::Client,
-        tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
-    ),
-    tokio_postgres::Error,
-> {
+) -> anyhow::Result<(
+    tokio_postgres::Client,
+    tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+)> {
     let mut config: tokio_postgres::Config = url.parse()?;
     bound_network_waits(&mut config);
-    config.connect(NoTls).await
+    connect_with(&config).await
+}
+
+/// How long opening a connection outside a pool may take in all: the
+/// socket's connect is bounded by `connect_timeout`, but not the startup
+/// and authentication exchange after it (a peer that accepts the connection
+/// and never answers: a frozen server, a proxy whose upstream hangs).
+pub const CONNECT_LIMIT: Duration = Duration::from_secs(10);
+
+/// `config.connect(NoTls)` within [`CONNECT_LIMIT`] (for `config`s that
+/// need more than [`connect`]'s URL: an application name, session limits).
+pub async fn connect_with(
+    config: &tokio_postgres::Config,
+) -> anyhow::Result<(
+    tokio_postgres::Client,
+    tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+)> {
+    match tokio::time::timeout(CONNECT_LIMIT, config.connect(NoTls)).await {
+        Ok(connected) => Ok(connected?),
+        Err(_) => {
+            anyhow::bail!("no answer from the database within {CONNECT_LIMIT:?} of connecting")
+        }
+    }
 }
 
 /// Give a session opened outside a pool the services' server-side bounds

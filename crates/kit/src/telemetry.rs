@@ -49,7 +49,14 @@ pub struct TelemetryGuard {
 
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
-        if let Err(error) = self.provider.shutdown() {
+        // Within the second or two a stop keeps for the rest after its
+        // drain (the SDK's default waits 5 s for a slow collector, which
+        // could take a stop past its grace: exit 1, the spans lost all the
+        // same).
+        if let Err(error) = self
+            .provider
+            .shutdown_with_timeout(std::time::Duration::from_secs(1))
+        {
             eprintln!("telemetry shutdown: {error}");
         }
     }
@@ -107,11 +114,10 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     opentelemetry::global::set_tracer_provider(provider.clone());
     let tracer = provider.tracer(service);
 
-    let filter = client_faults_unlogged(never_logged(
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-            EnvFilter::new("info,lapin=error,actix_server=warn,tokio_postgres=warn")
-        }),
-    ))
+    let filter = client_faults_unlogged(never_logged(filter_of(
+        std::env::var("RUST_LOG").ok(),
+        "info,lapin=error,actix_server=warn,tokio_postgres=warn",
+    )))
     .and(not_never_logged());
     // Without an exporter the spans only carry the trace context (stored and
     // propagated): log events are not recorded into them.
@@ -123,10 +129,10 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     // (tracing-log sets it from that hint): every `log::debug!` of
     // tokio-postgres, per statement, went through the bridge and every
     // layer's filter before being dropped.
-    let trace_filter = never_logged(
-        EnvFilter::try_from_env("OTEL_TRACES_FILTER")
-            .unwrap_or_else(|_| EnvFilter::new(TRACE_FILTER)),
-    )
+    let trace_filter = never_logged(filter_of(
+        std::env::var("OTEL_TRACES_FILTER").ok(),
+        TRACE_FILTER,
+    ))
     .and(not_never_logged())
     .and(
         filter_fn(move |metadata| exporting || metadata.is_span())
@@ -165,6 +171,27 @@ pub fn init(service: &'static str) -> TelemetryGuard {
     }
     tracing::info!(service, otlp_export = exporting, "telemetry ready");
     TelemetryGuard { provider }
+}
+
+/// A `RUST_LOG`-style filter from `value`: unset or blank, `default`
+/// (before, a blank `RUST_LOG=` logged nothing at all, errors included);
+/// otherwise its directives, each invalid one ignored with a line on stderr
+/// naming it and the valid ones kept (before, one invalid directive, say
+/// `lapin=warning`, silently replaced them all by the default), and
+/// `default` when none is valid.
+fn filter_of(value: Option<String>, default: &str) -> EnvFilter {
+    let Some(value) = value.filter(|v| !v.trim().is_empty()) else {
+        return EnvFilter::new(default);
+    };
+    let valid = value
+        .split(',')
+        .filter(|d| d.parse::<tracing_subscriber::filter::Directive>().is_ok())
+        .count();
+    if valid == 0 {
+        eprintln!("no valid directive in {value:?}: logging with {default:?}");
+        return EnvFilter::new(default);
+    }
+    EnvFilter::builder().parse_lossy(value)
 }
 
 /// Targets never logged (nor recorded into spans), whatever `RUST_LOG` or
@@ -281,6 +308,26 @@ pub fn set_remote_parent(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_blank_or_invalid_filter_falls_back_and_a_partly_invalid_one_keeps_the_valid() {
+        let default = "info,lapin=error";
+        let of = |value: Option<&str>| filter_of(value.map(str::to_owned), default).to_string();
+        let expected = EnvFilter::new(default).to_string();
+        assert_eq!(of(None), expected);
+        assert_eq!(of(Some("")), expected, "blank: the default, not nothing");
+        assert_eq!(of(Some("  ")), expected);
+        assert_eq!(of(Some("lapin=warning")), expected, "nothing valid");
+        assert_eq!(
+            of(Some("debug,lapin=warning")),
+            EnvFilter::new("debug").to_string(),
+            "the valid directive kept"
+        );
+        assert_eq!(
+            of(Some("warn,outbox_relay=debug")),
+            EnvFilter::new("warn,outbox_relay=debug").to_string()
+        );
+    }
 
     #[test]
     fn a_remote_context_is_kept_when_valid_and_dropped_when_not() {

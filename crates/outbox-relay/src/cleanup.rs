@@ -71,7 +71,7 @@ pub async fn run_once(
     // tries again. (A shutdown gives the run up at once: `run_periodically`.)
     kit::db::bound_session(&mut config);
     kit::db::bound_network_waits(&mut config);
-    let (mut client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    let (mut client, connection) = kit::db::connect_with(&config).await?;
     let driver = tokio::spawn(connection);
     let result = async {
         let locked: bool = client

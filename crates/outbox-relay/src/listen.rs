@@ -14,7 +14,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use kit::CancellationToken;
 use tokio::sync::{mpsc, watch};
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 
 pub const CHANNEL: &str = "outbox_events";
 
@@ -73,7 +73,7 @@ async fn listen_once(
     shutdown: &CancellationToken,
     delay: &mut Duration,
 ) -> anyhow::Result<()> {
-    let (client, mut connection) = config.connect(NoTls).await?;
+    let (client, mut connection) = kit::db::connect_with(config).await?;
     let (notified, mut notifications) = mpsc::unbounded_channel::<()>();
     let driver = tokio::spawn(async move {
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));

@@ -193,6 +193,13 @@ impl Settings {
 
     pub fn validate(&self) -> anyhow::Result<()> {
         self.amqp.validate().map_err(anyhow::Error::msg)?;
+        // Accepted by the shared HTTP settings, honoured by order-api only:
+        // refused here rather than ignored (this server, health, metrics
+        // and reads, runs on one worker).
+        anyhow::ensure!(
+            self.http.workers == 0,
+            "http.workers applies to order-api only; this service serves HTTP on one worker"
+        );
         let r = &self.relay;
         anyhow::ensure!(
             !r.exchange.is_empty() && r.exchange.len() <= 255,
@@ -429,6 +436,14 @@ mod tests {
             ..RelaySettings::default()
         };
         with(day).validate().expect("a day is allowed");
+    }
+
+    #[test]
+    fn http_workers_are_refused_not_ignored() {
+        let mut settings = Settings::default();
+        settings.http.workers = 4;
+        let error = settings.validate().expect_err("not honoured here");
+        assert!(error.to_string().contains("http.workers"), "{error}");
     }
 
     #[test]
