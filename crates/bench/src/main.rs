@@ -137,9 +137,18 @@ pub struct Results {
     pub relay_wal: BTreeMap<String, (u64, relay::Wal)>,
     /// Peak RSS (KiB) per service binary, over every process of the run.
     pub peak_rss_kib: BTreeMap<String, u64>,
-    /// (second, orders, p50 ms, max ms) of the end-to-end run.
+    /// (second, orders, p50 ms, max ms) of the end-to-end run, by commit
+    /// second (every second of the run, orders 0 in a second without one).
     pub e2e_timeline: Vec<(f64, f64, f64, f64)>,
+    /// (second, events applied by all three consumers) of the end-to-end
+    /// run, by the second the last of the three committed (every second,
+    /// 0 in a second where none was): a stall of the pipeline shows here.
+    pub e2e_applied: Vec<(f64, f64)>,
 }
+
+/// What the end-to-end run's chart draws: [`Results::e2e_timeline`] and
+/// [`Results::e2e_applied`].
+type Timelines = (Vec<(f64, f64, f64, f64)>, Vec<(f64, f64)>);
 
 fn block<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
@@ -523,11 +532,12 @@ async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<usiz
         "4. end to end: {e2e_rate:.0} orders/s for {} s, 1 relay, all consumers",
         settings.e2e_seconds
     ));
-    let (load, latency, timeline) =
+    let (load, latency, (timeline, applied)) =
         paced_run(system, orders, e2e_rate, settings.e2e_seconds).await?;
     results.e2e_orders = load;
     results.e2e = latency;
     results.e2e_timeline = timeline;
+    results.e2e_applied = applied;
 
     // 5. Memory.
     drop(sampler);
@@ -815,7 +825,7 @@ async fn paced_run(
     orders: &tokio_postgres::Client,
     rate: f64,
     seconds: u64,
-) -> anyhow::Result<(api::Load, Latency, Vec<(f64, f64, f64, f64)>)> {
+) -> anyhow::Result<(api::Load, Latency, Timelines)> {
     let since = consumers::now(&consumers::db(Kind::Inventory).await).await;
     let load = api::paced_load(
         &system.api.base_url(),
@@ -826,12 +836,12 @@ async fn paced_run(
     )
     .await;
     report::print_load("paced order-api", &load);
-    let (latency, timeline) = end_to_end(system, orders, since).await?;
+    let (latency, timelines) = end_to_end(system, orders, since).await?;
     println!(
         "  order commit -> committed by all three: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} events)",
         latency.p50_ms, latency.p99_ms, latency.max_ms, latency.count
     );
-    Ok((load, latency, timeline))
+    Ok((load, latency, timelines))
 }
 
 /// Every event of the paced run: from its order's commit to the last of the
@@ -841,7 +851,7 @@ async fn end_to_end(
     system: &System,
     orders: &tokio_postgres::Client,
     since: time::OffsetDateTime,
-) -> anyhow::Result<(Latency, Vec<(f64, f64, f64, f64)>)> {
+) -> anyhow::Result<(Latency, Timelines)> {
     let Applied {
         events,
         done: applied,
@@ -855,6 +865,7 @@ async fn end_to_end(
     );
     let mut samples = Vec::new();
     let mut per_second: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+    let mut done_per_second: BTreeMap<i64, u64> = BTreeMap::new();
     for (id, committed) in &events {
         let done = applied
             .get(id)
@@ -865,20 +876,39 @@ async fn end_to_end(
             .entry((*committed - since).whole_seconds())
             .or_default()
             .push(latency);
+        *done_per_second
+            .entry((*done - since).whole_seconds())
+            .or_default() += 1;
     }
-    let timeline = per_second
-        .into_iter()
-        .map(|(second, mut v)| {
-            v.sort_by(f64::total_cmp);
-            (
-                second as f64,
-                v.len() as f64,
-                stats::percentile(&v, 0.5),
-                v[v.len() - 1],
-            )
-        })
-        .collect();
-    Ok((Latency::of(samples), timeline))
+    // Every second from the first to the last, a second without an order
+    // (or without an event done) drawn as 0, not bridged by a line.
+    let seconds = per_second
+        .keys()
+        .chain(done_per_second.keys())
+        .copied()
+        .fold(None, |span: Option<(i64, i64)>, s| {
+            Some(span.map_or((s, s), |(a, b)| (a.min(s), b.max(s))))
+        });
+    let (mut timeline, mut done) = (Vec::new(), Vec::new());
+    if let Some((first, last)) = seconds {
+        for second in first..=last {
+            match per_second.get_mut(&second) {
+                Some(v) => {
+                    v.sort_by(f64::total_cmp);
+                    timeline.push((
+                        second as f64,
+                        v.len() as f64,
+                        stats::percentile(v, 0.5),
+                        v[v.len() - 1],
+                    ));
+                }
+                None => timeline.push((second as f64, 0.0, f64::NAN, f64::NAN)),
+            }
+            let n = done_per_second.get(&second).copied().unwrap_or_default();
+            done.push((second as f64, n as f64));
+        }
+    }
+    Ok((Latency::of(samples), (timeline, done)))
 }
 
 /// Phase 2: the relay draining a backlog (one relay, then two) against lapin

@@ -92,20 +92,6 @@ impl PeakMemory {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&samples, 0.5), 50.0);
-        assert_eq!(percentile(&samples, 0.99), 99.0);
-        let l = Latency::of(vec![3.0, 1.0, 2.0]);
-        assert_eq!((l.p50_ms, l.max_ms, l.count), (2.0, 3.0, 3));
-    }
-}
-
 /// How long a phase's wait may see its count stand still before it fails: a
 /// service that died, or a sink whose stream ended, fails the phase within
 /// a minute instead of at its deadline (up to 30 minutes).
@@ -137,5 +123,19 @@ impl Progress {
             "{what}: stalled at {count} for {STALL:?} (a service stopped?)"
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&samples, 0.5), 50.0);
+        assert_eq!(percentile(&samples, 0.99), 99.0);
+        let l = Latency::of(vec![3.0, 1.0, 2.0]);
+        assert_eq!((l.p50_ms, l.max_ms, l.count), (2.0, 3.0, 3));
     }
 }
