@@ -374,6 +374,32 @@ async fn post(
         .expect("balanced entry");
 }
 
+/// A journal entry without lines (the database refuses one; a header
+/// written by hand with the triggers off, as a repair might, is not) is
+/// drift, named as such. Before, the check joined entries to their lines
+/// and never saw it.
+#[tokio::test]
+async fn a_journal_entry_without_lines_is_drift() {
+    let tenant = unique_tenant("drift-no-lines");
+    let order = Uuid::now_v7();
+    let orders = pg(Database::Orders).await;
+    system_tests::insert_seed_order(&orders, &tenant, order).await;
+    let mut ledger = pg(Database::Ledger).await;
+    let entry = Uuid::now_v7();
+    let tx = ledger.transaction().await.expect("begin");
+    tx.batch_execute("SET LOCAL session_replication_role = replica")
+        .await
+        .expect("the triggers off, for this transaction");
+    system_tests::insert_journal_entry(&tx, entry, &tenant, order, "PaymentReceived").await;
+    tx.commit().await.expect("a header alone");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!("journal entry {entry} has no lines")),
+        "{out}"
+    );
+}
+
 /// Journals are checked account by account, as the ledger posts them (seed
 /// 003): a balanced journal with the right number of entries and the right
 /// total debits, on other accounts, is drift too. The payment's clearing

@@ -134,10 +134,12 @@ impl consumer_runtime::Domain for Inventory {
                 let held = held?;
                 let lines = by_sku(delivery.lines.iter().map(|l| (l.sku.as_str(), l.qty)));
                 // One delivery per order, of what was ordered (order-api
-                // enforces both, as the ledger and loyalty check too): a
-                // second one would sell the stock again, and lines that
-                // differ would leave a reservation held for good. Stop for a
-                // human instead.
+                // enforces both; the ledger and loyalty refuse a second
+                // delivery too, and book the order's own terms, stored at
+                // placement, whatever lines a delivery names): a second one
+                // would sell the stock again, and lines that differ would
+                // leave a reservation held for good. Stop for a human
+                // instead.
                 if let Some(first) = held.values().find_map(|h| h.sold_by) {
                     return Err(HandlerError::new(format!(
                         "order {} was already delivered (event {first}); not selling its stock twice",
