@@ -374,6 +374,57 @@ async fn post(
         .expect("balanced entry");
 }
 
+/// The terms the ledger and loyalty keep from an order's OrderPlaced (they
+/// post the payment and the delivery, and award the points, by them) are
+/// compared with the order: a wrong customer, currency or amount is drift
+/// before any payment or delivery shows it.
+#[tokio::test]
+async fn consumers_order_terms_that_differ_from_the_order_are_drift() {
+    let tenant = unique_tenant("drift-terms");
+    let order = Uuid::now_v7();
+    let orders = pg(Database::Orders).await;
+    system_tests::insert_seed_order(&orders, &tenant, order).await;
+    // The seed order: customer 77, USD, merchandise 80.00, shipping 5.00,
+    // tax 8.00, total 93.00, cost 44.00. The ledger kept another total, and
+    // loyalty another customer.
+    pg(Database::Ledger)
+        .await
+        .execute(
+            "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, merchandise, \
+               shipping, tax, total, cost_of_goods, placed_event_id) \
+             VALUES ($1, $2, '77', 'USD', 8000, 500, 800, 9400, 4400, $2)",
+            &[&tenant, &order],
+        )
+        .await
+        .expect("the ledger's terms");
+    pg(Database::Loyalty)
+        .await
+        .execute(
+            "INSERT INTO loyalty_orders (tenant_id, order_id, customer_id, currency, merchandise, \
+               placed_event_id) VALUES ($1, $2, '78', 'USD', 8000, $2)",
+            &[&tenant, &order],
+        )
+        .await
+        .expect("loyalty's terms");
+    let (code, out) = drift_check(&tenant);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(
+            "the ledger's terms of the order differ: customer 77, USD merchandise 80.00, \
+             shipping 5.00, tax 8.00, total 94.00, cost 44.00 (the order: customer 77, USD \
+             merchandise 80.00, shipping 5.00, tax 8.00, total 93.00, cost 44.00)"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "the loyalty's terms of the order differ: customer 78, USD merchandise 80.00 \
+             (the order: customer 77, USD merchandise 80.00)"
+        ),
+        "{out}"
+    );
+}
+
 /// A journal entry without lines (the database refuses one; a header
 /// written by hand with the triggers off, as a repair might, is not) is
 /// drift, named as such. Before, the check joined entries to their lines

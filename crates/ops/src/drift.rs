@@ -2,8 +2,10 @@
 //!
 //! Expected effects, from the `orders` database (the source of truth):
 //! - every order: inventory reserve movements summing to the order's quantity
-//!   per SKU; the ledger and loyalty consumers know nothing before payment or
-//!   delivery;
+//!   per SKU; the terms the ledger and loyalty keep from its OrderPlaced
+//!   (customer, currency, amounts, cost), where they have them, equal to the
+//!   order's (they post and award by them later); no journal entry or
+//!   loyalty entry before payment or delivery;
 //! - paid (or delivered): PaymentReceived journal entries netting, per
 //!   account in the order's currency, to the total debited to the payment
 //!   method's clearing account and credited to customer deposits (one entry,
@@ -123,6 +125,49 @@ struct Order {
     /// The payment's method, once paid (its clearing account).
     method: Option<String>,
     qty_by_sku: BTreeMap<(String, String), i64>,
+}
+
+/// What a consumer keeps of an order from its OrderPlaced, to book or award
+/// by later.
+#[derive(Debug, PartialEq, Eq)]
+struct Terms {
+    customer: String,
+    currency: String,
+    merchandise: i64,
+    /// The ledger's: shipping, tax, total, cost of goods.
+    amounts: Option<(i64, i64, i64, i128)>,
+}
+
+impl Terms {
+    /// The terms `order` implies (with the ledger's amounts or not).
+    fn of(order: &Order, with_amounts: bool) -> Terms {
+        Terms {
+            customer: order.customer.clone(),
+            currency: order.currency.clone(),
+            merchandise: order.merchandise,
+            amounts: with_amounts.then_some((order.shipping, order.tax, order.total, order.cost)),
+        }
+    }
+
+    fn show(&self) -> String {
+        let money = |minor: i128| events::format_total(minor);
+        let mut text = format!(
+            "customer {}, {} merchandise {}",
+            self.customer,
+            self.currency,
+            money(self.merchandise.into())
+        );
+        if let Some((shipping, tax, total, cost)) = self.amounts {
+            text += &format!(
+                ", shipping {}, tax {}, total {}, cost {}",
+                money(shipping.into()),
+                money(tax.into()),
+                money(total.into()),
+                money(cost)
+            );
+        }
+        text
+    }
 }
 
 /// A journal's amounts per account: (debits, credits).
@@ -255,6 +300,53 @@ pub async fn check(
             }
         }
     }
+    // The order terms the ledger and loyalty keep from OrderPlaced, as the
+    // order's own are read above: (customer, currency, merchandise,
+    // shipping, tax, total, cost); loyalty's only the first three.
+    let mut ledger_terms: BTreeMap<Key, Terms> = BTreeMap::new();
+    for row in ledger
+        .query(
+            "SELECT tenant_id, order_id, customer_id, currency, merchandise, shipping, tax, \
+                    total, cost_of_goods \
+               FROM ledger_orders WHERE $1::text IS NULL OR tenant_id = $1",
+            &[&tenant],
+        )
+        .await?
+    {
+        ledger_terms.insert(
+            (row.get(0), row.get(1)),
+            Terms {
+                customer: row.get(2),
+                currency: row.get(3),
+                merchandise: row.get(4),
+                amounts: Some((
+                    row.get(5),
+                    row.get(6),
+                    row.get(7),
+                    row.get::<_, i64>(8).into(),
+                )),
+            },
+        );
+    }
+    let mut loyalty_terms: BTreeMap<Key, Terms> = BTreeMap::new();
+    for row in loyalty
+        .query(
+            "SELECT tenant_id, order_id, customer_id, currency, merchandise \
+               FROM loyalty_orders WHERE $1::text IS NULL OR tenant_id = $1",
+            &[&tenant],
+        )
+        .await?
+    {
+        loyalty_terms.insert(
+            (row.get(0), row.get(1)),
+            Terms {
+                customer: row.get(2),
+                currency: row.get(3),
+                merchandise: row.get(4),
+                amounts: None,
+            },
+        );
+    }
     // Loyalty: per order, entries and points (and the customers credited),
     // and the points each customer nets to.
     let mut points: BTreeMap<Key, (i64, i128, BTreeSet<String>)> = BTreeMap::new();
@@ -322,6 +414,22 @@ pub async fn check(
         };
         if sold != &expected_sale {
             drift(t, id, describe("sale", &expected_sale, sold));
+        }
+        for (consumer, terms) in [("ledger", &ledger_terms), ("loyalty", &loyalty_terms)] {
+            if let Some(kept) = terms.get(key) {
+                let expected = Terms::of(order, kept.amounts.is_some());
+                if kept != &expected {
+                    drift(
+                        t,
+                        id,
+                        format!(
+                            "the {consumer}'s terms of the order differ: {} (the order: {})",
+                            kept.show(),
+                            expected.show()
+                        ),
+                    );
+                }
+            }
         }
         // Every amount of the order's books in its currency: entries in
         // another that do not net to zero are drift (a right amount in the
