@@ -1403,12 +1403,13 @@ async fn settle(db: &tokio_postgres::Client) {
 /// side runs without it and says so.
 async fn roll_over_quorum_wal() {
     let output = tokio::task::spawn_blocking(|| {
-        std::process::Command::new("rabbitmqctl")
-            // Bounded: the CLI's own timeout is infinite.
+        // Bounded by coreutils' timeout: `eval` ignores rabbitmqctl's own
+        // `-t` (its RPC waits forever on a hung node).
+        std::process::Command::new("timeout")
             .args([
-                "-q",
-                "-t",
                 "30",
+                "rabbitmqctl",
+                "-q",
                 "eval",
                 "ra_log_wal:force_roll_over(ra_log_wal).",
             ])

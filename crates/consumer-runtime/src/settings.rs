@@ -149,11 +149,13 @@ impl Settings {
     pub fn validate(&self) -> anyhow::Result<()> {
         self.amqp.validate().map_err(anyhow::Error::msg)?;
         // Accepted by the shared HTTP settings, honoured by order-api only:
-        // refused here rather than ignored (this server, health, metrics
-        // and reads, runs on one worker).
+        // more than the one worker this server (health, metrics, reads)
+        // runs on is refused rather than ignored (0, the default, and 1 say
+        // what it does).
         anyhow::ensure!(
-            self.http.workers == 0,
-            "http.workers applies to order-api only; this service serves HTTP on one worker"
+            self.http.workers <= 1,
+            "http.workers applies to order-api only; this service serves HTTP on one worker \
+             (0 or 1)"
         );
         let c = &self.consumer;
         anyhow::ensure!(
@@ -284,6 +286,8 @@ mod tests {
         settings.http.workers = 4;
         let error = settings.validate().expect_err("not honoured here");
         assert!(error.to_string().contains("http.workers"), "{error}");
+        settings.http.workers = 1;
+        settings.validate().expect("what it does");
     }
 
     #[test]

@@ -94,10 +94,12 @@ pub async fn connect(
     connect_with(&config).await
 }
 
-/// How long opening a connection outside a pool may take in all: the
-/// socket's connect is bounded by `connect_timeout`, but not the startup
-/// and authentication exchange after it (a peer that accepts the connection
-/// and never answers: a frozen server, a proxy whose upstream hangs).
+/// How long opening a connection outside a pool may take in all (at least;
+/// longer when the URL's `connect_timeout` times its hosts asks for more):
+/// the socket's connect is bounded by `connect_timeout`, but not the
+/// startup and authentication exchange after it (a peer that accepts the
+/// connection and never answers: a frozen server, a proxy whose upstream
+/// hangs).
 pub const CONNECT_LIMIT: Duration = Duration::from_secs(10);
 
 /// `config.connect(NoTls)` within [`CONNECT_LIMIT`] (for `config`s that
@@ -108,11 +110,17 @@ pub async fn connect_with(
     tokio_postgres::Client,
     tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
 )> {
-    match tokio::time::timeout(CONNECT_LIMIT, config.connect(NoTls)).await {
+    // A URL's own longer connect_timeout (a database that starts cold) is
+    // kept: each of its hosts may take it, and the exchange 5 s more.
+    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    let limit = config
+        .get_connect_timeout()
+        .map_or(CONNECT_LIMIT, |per_host| {
+            CONNECT_LIMIT.max(per_host.saturating_mul(hosts) + Duration::from_secs(5))
+        });
+    match tokio::time::timeout(limit, config.connect(NoTls)).await {
         Ok(connected) => Ok(connected?),
-        Err(_) => {
-            anyhow::bail!("no answer from the database within {CONNECT_LIMIT:?} of connecting")
-        }
+        Err(_) => anyhow::bail!("no answer from the database within {limit:?} of connecting"),
     }
 }
 

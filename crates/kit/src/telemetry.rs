@@ -180,9 +180,18 @@ pub fn init(service: &'static str) -> TelemetryGuard {
 /// `lapin=warning`, silently replaced them all by the default), and
 /// `default` when none is valid.
 fn filter_of(value: Option<String>, default: &str) -> EnvFilter {
-    let Some(value) = value.filter(|v| !v.trim().is_empty()) else {
+    // Each directive trimmed (a trailing space or newline from an env
+    // file would make it invalid), empty ones dropped.
+    let value = value
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect::<Vec<_>>()
+        .join(",");
+    if value.is_empty() {
         return EnvFilter::new(default);
-    };
+    }
     let valid = value
         .split(',')
         .filter(|d| d.parse::<tracing_subscriber::filter::Directive>().is_ok())
@@ -326,6 +335,11 @@ mod tests {
         assert_eq!(
             of(Some("warn,outbox_relay=debug")),
             EnvFilter::new("warn,outbox_relay=debug").to_string()
+        );
+        assert_eq!(
+            of(Some(" warn, outbox_relay=debug \n")),
+            EnvFilter::new("warn,outbox_relay=debug").to_string(),
+            "white space around directives"
         );
     }
 
