@@ -34,6 +34,7 @@ async fn drift_check_reports_missing_doubled_and_inconsistent_effects_and_exits_
     // is not zero drift.
     assert_eq!(drift_check(&tenant).0, 2);
     system_tests::insert_seed_order(&orders, &tenant, order).await;
+    plant_terms(&tenant, order, "USD").await;
 
     // Placed just now, inventory not reserved yet: at the default grace
     // (60 s) the order is in flight, skipped, zero drift...
@@ -377,13 +378,16 @@ async fn post(
 /// The terms the ledger and loyalty keep from an order's OrderPlaced (they
 /// post the payment and the delivery, and award the points, by them) are
 /// compared with the order: a wrong customer, currency or amount is drift
-/// before any payment or delivery shows it.
+/// before any payment or delivery shows it, and so are terms missing (its
+/// OrderPlaced not applied there: parked, or a consumer added later without
+/// the history replayed).
 #[tokio::test]
 async fn consumers_order_terms_that_differ_from_the_order_are_drift() {
     let tenant = unique_tenant("drift-terms");
-    let order = Uuid::now_v7();
+    let (order, bare) = (Uuid::now_v7(), Uuid::now_v7());
     let orders = pg(Database::Orders).await;
     system_tests::insert_seed_order(&orders, &tenant, order).await;
+    system_tests::insert_another_seed_order(&orders, &tenant, bare).await;
     // The seed order: customer 77, USD, merchandise 80.00, shipping 5.00,
     // tax 8.00, total 93.00, cost 44.00. The ledger kept another total, and
     // loyalty another customer.
@@ -423,6 +427,18 @@ async fn consumers_order_terms_that_differ_from_the_order_are_drift() {
         ),
         "{out}"
     );
+    for consumer in ["ledger", "loyalty"] {
+        assert!(
+            out.contains(&format!(
+                "{bare}: the {consumer} has no terms of the order (its OrderPlaced not applied)"
+            )),
+            "{out}"
+        );
+        assert!(
+            !out.contains(&format!("{order}: the {consumer} has no terms")),
+            "{out}"
+        );
+    }
 }
 
 /// A journal entry without lines (the database refuses one; a header
@@ -451,6 +467,30 @@ async fn a_journal_entry_without_lines_is_drift() {
     );
 }
 
+/// The seed order's terms, as the ledger and loyalty keep them from its
+/// OrderPlaced (in `currency`): what a consumer that applied it has.
+async fn plant_terms(tenant: &str, order: Uuid, currency: &str) {
+    pg(Database::Ledger)
+        .await
+        .execute(
+            "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, merchandise, \
+               shipping, tax, total, cost_of_goods, placed_event_id) \
+             VALUES ($1, $2, '77', $3, 8000, 500, 800, 9300, 4400, $2)",
+            &[&tenant, &order, &currency],
+        )
+        .await
+        .expect("the ledger's terms");
+    pg(Database::Loyalty)
+        .await
+        .execute(
+            "INSERT INTO loyalty_orders (tenant_id, order_id, customer_id, currency, merchandise, \
+               placed_event_id) VALUES ($1, $2, '77', $3, 8000, $2)",
+            &[&tenant, &order, &currency],
+        )
+        .await
+        .expect("loyalty's terms");
+}
+
 /// Journals are checked account by account, as the ledger posts them (seed
 /// 003): a balanced journal with the right number of entries and the right
 /// total debits, on other accounts, is drift too. The payment's clearing
@@ -474,6 +514,10 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
     for order in [wrong, no_payment, euro, corrected, reversed] {
         system_tests::insert_another_seed_order(&orders, &tenant, order).await;
     }
+    for order in [right, wrong, no_payment, corrected, reversed] {
+        plant_terms(&tenant, order, "USD").await;
+    }
+    plant_terms(&tenant, euro, "EUR").await;
     orders
         .execute(
             "UPDATE orders SET status = 'paid' WHERE order_id = $1",

@@ -3,9 +3,9 @@
 //! Expected effects, from the `orders` database (the source of truth):
 //! - every order: inventory reserve movements summing to the order's quantity
 //!   per SKU; the terms the ledger and loyalty keep from its OrderPlaced
-//!   (customer, currency, amounts, cost), where they have them, equal to the
-//!   order's (they post and award by them later); no journal entry or
-//!   loyalty entry before payment or delivery;
+//!   (customer, currency, amounts, cost) there and equal to the order's
+//!   (they post and award by them later); no journal entry or loyalty entry
+//!   before payment or delivery;
 //! - paid (or delivered): PaymentReceived journal entries netting, per
 //!   account in the order's currency, to the total debited to the payment
 //!   method's clearing account and credited to customer deposits (one entry,
@@ -416,19 +416,31 @@ pub async fn check(
             drift(t, id, describe("sale", &expected_sale, sold));
         }
         for (consumer, terms) in [("ledger", &ledger_terms), ("loyalty", &loyalty_terms)] {
-            if let Some(kept) = terms.get(key) {
-                let expected = Terms::of(order, kept.amounts.is_some());
-                if kept != &expected {
-                    drift(
-                        t,
-                        id,
-                        format!(
-                            "the {consumer}'s terms of the order differ: {} (the order: {})",
-                            kept.show(),
-                            expected.show()
-                        ),
-                    );
+            match terms.get(key) {
+                Some(kept) => {
+                    let expected = Terms::of(order, kept.amounts.is_some());
+                    if kept != &expected {
+                        drift(
+                            t,
+                            id,
+                            format!(
+                                "the {consumer}'s terms of the order differ: {} (the order: {})",
+                                kept.show(),
+                                expected.show()
+                            ),
+                        );
+                    }
                 }
+                // Its OrderPlaced not applied there (parked, or a consumer
+                // added later without the history replayed): seen now, not
+                // when the payment or delivery it books fails.
+                None => drift(
+                    t,
+                    id,
+                    format!(
+                        "the {consumer} has no terms of the order (its OrderPlaced not applied)"
+                    ),
+                ),
             }
         }
         // Every amount of the order's books in its currency: entries in
