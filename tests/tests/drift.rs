@@ -391,25 +391,7 @@ async fn consumers_order_terms_that_differ_from_the_order_are_drift() {
     // The seed order: customer 77, USD, merchandise 80.00, shipping 5.00,
     // tax 8.00, total 93.00, cost 44.00. The ledger kept another total, and
     // loyalty another customer.
-    pg(Database::Ledger)
-        .await
-        .execute(
-            "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, merchandise, \
-               shipping, tax, total, cost_of_goods, placed_event_id) \
-             VALUES ($1, $2, '77', 'USD', 8000, 500, 800, 9400, 4400, $2)",
-            &[&tenant, &order],
-        )
-        .await
-        .expect("the ledger's terms");
-    pg(Database::Loyalty)
-        .await
-        .execute(
-            "INSERT INTO loyalty_orders (tenant_id, order_id, customer_id, currency, merchandise, \
-               placed_event_id) VALUES ($1, $2, '78', 'USD', 8000, $2)",
-            &[&tenant, &order],
-        )
-        .await
-        .expect("loyalty's terms");
+    plant_terms_with(&tenant, order, ("USD", 9400, "78")).await;
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 1, "{out}");
     assert!(
@@ -470,13 +452,23 @@ async fn a_journal_entry_without_lines_is_drift() {
 /// The seed order's terms, as the ledger and loyalty keep them from its
 /// OrderPlaced (in `currency`): what a consumer that applied it has.
 async fn plant_terms(tenant: &str, order: Uuid, currency: &str) {
+    plant_terms_with(tenant, order, (currency, 9300, "77")).await;
+}
+
+/// [`plant_terms`] with the ledger's total (minor units) and loyalty's
+/// customer as given (the ledger's customer, amounts and cost the seed's).
+async fn plant_terms_with(
+    tenant: &str,
+    order: Uuid,
+    (currency, total, customer): (&str, i64, &str),
+) {
     pg(Database::Ledger)
         .await
         .execute(
             "INSERT INTO ledger_orders (tenant_id, order_id, customer_id, currency, merchandise, \
                shipping, tax, total, cost_of_goods, placed_event_id) \
-             VALUES ($1, $2, '77', $3, 8000, 500, 800, 9300, 4400, $2)",
-            &[&tenant, &order, &currency],
+             VALUES ($1, $2, '77', $3, 8000, 500, 800, $4, 4400, $2)",
+            &[&tenant, &order, &currency, &total],
         )
         .await
         .expect("the ledger's terms");
@@ -484,8 +476,8 @@ async fn plant_terms(tenant: &str, order: Uuid, currency: &str) {
         .await
         .execute(
             "INSERT INTO loyalty_orders (tenant_id, order_id, customer_id, currency, merchandise, \
-               placed_event_id) VALUES ($1, $2, '77', $3, 8000, $2)",
-            &[&tenant, &order, &currency],
+               placed_event_id) VALUES ($1, $2, $4, $3, 8000, $2)",
+            &[&tenant, &order, &currency, &customer],
         )
         .await
         .expect("loyalty's terms");
