@@ -273,6 +273,9 @@ async fn receipts_at_once_do_not_stall_the_read_pool() {
         Some((total, 0, total)),
         "each counted once"
     );
+    let kinds: Vec<String> = movements(&tenant).await.into_iter().map(|m| m.0).collect();
+    assert_eq!(kinds, vec!["receipt"; 16], "one movement per receipt");
+    assert_levels_equal_movements(&tenant).await;
 }
 
 /// A crash right after a stock receipt commits, before its answer

@@ -3664,14 +3664,7 @@ async fn concurrent_payments_under_different_keys_pay_once() {
 async fn a_payment_id_pays_one_order_of_its_tenant() {
     let api = OrderApi::start(&patient()).await;
     let caller = std::sync::Arc::new(Caller::new("pay-id"));
-    let place = |key: &'static str| {
-        let (caller, url) = (caller.clone(), api.url("/orders"));
-        async move {
-            let (status, order) = json_of(caller.post(&url, key, SEED_ORDER).await).await;
-            assert_eq!(status, StatusCode::CREATED, "{order}");
-            order["order_id"].as_str().expect("id").to_owned()
-        }
-    };
+    let place = |key| place_seed_order_under(&api, &caller, key);
     let pay = |order: &str, key: &'static str, payment_id: &'static str| {
         let (caller, url) = (
             caller.clone(),
@@ -3966,7 +3959,12 @@ async fn expect_problem(response: reqwest::Response, status: StatusCode, code: &
 
 /// The seed order placed by `caller` under key "o" (201 asserted); its id.
 async fn place_seed_order(api: &OrderApi, caller: &Caller) -> String {
-    let (status, order) = json_of(caller.post(&api.url("/orders"), "o", SEED_ORDER).await).await;
+    place_seed_order_under(api, caller, "o").await
+}
+
+/// [`place_seed_order`] under `key` (another order of the same caller).
+async fn place_seed_order_under(api: &OrderApi, caller: &Caller, key: &str) -> String {
+    let (status, order) = json_of(caller.post(&api.url("/orders"), key, SEED_ORDER).await).await;
     assert_eq!(status, StatusCode::CREATED, "{order}");
     order["order_id"].as_str().expect("id").to_owned()
 }

@@ -170,6 +170,38 @@ impl Terms {
     }
 }
 
+/// A consumer's order terms, read by `sql` (columns: tenant, order,
+/// customer, currency, merchandise, then the ledger's shipping, tax, total
+/// and cost of goods, if it has them).
+async fn terms_of(
+    db: &Client,
+    sql: &str,
+    tenant: Option<&str>,
+) -> anyhow::Result<BTreeMap<Key, Terms>> {
+    Ok(db
+        .query(sql, &[&tenant])
+        .await?
+        .iter()
+        .map(|row| {
+            let amounts = (row.len() > 5).then(|| {
+                (
+                    row.get(5),
+                    row.get(6),
+                    row.get(7),
+                    row.get::<_, i64>(8).into(),
+                )
+            });
+            let terms = Terms {
+                customer: row.get(2),
+                currency: row.get(3),
+                merchandise: row.get(4),
+                amounts,
+            };
+            ((row.get(0), row.get(1)), terms)
+        })
+        .collect())
+}
+
 /// A journal's amounts per account: (debits, credits).
 type Postings = BTreeMap<String, (i128, i128)>;
 
@@ -301,52 +333,22 @@ pub async fn check(
         }
     }
     // The order terms the ledger and loyalty keep from OrderPlaced, as the
-    // order's own are read above: (customer, currency, merchandise,
-    // shipping, tax, total, cost); loyalty's only the first three.
-    let mut ledger_terms: BTreeMap<Key, Terms> = BTreeMap::new();
-    for row in ledger
-        .query(
-            "SELECT tenant_id, order_id, customer_id, currency, merchandise, shipping, tax, \
-                    total, cost_of_goods \
-               FROM ledger_orders WHERE $1::text IS NULL OR tenant_id = $1",
-            &[&tenant],
-        )
-        .await?
-    {
-        ledger_terms.insert(
-            (row.get(0), row.get(1)),
-            Terms {
-                customer: row.get(2),
-                currency: row.get(3),
-                merchandise: row.get(4),
-                amounts: Some((
-                    row.get(5),
-                    row.get(6),
-                    row.get(7),
-                    row.get::<_, i64>(8).into(),
-                )),
-            },
-        );
-    }
-    let mut loyalty_terms: BTreeMap<Key, Terms> = BTreeMap::new();
-    for row in loyalty
-        .query(
-            "SELECT tenant_id, order_id, customer_id, currency, merchandise \
-               FROM loyalty_orders WHERE $1::text IS NULL OR tenant_id = $1",
-            &[&tenant],
-        )
-        .await?
-    {
-        loyalty_terms.insert(
-            (row.get(0), row.get(1)),
-            Terms {
-                customer: row.get(2),
-                currency: row.get(3),
-                merchandise: row.get(4),
-                amounts: None,
-            },
-        );
-    }
+    // order's own are read above (loyalty's without the ledger's amounts).
+    let ledger_terms = terms_of(
+        &ledger,
+        "SELECT tenant_id, order_id, customer_id, currency, merchandise, shipping, tax, \
+                total, cost_of_goods \
+           FROM ledger_orders WHERE $1::text IS NULL OR tenant_id = $1",
+        tenant,
+    )
+    .await?;
+    let loyalty_terms = terms_of(
+        &loyalty,
+        "SELECT tenant_id, order_id, customer_id, currency, merchandise \
+           FROM loyalty_orders WHERE $1::text IS NULL OR tenant_id = $1",
+        tenant,
+    )
+    .await?;
     // Loyalty: per order, entries and points (and the customers credited),
     // and the points each customer nets to.
     let mut points: BTreeMap<Key, (i64, i128, BTreeSet<String>)> = BTreeMap::new();
