@@ -726,6 +726,68 @@ async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
         );
     }
 
+    // Another method on a path is a 405 naming the path's methods, a path
+    // none serves a 404, both problem+json as order-api answers (they were
+    // a bare 404 without a body).
+    for (consumer, method, path, answer) in [
+        (&inventory, "GET", "/stock/receipts", Some("POST")),
+        (&inventory, "PUT", "/stock/JKT-M", Some("GET, HEAD")),
+        (
+            &inventory,
+            "DELETE",
+            "/stock/JKT-M/movements",
+            Some("GET, HEAD"),
+        ),
+        (&ledger, "POST", "/journal", Some("GET, HEAD")),
+        (&ledger, "PATCH", "/trial-balance", Some("GET, HEAD")),
+        (
+            &loyalty_c,
+            "DELETE",
+            "/customers/77/loyalty",
+            Some("GET, HEAD"),
+        ),
+        (&loyalty_c, "POST", "/healthz", Some("GET, HEAD")),
+        (&inventory, "GET", "/stock", None),
+        (&ledger, "GET", "/journal/", None),
+        (&loyalty_c, "POST", "/customers/77", None),
+    ] {
+        let response = http
+            .request(
+                method.parse().expect("method"),
+                format!("{}{path}?tenant={tenant}", consumer.base_url()),
+            )
+            .bearer_auth(TEST_TOKEN)
+            .send()
+            .await
+            .expect("request");
+        let what = format!("{} {method} {path}", consumer.name);
+        let status = response.status().as_u16();
+        let allow = response
+            .headers()
+            .get("allow")
+            .map(|v| v.to_str().expect("Allow").to_owned());
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().expect("content-type").to_owned());
+        let problem: Value = response.json().await.unwrap_or(Value::Null);
+        assert_eq!(
+            content_type.as_deref(),
+            Some("application/problem+json"),
+            "{what}"
+        );
+        assert_eq!(allow.as_deref(), answer, "{what}");
+        let (expected_status, code) = match answer {
+            Some(_) => (405, "method_not_allowed"),
+            None => (404, "not_found"),
+        };
+        assert_eq!(
+            (status, &problem["status"], &problem["code"]),
+            (expected_status, &json!(expected_status), &json!(code)),
+            "{what}: {problem}"
+        );
+    }
+
     // Read endpoints are internal: token and tenant required, problem+json.
     let anonymous = reqwest::get(format!(
         "{}/customers/77/loyalty?tenant={tenant}",

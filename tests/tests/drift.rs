@@ -712,7 +712,9 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
 
 /// Effects of an order the orders database does not have (a consumer fed
 /// another system's events, or an order deleted by hand) are drift in each
-/// consumer's database that holds one.
+/// consumer's database that holds one, and so are the order terms the
+/// ledger and loyalty keep from its OrderPlaced (alone for another order:
+/// no other effect of it anywhere).
 #[tokio::test]
 async fn effects_of_an_unknown_order_are_drift() {
     let tenant = unique_tenant("drift-unknown");
@@ -739,18 +741,25 @@ async fn effects_of_an_unknown_order_are_drift() {
         )
         .await
         .expect("loyalty entry");
+    let only_terms = Uuid::now_v7();
+    plant_terms(&tenant, only_terms, "USD").await;
 
     let (code, out) = drift_check(&tenant);
     assert_eq!(code, 1, "{out}");
-    for what in [
-        "stock movements for an unknown order",
-        "journal entries for an unknown order",
-        "loyalty entries for an unknown order",
+    for (order, what) in [
+        (stray, "stock movements for an unknown order"),
+        (stray, "journal entries for an unknown order"),
+        (stray, "loyalty entries for an unknown order"),
+        (
+            only_terms,
+            "the ledger keeps order terms for an unknown order",
+        ),
+        (only_terms, "loyalty keeps order terms for an unknown order"),
     ] {
-        assert!(out.contains(&format!("order {stray}: {what}")), "{out}");
+        assert!(out.contains(&format!("order {order}: {what}")), "{out}");
     }
     assert!(
-        out.lines().any(|line| line == "3 drift finding(s):"),
-        "only these three: {out}"
+        out.lines().any(|line| line == "5 drift finding(s):"),
+        "only these five: {out}"
     );
 }

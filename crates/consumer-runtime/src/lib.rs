@@ -221,7 +221,11 @@ pub fn session_options() -> String {
 /// fixed text, so a missing table, column or function, a privilege revoked
 /// (class `42`), a missing database or schema (`3D`, `3F`) is a migration
 /// not run or botched, or a grant lost; a read-only transaction (`25006`)
-/// is the pool on a standby after a failover; `0A000` is a prepared
+/// is the pool on a standby after a failover; class `58` (an I/O error,
+/// a missing file) and `XX001`/`XX002` (a corrupted page or index) are
+/// the storage's, the same for any event that touches it (the runtime's
+/// own statements retry them in place too, see `process::the_event_s_own`);
+/// `0A000` is a prepared
 /// statement whose table an online migration changed (cached plan must not
 /// change result type). Both of the last stay with their session, so the
 /// connection is closed, not pooled (`HandlerError::needs_fresh_session`
@@ -237,6 +241,9 @@ pub fn deployment_fault(code: &str) -> bool {
         || code.starts_with("3F")
         || code == "25006"
         || code == "0A000"
+        || code.starts_with("58")
+        || code == "XX001"
+        || code == "XX002"
 }
 
 /// What a consumer service is, beyond the shared runtime: its names, its
@@ -299,7 +306,9 @@ pub trait Domain: Send + Sync + Sized + 'static {
 
     /// Mount the domain's read endpoints. App data available: `web::Data<PgPool>`
     /// (the read endpoints' pool, planned as usual: not [`session_options`]),
-    /// `web::Data<Arc<Self>>`, and [`TenantScope`] as an extractor.
+    /// `web::Data<Arc<Self>>`, and [`TenantScope`] as an extractor. Each
+    /// path through [`kit::http::resource`], so that another method is a
+    /// 405 naming the path's methods.
     fn routes(cfg: &mut web::ServiceConfig);
 }
 
@@ -391,6 +400,7 @@ impl<D: Domain> Application<D> {
                     }))
                     .configure(kit::http::health_routes(health.clone()))
                     .configure(D::routes)
+                    .default_service(web::to(kit::http::not_found))
             })
             .workers(1)
             .disable_signals()
@@ -578,9 +588,11 @@ mod tests {
 
     #[test]
     fn only_what_the_deployment_causes_is_a_deployment_fault() {
-        // undefined table, column, function; privilege; database; schema
+        // undefined table, column, function; privilege; database; schema;
+        // an I/O error, a missing file; a corrupted page or index
         for code in [
-            "42P01", "42703", "42883", "42501", "3D000", "3F000", "25006", "0A000",
+            "42P01", "42703", "42883", "42501", "3D000", "3F000", "25006", "0A000", "58030",
+            "58P01", "XX001", "XX002",
         ] {
             assert!(deployment_fault(code), "{code}");
         }

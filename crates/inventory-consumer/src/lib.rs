@@ -168,12 +168,22 @@ impl consumer_runtime::Domain for Inventory {
     }
 
     fn routes(cfg: &mut web::ServiceConfig) {
-        cfg.route("/stock/receipts", web::post().to(post_receipt))
-            .route("/stock/{sku}", kit::http::get_or_head().to(get_stock))
-            .route(
-                "/stock/{sku}/movements",
-                kit::http::get_or_head().to(get_movements),
-            );
+        use kit::http::{get_or_head, resource};
+        cfg.service(resource(
+            "/stock/receipts",
+            web::post().to(post_receipt),
+            "POST",
+        ))
+        .service(resource(
+            "/stock/{sku}",
+            get_or_head().to(get_stock),
+            "GET, HEAD",
+        ))
+        .service(resource(
+            "/stock/{sku}/movements",
+            get_or_head().to(get_movements),
+            "GET, HEAD",
+        ));
     }
 }
 

@@ -140,27 +140,28 @@ pub fn get_or_head() -> actix_web::Route {
 pub fn health_routes(health: Health) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
         cfg.app_data(web::Data::new(health))
-            .service(
-                web::resource("/healthz")
-                    .route(get_or_head().to(healthz))
-                    .default_service(web::to(only_get_or_head)),
-            )
-            .service(
-                web::resource("/readyz")
-                    .route(get_or_head().to(readyz))
-                    .default_service(web::to(only_get_or_head)),
-            )
-            .service(
-                web::resource("/metrics")
-                    .route(get_or_head().to(metrics))
-                    .default_service(web::to(only_get_or_head)),
-            );
+            .service(resource("/healthz", get_or_head().to(healthz), "GET, HEAD"))
+            .service(resource("/readyz", get_or_head().to(readyz), "GET, HEAD"))
+            .service(resource("/metrics", get_or_head().to(metrics), "GET, HEAD"));
     }
 }
 
-/// A GET resource's answer to any other method: 405 with `Allow` (RFC 9110
-/// section 15.5.6), the problem order-api's own resources answer.
-async fn only_get_or_head() -> HttpResponse {
+/// The resource at `path` answering `route`, and any other method with a
+/// 405 naming `allow`, the methods `route` takes (RFC 9110 section
+/// 15.5.6), as problem+json: the answer order-api's own resources give. (A
+/// route mounted alone, by `ServiceConfig::route`, carries its method as the
+/// resource's guard: another method matched no resource and got the App's
+/// bare 404 without a body.)
+pub fn resource(path: &str, route: actix_web::Route, allow: &'static str) -> actix_web::Resource {
+    web::resource(path)
+        .route(route)
+        .default_service(web::to(move || {
+            std::future::ready(method_not_allowed(allow))
+        }))
+}
+
+/// 405 with `Allow: allow` and the `method_not_allowed` problem.
+fn method_not_allowed(allow: &'static str) -> HttpResponse {
     let mut response = Problem::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "method_not_allowed",
@@ -169,9 +170,15 @@ async fn only_get_or_head() -> HttpResponse {
     .error_response();
     response.headers_mut().insert(
         actix_web::http::header::ALLOW,
-        actix_web::http::header::HeaderValue::from_static("GET, HEAD"),
+        actix_web::http::header::HeaderValue::from_static(allow),
     );
     response
+}
+
+/// The answer of a path no resource has (an App's `default_service`): 404
+/// with the `not_found` problem, as order-api answers.
+pub async fn not_found() -> HttpResponse {
+    Problem::new(StatusCode::NOT_FOUND, "not_found", "No such resource").error_response()
 }
 
 async fn healthz(health: web::Data<Health>) -> HttpResponse {
@@ -198,9 +205,23 @@ pub fn watch_readiness(health: Health, every: Duration, shutdown: CancellationTo
     };
     crate::metrics::register(&health.registry, &gauge);
     tokio::spawn(async move {
+        let mut was_ready = true;
         loop {
-            let (ready, _) = readiness(&health).await;
+            let (ready, body, error) = readiness(&health).await;
             gauge.set(i64::from(ready));
+            // The cause in the log once, when the service stops being ready
+            // (`/readyz` says only which side, in a fixed word).
+            if was_ready && !ready {
+                tracing::warn!(
+                    database = %body["database"],
+                    broker = %body["broker"],
+                    error = error.as_deref().unwrap_or(""),
+                    "not ready"
+                );
+            } else if ready && !was_ready {
+                tracing::info!("ready again");
+            }
+            was_ready = ready;
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
@@ -210,7 +231,7 @@ pub fn watch_readiness(health: Health, every: Duration, shutdown: CancellationTo
 }
 
 async fn readyz(health: web::Data<Health>) -> HttpResponse {
-    let (ready, body) = readiness(&health).await;
+    let (ready, body, _) = readiness(&health).await;
     if ready {
         HttpResponse::Ok().json(body)
     } else {
@@ -218,15 +239,23 @@ async fn readyz(health: web::Data<Health>) -> HttpResponse {
     }
 }
 
-/// Whether the service is ready, and the `/readyz` body saying why.
-async fn readiness(health: &Health) -> (bool, serde_json::Value) {
+/// Whether the service is ready, the `/readyz` body saying why, and the
+/// database's error, if any (for the log).
+async fn readiness(health: &Health) -> (bool, serde_json::Value, Option<String>) {
+    let mut failure = None;
     let database = match &health.database {
         None => None,
         Some(pool) => Some(
+            // The body names the state in a fixed word: the error's text
+            // (a server's FATAL message, a host name) is for the log, not
+            // for whoever can reach the port (order-api's is public).
             match tokio::time::timeout(Duration::from_secs(2), crate::db::ping(pool)).await {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(error)) => Err(error),
-                Err(_) => Err("timed out".to_owned()),
+                Ok(Err(error)) => {
+                    failure = Some(error);
+                    Err("unavailable")
+                }
+                Err(_) => Err("timed out"),
             },
         ),
     };
@@ -235,10 +264,10 @@ async fn readiness(health: &Health) -> (bool, serde_json::Value) {
     let body = serde_json::json!({
         "status": if ready { "ready" } else { "not_ready" },
         "service": health.service,
-        "database": database.map(|r| r.err().unwrap_or_else(|| "ok".to_owned())),
+        "database": database.map(|r| r.err().unwrap_or("ok")),
         "broker": broker,
     });
-    (ready, body)
+    (ready, body, failure)
 }
 
 async fn metrics(health: web::Data<Health>) -> HttpResponse {

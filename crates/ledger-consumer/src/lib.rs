@@ -398,11 +398,17 @@ impl consumer_runtime::Domain for Ledger {
     }
 
     fn routes(cfg: &mut web::ServiceConfig) {
-        cfg.route("/journal", kit::http::get_or_head().to(get_journal))
-            .route(
-                "/trial-balance",
-                kit::http::get_or_head().to(get_trial_balance),
-            );
+        use kit::http::{get_or_head, resource};
+        cfg.service(resource(
+            "/journal",
+            get_or_head().to(get_journal),
+            "GET, HEAD",
+        ))
+        .service(resource(
+            "/trial-balance",
+            get_or_head().to(get_trial_balance),
+            "GET, HEAD",
+        ));
     }
 }
 

@@ -164,10 +164,11 @@ impl consumer_runtime::Domain for Loyalty {
     }
 
     fn routes(cfg: &mut web::ServiceConfig) {
-        cfg.route(
+        cfg.service(kit::http::resource(
             "/customers/{id}/loyalty",
             kit::http::get_or_head().to(get_loyalty),
-        );
+            "GET, HEAD",
+        ));
     }
 }
 

@@ -601,6 +601,19 @@ pub async fn check(
             "loyalty entries for an unknown order".into(),
         );
     }
+    // The terms the ledger and loyalty keep from an OrderPlaced of an order
+    // the orders database does not have (restored to an earlier point, or
+    // an event written by hand): found even when no other effect of the
+    // order was written (inventory restored too, or parked there).
+    for (terms, consumer) in [(&ledger_terms, "the ledger"), (&loyalty_terms, "loyalty")] {
+        for key in terms.keys().filter(|k| !known(k)) {
+            drift(
+                &key.0,
+                Some(key.1),
+                format!("{consumer} keeps order terms for an unknown order"),
+            );
+        }
+    }
 
     // Every movement's effect on the level is its type's: a receipt adds to
     // on hand, a reservation to reserved, a sale takes its (negative) qty

@@ -35,12 +35,15 @@ impl KeyCache {
             .map(|(tenant, _)| tenant.clone())
     }
 
-    fn put(&self, hash: String, tenant: &str) {
+    /// Remember `tenant` for `hash` as of `asked`, when its lookup began:
+    /// the answer is as old as its statement's snapshot, so a key revoked
+    /// while a slow lookup ran is not held for a whole window after it.
+    fn put(&self, hash: String, tenant: &str, asked: Instant) {
         if let Ok(mut keys) = self.keys.lock() {
             if keys.len() >= MAX_CACHED_KEYS {
                 keys.clear();
             }
-            keys.insert(hash, (tenant.to_owned(), Instant::now()));
+            keys.insert(hash, (tenant.to_owned(), asked));
         }
     }
 }
@@ -62,6 +65,7 @@ pub async fn tenant(
     if let Some(tenant) = cache.get(&hash, ttl) {
         return Ok(tenant);
     }
+    let asked = Instant::now();
     let tenant: String = deadline
         .read(&state.pool, async |client| {
             let statement = client
@@ -77,7 +81,7 @@ pub async fn tenant(
         .await?
         .ok_or(ApiError::Unauthorized)?;
     if !ttl.is_zero() {
-        cache.put(hash, &tenant);
+        cache.put(hash, &tenant, asked);
     }
     Ok(tenant)
 }
@@ -145,8 +149,12 @@ mod tests {
         assert_eq!(at(Duration::from_millis(100)).as_deref(), Some("acme"));
         assert_eq!(at(ttl), None);
         assert_eq!(at(Duration::from_secs(10)), None);
-        cache.put("h".to_owned(), "acme");
+        cache.put("h".to_owned(), "acme", Instant::now());
         assert_eq!(cache.get("h", ttl).as_deref(), Some("acme"));
+        // A lookup that took longer than the window is stale at once: its
+        // age counts from when it was asked.
+        cache.put("slow".to_owned(), "acme", Instant::now() - ttl);
+        assert_eq!(cache.get("slow", ttl), None);
         assert_eq!(cache.get("h", Duration::ZERO), None, "0: off");
         assert_eq!(cache.get("other", ttl), None);
     }

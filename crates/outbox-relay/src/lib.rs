@@ -47,7 +47,7 @@ pub mod settings;
 
 use std::sync::Arc;
 
-use actix_web::{App, HttpServer};
+use actix_web::{web, App, HttpServer};
 use kit::{amqp::Connected, db::PgPool, http::Health, migrations::Database, CancellationToken};
 use tokio::sync::watch;
 
@@ -105,13 +105,16 @@ impl Application {
         );
         let listener = std::net::TcpListener::bind(settings.http.addr())?;
         let port = listener.local_addr()?.port();
-        let server =
-            HttpServer::new(move || App::new().configure(kit::http::health_routes(health.clone())))
-                .workers(1)
-                .disable_signals()
-                .shutdown_timeout(10)
-                .listen(listener)?
-                .run();
+        let server = HttpServer::new(move || {
+            App::new()
+                .configure(kit::http::health_routes(health.clone()))
+                .default_service(web::to(kit::http::not_found))
+        })
+        .workers(1)
+        .disable_signals()
+        .shutdown_timeout(10)
+        .listen(listener)?
+        .run();
         tracing::info!(port, instance, "health and metrics listening");
         Ok(Self {
             settings,
