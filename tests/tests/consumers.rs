@@ -1757,6 +1757,65 @@ async fn a_crash_after_commit_before_ack_redelivers_without_a_double_effect() {
     assert_levels_equal_movements(&tenant).await;
 }
 
+/// A crash inside the message's transaction, in the handler
+/// (`consumer.in_handler`) or after it before COMMIT
+/// (`consumer.before_commit`): the transaction dies with the process,
+/// nothing of it is written (no inbox or progress row, no movement, no
+/// level), and the redelivered message is applied once, as new (not a
+/// duplicate: which it would be, were either point past the COMMIT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_commit_writes_nothing_and_the_redelivery_applies_once() {
+    for point in ["consumer.in_handler", "consumer.before_commit"] {
+        let tenant = unique("t5-precommit");
+        let s = story(&tenant);
+        let name = unique("t5-precommit-inv");
+        let crashing = crashing_inventory(&name, point).await;
+        let publisher = Publisher::connect().await;
+        publisher.to_consumer(&name, &s.placed).await;
+        let _crashed = aborted_at_its_fail_point(crashing).await;
+        assert_eq!(
+            progress(Database::Inventory, &name, s.order).await,
+            None,
+            "{point}"
+        );
+        assert_eq!(inbox(Database::Inventory, &name).await, vec![], "{point}");
+        assert_eq!(movements(&tenant).await.len(), 0, "{point}");
+        assert_eq!(level(&tenant).await, None, "{point}");
+
+        let restarted = Consumer::start(Kind::Inventory, &name, Options::one_partition()).await;
+        restarted
+            .wait_metric("consumer_events_applied_total", "", 1.0)
+            .await;
+        for (metric, value) in [
+            ("consumer_events_applied_total", 1.0),
+            ("consumer_duplicates_total", 0.0),
+            ("consumer_stale_total", 0.0),
+            ("consumer_dead_lettered_total", 0.0),
+        ] {
+            assert_eq!(
+                restarted.metric(metric, "").await,
+                value,
+                "{point} {metric}"
+            );
+        }
+        assert_eq!(
+            progress(Database::Inventory, &name, s.order).await,
+            Some((1, false)),
+            "{point}"
+        );
+        assert_eq!(
+            inbox(Database::Inventory, &name).await,
+            vec![(s.placed.event_id, tenant.clone())],
+            "{point}"
+        );
+        let m = movements(&tenant).await;
+        assert_eq!(m.len(), 1, "{point}: {m:?}");
+        assert_eq!((m[0].0.as_str(), m[0].1), ("reserve", 2), "{point}");
+        assert_eq!(level(&tenant).await, Some((0, 2, -2)), "{point}");
+        assert_levels_equal_movements(&tenant).await;
+    }
+}
+
 /// Read a list endpoint on from `cursor` the way an incremental reader
 /// does (`after` = the last id seen), appending the ids of `key` to `seen`.
 async fn read_on(

@@ -421,6 +421,84 @@ async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
     assert_eq!(counts(&caller.tenant).await.orders, 1);
 }
 
+/// The same crash on a payment, whose event takes the order's next
+/// sequence under the order's row lock: committed once (one payment, one
+/// PaymentReceived at sequence 2, the order's last sequence 2), and the
+/// retry replays it byte for byte instead of paying or sequencing again.
+#[tokio::test]
+async fn a_payment_crashing_after_its_commit_is_replayed_and_sequenced_once() {
+    let caller = Caller::new("crash-after-pay");
+    let placing = OrderApi::start(&[]).await;
+    let order = place_seed_order(&placing, &caller).await;
+    drop(placing);
+    let mut api =
+        OrderApi::start(&[("FAILPOINTS", "order_api.after_commit=return".to_owned())]).await;
+    let path = format!("/orders/{order}/payments");
+    let lost = caller
+        .client
+        .post(api.url(&path))
+        .bearer_auth(&caller.key)
+        .header("Idempotency-Key", "pay-once")
+        .header("Content-Type", "application/json")
+        .body(SEED_PAYMENT)
+        .send()
+        .await;
+    assert!(
+        lost.is_err(),
+        "the process aborts before answering: {lost:?}"
+    );
+    let status = api
+        .service
+        .wait_exit(Duration::from_secs(10))
+        .expect("the fail point aborts the process");
+    assert!(system_tests::system::aborted(&status), "{status:?}");
+    let committed = || async {
+        let db = pg(Database::Orders).await;
+        let payments: i64 = db
+            .query_one(
+                "SELECT count(*) FROM payments WHERE tenant_id = $1",
+                &[&caller.tenant],
+            )
+            .await
+            .expect("payments")
+            .get(0);
+        let last: i64 = db
+            .query_one(
+                "SELECT last_event_sequence FROM orders WHERE tenant_id = $1",
+                &[&caller.tenant],
+            )
+            .await
+            .expect("order")
+            .get(0);
+        (payments, last, outbox_of(&order).await)
+    };
+    let expected = (
+        1,
+        2,
+        vec![
+            (1, "OrderPlaced".to_owned()),
+            (2, "PaymentReceived".to_owned()),
+        ],
+    );
+    assert_eq!(committed().await, expected);
+    let (_, stored_status, stored) =
+        stored_body(&caller.tenant, "POST /orders/{id}/payments", "pay-once")
+            .await
+            .expect("stored");
+    assert_eq!(stored_status, 201);
+
+    let api = OrderApi::start(&[]).await;
+    let retry = caller.post(&api.url(&path), "pay-once", SEED_PAYMENT).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(is_replay(&retry), "the retry replays the committed payment");
+    assert_eq!(retry.bytes().await.expect("body").to_vec(), stored);
+    assert_eq!(
+        committed().await,
+        expected,
+        "nothing paid or sequenced again"
+    );
+}
+
 #[tokio::test]
 async fn a_transaction_rolled_back_before_commit_stores_nothing_and_the_key_works_again() {
     let caller = Caller::new("crash-before");

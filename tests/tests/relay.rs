@@ -3647,7 +3647,10 @@ async fn waiting(queues: &[String]) -> u32 {
 /// A replay of everything purges the consumer's partitions first. A crash
 /// right after the purge (fail point `replay.after_purge`) leaves them
 /// empty, and running the replay again re-publishes every retained event:
-/// nothing is lost.
+/// nothing is lost. A crash after its first wave of re-published events
+/// (`replay.after_wave`) leaves that wave waiting: the replay run again
+/// refuses to purge it until given `--purge-waiting`, as the run's
+/// instructions say, then re-publishes every event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_running_it_again() {
     let (tenant, event_type, db, connection, channel) = fresh_tenant("RelayTestPurge").await;
@@ -3681,13 +3684,43 @@ async fn an_unfiltered_replay_purges_and_a_crash_after_the_purge_is_repaired_by_
     )
     .await;
     assert!(!ok, "the fail point aborts the replay: {output}");
+    assert!(
+        output.contains("fail point replay.after_purge fired"),
+        "{output}"
+    );
     assert!(output.contains("purged"), "{output}");
     assert_eq!(waiting(&queues).await, 0, "purged, nothing re-published");
 
+    // Nothing waits: no --purge-waiting needed. The first wave (each
+    // order's first event, of every order retained in the shared database)
+    // is confirmed, then the run dies.
+    let (ok, output) = admin(
+        &["replay", "--consumer", &target],
+        &[("FAILPOINTS", "replay.after_wave=1*return".to_owned())],
+    )
+    .await;
+    assert!(!ok, "the fail point aborts the replay: {output}");
+    assert!(
+        output.contains("fail point replay.after_wave fired"),
+        "{output}"
+    );
+    let first_wave = waiting(&queues).await;
+    assert!(first_wave >= 3, "our three orders' first events at least");
     let (ok, output) = admin(&["replay", "--consumer", &target], &[]).await;
+    assert!(!ok, "{output}");
+    assert!(
+        output.contains(&format!("{first_wave} message(s) wait in"))
+            && output.contains("--purge-waiting"),
+        "{output}"
+    );
+    assert_eq!(waiting(&queues).await, first_wave, "nothing purged");
+
+    let (ok, output) = admin(&["replay", "--consumer", &target, "--purge-waiting"], &[]).await;
     assert!(ok, "{output}");
     assert!(
-        output.contains("purged 0 message(s) from 2 partition(s)"),
+        output.contains(&format!(
+            "purged {first_wave} message(s) from 2 partition(s)"
+        )),
         "{output}"
     );
     // Every retained event of the shared database went to the partitions;

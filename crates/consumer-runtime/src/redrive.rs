@@ -333,7 +333,10 @@ async fn keep(
         // Crash window: the copy is confirmed in the DLQ, the letter read
         // not yet acknowledged. A crash here returns it to the DLQ too: two
         // copies; a later redrive that reads both drops the copy before
-        // anything else (`drop_exact_copies`).
+        // anything else (`drop_exact_copies`), unless the letter has no
+        // event id (neither an envelope nor a message id: nothing tells a
+        // copy from another message of the same bytes): that one stays
+        // twice, as it stays after such a crash in the consumer.
         kit::failpoint::crash_point("consumer.redrive.after_keep_before_ack");
         acknowledge(&letter.delivery, || {
             format!(

@@ -71,6 +71,20 @@ impl ReplayRequest {
             && self.order.is_none()
             && self.only_tenant.is_empty()
     }
+
+    /// How to finish a replay that stopped part way: run it again. One
+    /// that purges finds the copies it already sent waiting in the
+    /// partitions, so its waiting guard refuses it without
+    /// `--purge-waiting` (which the first run had, or found nothing
+    /// waiting: the copies are this replay's own).
+    fn again(&self) -> &'static str {
+        if self.purges() {
+            "run the replay again with --purge-waiting (the copies already sent wait in the \
+             partitions; consumers de-duplicate)"
+        } else {
+            "run the replay again (consumers de-duplicate)"
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -222,8 +236,9 @@ pub async fn replay(
     loop {
         if shutdown.is_cancelled() {
             anyhow::bail!(
-                "interrupted after {} event(s); run the replay again (consumers de-duplicate)",
-                summary.republished
+                "interrupted after {} event(s); {}",
+                summary.republished,
+                request.again()
             );
         }
         let rows = client
@@ -331,12 +346,18 @@ pub async fn replay(
                 let confirmed = outcomes.iter().filter(|o| o.result.is_ok()).count() as u64;
                 anyhow::bail!(
                     "event {} was not confirmed ({reason}); {} event(s) replayed, none after it \
-                     of its order. Run the replay again (consumers de-duplicate)",
+                     of its order; {}",
                     failed.event_id,
-                    summary.republished + confirmed
+                    summary.republished + confirmed,
+                    request.again()
                 );
             }
             summary.republished += sent;
+            // Crash window: this wave is confirmed, the next not sent (an
+            // order's later events wait for their wave). The replay exits
+            // non-zero; running it again sends everything again, a
+            // purging one with --purge-waiting (`ReplayRequest::again`).
+            kit::failpoint::crash_point("replay.after_wave");
         }
         println!(
             "replayed {} event(s) of {} order(s) so far ({} ms)",
