@@ -1816,6 +1816,110 @@ async fn a_crash_before_commit_writes_nothing_and_the_redelivery_applies_once() 
     }
 }
 
+/// The crash-loop backstop (ARCHITECTURE.md): a message that kills the
+/// consumer every time it is delivered is dead-lettered by the broker once
+/// its partition's `x-delivery-limit` is passed, not dropped and not
+/// parked (the consumer never got to say why: the letter has no reason);
+/// the partition then flows on, the order's next event waits at the gap,
+/// and a redrive moves the letter back: the order applied once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_crashing_every_delivery_is_dead_lettered_by_the_broker_and_redriven() {
+    let tenant = unique("t5-loop");
+    let (a, b) = (story(&tenant), story(&tenant));
+    let name = unique("t5-loop-inv");
+    let options = |failpoints: Option<&str>| Options {
+        failpoints: failpoints.map(str::to_owned),
+        extra: vec![(
+            "INVENTORY_CONSUMER__CONSUMER__DELIVERY_LIMIT".to_owned(),
+            "5".to_owned(),
+        )],
+        ..Options::one_partition()
+    };
+    let crashing = options(Some("consumer.in_handler=return"));
+    let publisher = Publisher::connect().await;
+    let first = Consumer::start(Kind::Inventory, &name, crashing.clone()).await;
+    publisher.to_consumer(&name, &a.placed).await;
+    // Kept to the end: it holds the topology (deleted when dropped).
+    let _first = aborted_at_its_fail_point(first).await;
+    let (partition, dlq) = (format!("{name}.p0"), format!("{name}.dlq"));
+    let mut crashes = 1;
+    loop {
+        // Returned to its partition, or past the limit into the DLQ.
+        let (ready, letters) = eventually("the message back", WAIT, || async {
+            let depths = (queue_depth(&partition).await, queue_depth(&dlq).await);
+            (depths.0 + depths.1 == 1).then_some(depths)
+        })
+        .await;
+        if letters == 1 {
+            assert_eq!(ready, 0);
+            break;
+        }
+        assert!(
+            crashes < 10,
+            "still not dead-lettered after {crashes} crashes"
+        );
+        // It dies before it is ready: started without waiting for /readyz.
+        let mut service =
+            Consumer::spawn(Kind::Inventory, &name, system_tests::free_port(), &crashing);
+        let status = tokio::task::spawn_blocking(move || service.wait_exit(WAIT))
+            .await
+            .expect("wait");
+        assert!(
+            status.as_ref().is_some_and(system_tests::system::aborted),
+            "crash {crashes}: aborted at the fail point within {WAIT:?}: {status:?}"
+        );
+        crashes += 1;
+    }
+    assert!(crashes >= 5, "the limit (5) counted: {crashes} crashes");
+    // Nothing of it was written, and the order is not parked.
+    assert_eq!(progress(Database::Inventory, &name, a.order).await, None);
+    assert_eq!(movements(&tenant).await.len(), 0);
+
+    // The partition flows on; the order's next event waits at its gap.
+    let consumer = Consumer::start(Kind::Inventory, &name, options(None)).await;
+    publisher.to_consumer(&name, &b.placed).await;
+    wait_sequence(Database::Inventory, &name, b.order, 1).await;
+    publisher.to_consumer(&name, &a.paid).await;
+    consumer
+        .wait_metric("consumer_deferred_total", "", 1.0)
+        .await;
+    assert_eq!(progress(Database::Inventory, &name, a.order).await, None);
+
+    let report = redrive_with(Kind::Inventory, &name, &[], options(None)).await;
+    wait_sequence(Database::Inventory, &name, a.order, 2).await;
+    let mut expected = vec![
+        (a.placed.event_id, tenant.clone()),
+        (a.paid.event_id, tenant.clone()),
+        (b.placed.event_id, tenant.clone()),
+    ];
+    expected.sort();
+    assert_eq!(
+        inbox(Database::Inventory, &name).await,
+        expected,
+        "{report}"
+    );
+    let reserves: Vec<(String, i64)> = movements(&tenant)
+        .await
+        .into_iter()
+        .map(|m| (m.0, m.1))
+        .collect();
+    assert_eq!(
+        reserves,
+        vec![("reserve".to_owned(), 2), ("reserve".to_owned(), 2)],
+        "each order reserved once"
+    );
+    assert_eq!(level(&tenant).await, Some((0, 4, -4)));
+    assert_levels_equal_movements(&tenant).await;
+    for (metric, value) in [
+        ("consumer_events_applied_total", 3.0),
+        ("consumer_duplicates_total", 0.0),
+        ("consumer_dead_lettered_total", 0.0),
+    ] {
+        assert_eq!(consumer.metric(metric, "").await, value, "{metric}");
+    }
+    assert_eq!(queue_depth(&dlq).await, 0, "{report}");
+}
+
 /// Read a list endpoint on from `cursor` the way an incremental reader
 /// does (`after` = the last id seen), appending the ids of `key` to `seen`.
 async fn read_on(
