@@ -4669,6 +4669,42 @@ async fn a_shortage_whose_commit_failed_is_counted_once() {
     assert_eq!(level(&tenant).await, Some((0, 2, -2)), "reserved once");
 }
 
+/// A COMMIT that reached the server but whose reply was lost (fail point
+/// `consumer.commit_reply_lost`, once): the message is processed again in
+/// place and recognised by its inbox row, a duplicate; the stock reserved
+/// once. What only `Domain::committed` counts is missed for it (the
+/// documented miss: `inventory_shortages_total` stays 0), and the event is
+/// counted as a duplicate, not as applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_reply_is_lost_is_retried_as_a_duplicate() {
+    let tenant = unique("t5-reply-lost");
+    let name = unique("t5-reply-lost-inv");
+    let inventory = crashing_inventory(&name, "consumer.commit_reply_lost").await;
+    let s = story(&tenant);
+    Publisher::connect()
+        .await
+        .to_consumer(&name, &s.placed)
+        .await;
+    inventory
+        .wait_metric("consumer_duplicates_total", "", 1.0)
+        .await;
+    for (metric, value) in [
+        ("consumer_retried_in_place_total", 1.0),
+        ("consumer_duplicates_total", 1.0),
+        ("consumer_events_applied_total", 0.0),
+        ("inventory_shortages_total", 0.0),
+        ("consumer_dead_lettered_total", 0.0),
+    ] {
+        assert_eq!(inventory.metric(metric, "").await, value, "{metric}");
+    }
+    assert_eq!(
+        progress(Database::Inventory, &name, s.order).await,
+        Some((1, false))
+    );
+    assert_eq!(movements(&tenant).await.len(), 1);
+    assert_eq!(level(&tenant).await, Some((0, 2, -2)), "reserved once");
+}
+
 /// The operator's loop: deliveries that would take stock below zero are
 /// dead-lettered (on_hand never goes negative); the missing receipt is posted;
 /// `redrive --order` moves back only that order's dead letters; a plain

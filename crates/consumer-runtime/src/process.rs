@@ -614,6 +614,16 @@ impl<D: Domain> Processor<D> {
             drop(client);
             return self.failed(publisher, incoming, raw, &reason).await;
         }
+        if kit::failpoint::error_point("consumer.commit_reply_lost") {
+            // The fault of a COMMIT that reached the server, its reply lost
+            // with the connection: the message is processed again in place
+            // and its inbox row makes it a duplicate (`Domain::committed`'s
+            // one miss).
+            drop(client);
+            return Err(Infra::Database(
+                "injected by fail point consumer.commit_reply_lost".to_owned(),
+            ));
+        }
         self.domain.committed(effects);
         kit::failpoint::crash_point("consumer.after_commit_before_ack");
 
