@@ -3443,6 +3443,37 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
     );
 }
 
+/// A panic in the inbox cleanup (a bug: `consumer.cleanup=panic` makes one)
+/// stops the consumer with an error, so that it is restarted and seen; its
+/// batch rolls back. The task was not watched: the consumer went on
+/// consuming with its inbox growing and its parked-orders gauge frozen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_inbox_cleanup_stops_the_consumer() {
+    let name = unique("t5-cleanpanic-loy");
+    let client = pg(Database::Loyalty).await;
+    let old = Uuid::now_v7();
+    inbox_row(&client, &name, old, 9).await;
+    let options = Options {
+        failpoints: Some("consumer.cleanup=panic".to_owned()),
+        extra: vec![(
+            "LOYALTY_CONSUMER__CLEANUP__INTERVAL_SECS".into(),
+            "1".into(),
+        )],
+        ..Options::default()
+    };
+    let _topology = TopologyGuard::new(&name, &options);
+    let mut service = Consumer::spawn(Kind::Loyalty, &name, system_tests::free_port(), &options);
+    let status = tokio::task::spawn_blocking(move || service.wait_exit(WAIT))
+        .await
+        .expect("wait")
+        .expect("the consumer stops after the panic");
+    assert!(
+        !status.success() && !system_tests::system::aborted(&status),
+        "an error exit, not a crash: {status:?}"
+    );
+    assert_eq!(inbox_ids(&client, &name).await, vec![old], "rolled back");
+}
+
 /// A crash inside the inbox cleanup (fail point `consumer.cleanup`, armed
 /// for the second batch) rolls that batch back and keeps the first; the
 /// restarted consumer deletes the rest. Nothing within the horizon goes.

@@ -421,6 +421,41 @@ async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
     assert_eq!(counts(&caller.tenant).await.orders, 1);
 }
 
+/// A session that cannot write for its life (one on a standby after a
+/// failover: here fail point `order_api.session_read_only` makes one so,
+/// once) fails its request with 503 `unavailable` (nothing stored; retry)
+/// and is closed, not pooled: the retry under the same key gets another
+/// session and places the order. Pooled, the worker's pool (the last
+/// connection returned first) handed it to the next request every time:
+/// 500 after 500.
+#[tokio::test]
+async fn a_session_that_cannot_write_answers_503_and_is_not_pooled() {
+    let caller = Caller::new("read-only");
+    let api = OrderApi::start(&[
+        (
+            "FAILPOINTS",
+            "order_api.session_read_only=1*return".to_owned(),
+        ),
+        ("ORDER_API__HTTP__WORKERS", "1".to_owned()),
+    ])
+    .await;
+    let failed = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+    assert_eq!(header(&failed, "Retry-After"), Some("1"));
+    let (status, problem) = json_of(failed).await;
+    assert_eq!(
+        (status, problem["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+        "{problem}"
+    );
+    assert_eq!(counts(&caller.tenant).await, Counts::NOTHING);
+    for replay in [false, true] {
+        let response = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
+        assert_eq!(response.status(), StatusCode::CREATED, "replay {replay}");
+        assert_eq!(is_replay(&response), replay);
+    }
+    assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
+}
+
 /// The same crash on a payment, whose event takes the order's next
 /// sequence under the order's row lock: committed once (one payment, one
 /// PaymentReceived at sequence 2, the order's last sequence 2), and the

@@ -1091,6 +1091,44 @@ async fn a_mark_whose_reply_is_lost_counts_its_rows_as_marked_on_the_retry() {
     finish(connection, &channel, &tenant).await;
 }
 
+/// A session that cannot write for its life (one on a standby after a
+/// failover: here fail point `relay.claim.session_read_only` makes one so,
+/// once) fails its claim once and is closed, not pooled: the next claim
+/// gets another session, and the events are published once each. Pooled,
+/// the failing session went back on top of the pool (which hands out the
+/// last connection returned first) and failed the claims that took it,
+/// for its life.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_cannot_write_is_closed_after_its_failed_claim() {
+    let (tenant, event_type, db, connection, channel, collector) =
+        subscribed("RelayTestReadOnly").await;
+    let events = orders_with_events(3, 2, &event_type);
+    insert(&db, &tenant, &events).await;
+    let mut extra = patient();
+    extra.push((
+        "FAILPOINTS",
+        "relay.claim.session_read_only=1*return".to_owned(),
+    ));
+    extra.push(("OUTBOX_RELAY__RELAY__WORKERS", "1".to_owned()));
+    let (relay, log) = Relay::start_logged(&tenant, &extra);
+    wait_all_published(&db, &tenant, Duration::from_secs(60)).await;
+    collector.wait_distinct(6, Duration::from_secs(30)).await;
+    assert_published_once_by(&relay, &collector, &events, 6).await;
+    // Claims go on (an empty one every poll interval, 200 ms): none fails.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    relay.stop();
+    let output = system_tests::take_log(&log);
+    let failed: Vec<&str> = output
+        .lines()
+        .filter(|line| line.contains("claim failed"))
+        .collect();
+    assert_eq!(failed.len(), 1, "one failed claim:\n{output}");
+    assert!(failed[0].contains("read-only transaction"), "{output}");
+    assert!(output.contains("closing the database session"), "{output}");
+    delete_tenant_rows(&db, &tenant).await;
+    finish(connection, &channel, &tenant).await;
+}
+
 /// A relay that cannot reach the database when its confirmed rows are to be
 /// marked goes on retrying the mark past its lease, and marks them when the
 /// database answers again: nobody took the rows over (the mark is guarded

@@ -469,13 +469,20 @@ impl<D: Domain> Application<D> {
             // it answering /readyz while it consumes nothing.
             tokio::spawn(kit::shutdown::essential("consumer loop", broker, loop_ends))
         };
-        let cleanup = tokio::spawn(cleanup::run(
-            self.processor.pool.clone(),
-            self.settings.consumer.name.clone(),
-            self.settings.cleanup.inbox_retention_hours,
-            self.settings.cleanup.batch_size,
-            Duration::from_secs(self.settings.cleanup.interval_secs.max(1)),
-            self.processor.metrics.clone(),
+        // Ends only on shutdown, unless it panicked (a bug): then the
+        // service stops, instead of consuming on with the inbox growing and
+        // the parked-orders gauge frozen.
+        let cleanup = tokio::spawn(kit::shutdown::essential(
+            "inbox cleanup",
+            tokio::spawn(cleanup::run(
+                self.processor.pool.clone(),
+                self.settings.consumer.name.clone(),
+                self.settings.cleanup.inbox_retention_hours,
+                self.settings.cleanup.batch_size,
+                Duration::from_secs(self.settings.cleanup.interval_secs.max(1)),
+                self.processor.metrics.clone(),
+                shutdown.clone(),
+            )),
             shutdown.clone(),
         ));
         let http = kit::http::run_until_stopped(self.server, shutdown.clone()).await;
@@ -484,7 +491,9 @@ impl<D: Domain> Application<D> {
         // a stuck dependency is cut off by `kit::shutdown::GRACE`.
         broker.await???;
         tracing::info!("consumer stopped");
-        cleanup.abort();
+        // Returns at once on shutdown (its batch, if any, is dropped: one
+        // autocommit DELETE each).
+        cleanup.await??;
         http?;
         Ok(())
     }

@@ -242,6 +242,52 @@ fn build_pool(
         .map_err(|e| DbError::Build(e.to_string()))
 }
 
+/// SQLSTATEs that stay with the session that got them: a read-only
+/// transaction (`25006`: the session reached a standby, through a name that
+/// pointed there during a failover, and will write nowhere for its life)
+/// and a cached plan whose result type a migration changed (`0A000`: every
+/// run of that prepared statement on the session fails). The same work on
+/// another session may succeed; on this one it fails until the session
+/// ends, which a pool that checks only for a closed connection never does.
+pub fn session_fault_sqlstate(code: &str) -> bool {
+    code == "25006" || code == "0A000"
+}
+
+/// Whether `error`, or the first PostgreSQL error in its chain of sources,
+/// is a [`session_fault_sqlstate`].
+pub fn session_fault(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if let Some(postgres) = error.downcast_ref::<tokio_postgres::Error>() {
+            return postgres
+                .code()
+                .is_some_and(|code| session_fault_sqlstate(code.code()));
+        }
+        next = error.source();
+    }
+    false
+}
+
+/// `work` on a connection of `pool`, which is closed instead of going back
+/// to the pool when the work failed with a [`session_fault`]: the retry
+/// takes another session (a new one reaches the name's current primary),
+/// where the pool, handing out the last connection returned first, would
+/// give the failing one back every time.
+pub async fn on_session<T>(
+    pool: &Pool,
+    work: impl AsyncFnOnce(&mut Client) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let mut client = pool.get().await?;
+    let result = work(&mut client).await;
+    if let Err(error) = &result {
+        if session_fault(error.as_ref()) {
+            tracing::warn!(%error, "closing the database session: it cannot do this work for its life");
+            drop(deadpool_postgres::Object::take(client));
+        }
+    }
+    result
+}
+
 /// SQLSTATE classes and codes that say "try again", not "this request or
 /// event is wrong": connection exceptions (`08`), insufficient resources
 /// (`53`), an administrator or crash shutdown (`57P`), a statement cancelled

@@ -33,12 +33,26 @@ pub async fn delete_expired(
             return Ok(total);
         }
         let client = pool.get().await?;
-        let statement = client.prepare_cached(DELETE_EXPIRED).await?;
         // Crash window: each batch is one autocommit DELETE of rows already
         // expired (a key past its retention is a new operation whether its
         // row is there or not); a crash before or after it leaves the rest
         // to the next run, nothing half done.
-        let deleted = client.execute(&statement, &[&batch]).await?;
+        let deleted = match async {
+            let statement = client.prepare_cached(DELETE_EXPIRED).await?;
+            client.execute(&statement, &[&batch]).await
+        }
+        .await
+        {
+            Ok(deleted) => deleted,
+            Err(error) => {
+                if kit::db::session_fault(&error) {
+                    // Closed, not pooled: the session cannot do this for
+                    // its life (see `kit::db::session_fault`).
+                    drop(deadpool_postgres::Object::take(client));
+                }
+                return Err(error.into());
+            }
+        };
         deleted_batch(deleted);
         total += deleted;
         if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {

@@ -328,11 +328,19 @@ impl ApiError {
             ))
             .retry_after(1),
             Self::Rejected(RejectedError(rejection)) => rejection.problem(),
-            Self::Database(error) if !kit::db::transient(error) => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                "Internal error",
-            ),
+            // A session that cannot do the work for its life (on a standby
+            // after a failover, 25006; a statement a migration changed,
+            // 0A000) is closed (`idempotency::Held`): the retry gets
+            // another, so it is the database's state, not an error.
+            Self::Database(error)
+                if !kit::db::transient(error) && !kit::db::session_fault(error) =>
+            {
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "Internal error",
+                )
+            }
             Self::Database(_) | Self::Pool(_) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",

@@ -302,7 +302,7 @@ impl Deadline {
             return Err(self.exceeded());
         };
         // Ended by itself: the connection may serve another request.
-        held.released = !cancelled;
+        held.released = releasable(cancelled, &outcome);
         match outcome {
             Err(ApiError::Database(_)) if cancelled => Err(self.exceeded()),
             outcome => outcome,
@@ -357,6 +357,21 @@ impl Deadline {
 struct Held {
     client: Option<deadpool_postgres::Client>,
     released: bool,
+}
+
+/// Whether a [`Held`] connection may go back to the pool once its work
+/// ended by itself: no cancel was sent (`cancelled`: it may still reach the
+/// session), and the work did not fail in a way that stays with the
+/// session ([`kit::db::session_fault`]: on a standby after a failover,
+/// every write of the session fails for its life, and the pool, handing
+/// out the last connection returned first, would give it to the next
+/// request).
+fn releasable<T>(cancelled: bool, outcome: &Result<T, ApiError>) -> bool {
+    let session_fault = matches!(
+        outcome,
+        Err(ApiError::Database(error)) if kit::db::session_fault(error)
+    );
+    !cancelled && !session_fault
 }
 
 impl Drop for Held {
@@ -495,6 +510,13 @@ pub async fn execute(
     let Some(client) = held.client.as_mut() else {
         return Err(deadline.exceeded());
     };
+    if kit::failpoint::error_point("order_api.session_read_only") {
+        // A test's stand-in for a session on a standby: every write of the
+        // session fails from here on (25006).
+        client
+            .batch_execute("SET SESSION default_transaction_read_only = on")
+            .await?;
+    }
     // BEGIN and the work are given up at the backstop (nothing committed:
     // COMMIT is not sent), the connection closed, not pooled (`held`).
     let backstop = deadline.backstop();
@@ -686,7 +708,7 @@ pub async fn execute(
     };
     // The work ended by itself: from here (answers, COMMIT) the connection
     // may go back to the pool.
-    held.released = !cancelled;
+    held.released = releasable(cancelled, &outcome);
     if cancelled {
         // Past the deadline: nothing is committed, and the connection, which
         // a late cancel may still reach, is closed, not pooled (`held`).

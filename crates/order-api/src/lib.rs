@@ -188,16 +188,23 @@ impl Application {
 
     pub async fn run_until_stopped(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let settings = &self.state.settings.idempotency;
-        let cleanup = tokio::spawn(cleanup::run(
-            self.state.pool.clone(),
-            self.state.metrics.clone(),
-            self.state.in_flight.clone(),
-            Duration::from_secs(settings.cleanup_interval_seconds.max(1)),
-            settings.cleanup_batch.max(1),
+        // Ends only on shutdown, unless it panicked (a bug): then the
+        // service stops, instead of serving on with expired keys piling up
+        // and the stuck-owner gauge frozen.
+        let cleanup = tokio::spawn(kit::shutdown::essential(
+            "key cleanup",
+            tokio::spawn(cleanup::run(
+                self.state.pool.clone(),
+                self.state.metrics.clone(),
+                self.state.in_flight.clone(),
+                Duration::from_secs(settings.cleanup_interval_seconds.max(1)),
+                settings.cleanup_batch.max(1),
+                shutdown.clone(),
+            )),
             shutdown.clone(),
         ));
         kit::http::run_until_stopped(self.server, shutdown).await?;
-        cleanup.await?;
+        cleanup.await??;
         Ok(())
     }
 }

@@ -258,6 +258,10 @@ fn millis(duration: Duration) -> i64 {
 /// `may_take_suspects`: this is the instance's first worker; `settling`:
 /// the leases whose batches the workers of this process are settling (see
 /// [`CLAIM_SQL`], `$8` and `$9`), read once the transaction has begun.
+///
+/// Each of the relay's writes runs through [`kit::db::on_session`]: a
+/// session that cannot write for its life (on a standby after a failover)
+/// is closed, not handed to the next claim.
 pub async fn claim(
     pool: &PgPool,
     instance: &str,
@@ -266,7 +270,35 @@ pub async fn claim(
     may_take_suspects: bool,
     settling: &SettlingLeases,
 ) -> anyhow::Result<Claimed> {
-    let mut client = pool.get().await?;
+    kit::db::on_session(pool, async |client| {
+        claim_on(
+            client,
+            instance,
+            settings,
+            floor,
+            may_take_suspects,
+            settling,
+        )
+        .await
+    })
+    .await
+}
+
+async fn claim_on(
+    client: &mut kit::db::Client,
+    instance: &str,
+    settings: &RelaySettings,
+    floor: Floor,
+    may_take_suspects: bool,
+    settling: &SettlingLeases,
+) -> anyhow::Result<Claimed> {
+    if kit::failpoint::error_point("relay.claim.session_read_only") {
+        // A test's stand-in for a session on a standby: every write of the
+        // session fails from here on (25006).
+        client
+            .batch_execute("SET SESSION default_transaction_read_only = on")
+            .await?;
+    }
     let tx = client.transaction().await?;
     // Read after the BEGIN's answer, not before: the claim's `now()` is the
     // BEGIN's, and a lease that has run out by then was registered as
@@ -370,7 +402,19 @@ pub async fn mark_published(
     if ids.is_empty() {
         return Ok(0);
     }
-    let client = pool.get().await?;
+    kit::db::on_session(pool, async |client| {
+        mark_published_on(client, instance, lease_until, ids, retry).await
+    })
+    .await
+}
+
+async fn mark_published_on(
+    client: &kit::db::Client,
+    instance: &str,
+    lease_until: OffsetDateTime,
+    ids: &[Uuid],
+    retry: bool,
+) -> anyhow::Result<u64> {
     let params: &[(&(dyn ToSql + Sync), Type)] = &[
         (&ids, Type::UUID_ARRAY),
         (&instance, Type::TEXT),
@@ -455,11 +499,24 @@ pub async fn mark_failed(
     if failures.is_empty() {
         return Ok(Vec::new());
     }
+    kit::db::on_session(pool, async |client| {
+        mark_failed_on(client, instance, lease_until, failures, max_attempts, retry).await
+    })
+    .await
+}
+
+async fn mark_failed_on(
+    client: &kit::db::Client,
+    instance: &str,
+    lease_until: OffsetDateTime,
+    failures: &[Failure],
+    max_attempts: i32,
+    retry: bool,
+) -> anyhow::Result<Vec<Uuid>> {
     let ids: Vec<Uuid> = failures.iter().map(|f| f.event_id).collect();
     let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
     let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
     let quarantinable: Vec<bool> = failures.iter().map(|f| f.quarantinable).collect();
-    let client = pool.get().await?;
     let rows = client
         .query(
             "UPDATE outbox_events o

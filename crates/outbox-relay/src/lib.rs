@@ -140,10 +140,19 @@ impl Application {
     pub async fn run_until_stopped(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let (wake_tx, wake_rx) = watch::channel(0_u64);
         let wake_tx = Arc::new(wake_tx);
-        let listener = tokio::spawn(listen::listen(
+        let listening = tokio::spawn(listen::listen(
             self.settings.database.url.clone(),
             self.instance.clone(),
             Arc::clone(&wake_tx),
+            shutdown.clone(),
+        ));
+        let stop_listening = listening.abort_handle();
+        // A LISTEN task that panicked (a bug) stops the service, instead of
+        // leaving it to poll (every `poll_interval_ms`) with no alert. Not
+        // awaited at the end: its reconnects are not bounded by a stop.
+        let listener = tokio::spawn(kit::shutdown::essential(
+            "LISTEN",
+            listening,
             shutdown.clone(),
         ));
         let gauges = tokio::spawn(self.metrics.clone().refresh_periodically(
@@ -249,6 +258,7 @@ impl Application {
             essential("gauges", gauges),
             cleanup
         );
+        stop_listening.abort();
         listener.abort();
         drop(wake_tx);
         served?;
