@@ -75,6 +75,71 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
     }
 }
 
+/// An older binary starting on a database a newer release migrated (a
+/// rolling deploy, a rollback) starts, says so at INFO, and logs no ERROR
+/// (refinery's "missing from the filesystem" line for each newer migration
+/// is left out): on a database of its own, migrated, then given one more
+/// applied migration in its history.
+#[tokio::test]
+async fn an_older_binary_starts_on_a_newer_schema_without_error_lines() {
+    let admin = pg(Database::Orders).await;
+    let name = format!("newer_{}", uuid::Uuid::now_v7().simple());
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create the database");
+    let orders = system_tests::pg_url(Database::Orders);
+    let (base, query) = orders.split_once('?').unwrap_or((orders.as_str(), ""));
+    let (server, _) = base.rsplit_once('/').expect("a database in the URL");
+    let url = format!("{server}/{name}?{query}");
+    let migrate = || async {
+        let output = system_tests::output_within(
+            tokio::process::Command::new(system_tests::bin("outbox-relay"))
+                .arg("migrate")
+                .env("OUTBOX_RELAY__DATABASE__URL", &url)
+                .env_remove("RUST_LOG")
+                .env("NO_COLOR", "1"),
+        )
+        .await
+        .expect("run outbox-relay migrate");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(output.status.success(), "{text}");
+        text
+    };
+    migrate().await;
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client
+        .execute(
+            "INSERT INTO refinery_schema_history (version, name, applied_on, checksum) \
+             VALUES (9999, 'from_a_newer_release', '2026-12-07T00:00:00Z', '1')",
+            &[],
+        )
+        .await
+        .expect("a newer migration applied");
+    drop(client);
+    let output = migrate().await;
+    assert!(
+        output.contains("orders: 0 migration(s) applied"),
+        "{output}"
+    );
+    assert!(
+        output.contains("holds migrations newer than this binary's"),
+        "{output}"
+    );
+    assert!(!output.contains("ERROR"), "{output}");
+    admin
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await
+        .expect("drop the database");
+}
+
 /// An operator command's session (`kit::db::pool`: migrate, requeue,
 /// replay, redrive) ends a transaction left idle for 60 s (suspended, or its
 /// network lost between a write and its COMMIT: its row locks released);

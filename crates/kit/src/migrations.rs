@@ -106,6 +106,33 @@ pub const DDL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 /// (a second apart).
 const DDL_LOCK_ATTEMPTS: u32 = 60;
 
+/// Say (INFO) when the database's history holds a migration newer than any
+/// of `runner`'s: a newer release migrated it (a rolling deploy, or a
+/// rollback). refinery's own line for each such migration is an ERROR
+/// ("missing from the filesystem"), which `kit::telemetry` leaves out: a
+/// deploy must not log errors.
+async fn say_if_newer(
+    runner: &refinery::Runner,
+    client: &mut deadpool_postgres::Object,
+    database: Database,
+) {
+    let ours = runner.get_migrations().iter().map(|m| m.version()).max();
+    if let Ok(Some(newest)) = runner
+        .get_last_applied_migration_async(&mut ***client)
+        .await
+    {
+        if ours.is_none_or(|ours| newest.version() > ours) {
+            tracing::info!(
+                database = database.name(),
+                applied = %newest,
+                newest_known = ?ours,
+                "the database holds migrations newer than this binary's (a newer release \
+                 migrated it): starting on its schema"
+            );
+        }
+    }
+}
+
 /// Whether refinery failed on a lock timeout (SQLSTATE 55P03).
 fn lock_timeout(error: &refinery::Error) -> bool {
     match error.kind() {
@@ -214,6 +241,7 @@ async fn migrate(
             match runner.run_async(&mut ***client).await {
                 Ok(report) => {
                     applied.extend(report.applied_migrations().iter().map(|m| m.to_string()));
+                    say_if_newer(&runner, client, database).await;
                     break;
                 }
                 // A table lock not granted within DDL_LOCK_TIMEOUT: the
@@ -245,4 +273,74 @@ async fn migrate(
     result?;
     unlock?;
     Ok(applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::embedded;
+
+    /// Every migration as its set's directory, version, name and refinery's
+    /// checksum of it (what a database's history table keeps).
+    fn written() -> Vec<String> {
+        let sets = [
+            ("orders", embedded::orders::migrations::runner()),
+            (
+                "consumer-runtime",
+                embedded::consumer_runtime::migrations::runner(),
+            ),
+            ("inventory", embedded::inventory::migrations::runner()),
+            ("ledger", embedded::ledger::migrations::runner()),
+            ("loyalty", embedded::loyalty::migrations::runner()),
+        ];
+        let mut lines = Vec::new();
+        for (directory, runner) in sets {
+            let mut migrations: Vec<_> = runner.get_migrations().iter().collect();
+            migrations.sort_by_key(|m| m.version());
+            for m in migrations {
+                lines.push(format!(
+                    "{directory} V{} {} {:016x}",
+                    m.version(),
+                    m.name(),
+                    m.checksum()
+                ));
+            }
+        }
+        lines
+    }
+
+    /// A migration applied anywhere is never edited, renamed or removed:
+    /// refinery refuses to start against a database whose history holds
+    /// another checksum for it (`abort_divergent`), in every instance of
+    /// every service of that database. `migrations/CHECKSUMS` keeps each
+    /// one's checksum as first committed; a new migration adds its line
+    /// (the one this test prints), an edited one fails here: write a new
+    /// migration instead.
+    #[test]
+    fn migrations_are_never_edited_once_written() {
+        let manifest: Vec<&str> = include_str!("../../../migrations/CHECKSUMS")
+            .lines()
+            .filter(|line| !line.is_empty() && !line.starts_with('#'))
+            .collect();
+        let written = written();
+        let changed: Vec<&String> = written
+            .iter()
+            .filter(|line| !manifest.contains(&line.as_str()))
+            .collect();
+        let gone: Vec<&&str> = manifest
+            .iter()
+            .filter(|line| !written.iter().any(|w| w == *line))
+            .collect();
+        assert!(
+            changed.is_empty() && gone.is_empty(),
+            "migrations/CHECKSUMS does not match the migrations: edited or renamed \
+             (write a new migration instead), or new (add its line):\n{}\nno longer \
+             written as recorded:\n{}",
+            changed
+                .iter()
+                .map(|l| l.as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            gone.iter().map(|l| **l).collect::<Vec<_>>().join("\n")
+        );
+    }
 }

@@ -246,12 +246,26 @@ fn not_never_logged<S>() -> impl tracing_subscriber::layer::Filter<S> {
 /// debug a client's framing).
 const CLIENT_FAULTS: &str = "actix_http::h1::dispatcher=off";
 
-/// `filter` with [`CLIENT_FAULTS`] added, unless `RUST_LOG` names its crate.
+/// refinery logs at ERROR each applied migration the binary does not have
+/// ("missing from the filesystem"): in a rolling deploy or a rollback, an
+/// older instance's every start, which a deploy must not show as errors.
+/// `kit::migrations` says it at INFO instead. Off unless `RUST_LOG` names
+/// `refinery`.
+const NEWER_MIGRATIONS: &str = "refinery_core::traits::missing=off";
+
+/// `filter` with [`CLIENT_FAULTS`] and [`NEWER_MIGRATIONS`] added, each
+/// unless `RUST_LOG` names its crate.
 fn client_faults_unlogged(filter: EnvFilter) -> EnvFilter {
-    if std::env::var("RUST_LOG").is_ok_and(|spec| spec.contains("actix_http")) {
-        return filter;
-    }
-    filter.add_directive(CLIENT_FAULTS.parse().expect("a valid directive"))
+    let spec = std::env::var("RUST_LOG").unwrap_or_default();
+    [
+        (CLIENT_FAULTS, "actix_http"),
+        (NEWER_MIGRATIONS, "refinery"),
+    ]
+    .into_iter()
+    .filter(|(_, named)| !spec.contains(named))
+    .fold(filter, |filter, (directive, _)| {
+        filter.add_directive(directive.parse().expect("a valid directive"))
+    })
 }
 
 /// W3C trace-context headers (`traceparent`, and `tracestate` when non-empty)

@@ -323,11 +323,17 @@ pub async fn replay(
                     println!("skipped event {event_id}: never published ({why})");
                     summary.skipped += 1;
                 }
-                Err(why) => anyhow::bail!(
-                    "published event {event_id} cannot be replayed: {why}; replay around it \
-                     (the runbook, under Adding a consumer); {} event(s) replayed before it",
+                Err(why) => {
+                    anyhow::bail!(
+                    "published event {event_id} cannot be replayed: {why}; nothing of its page \
+                     ({} rows from order {} on) was sent: replay around it in two runs split at \
+                     its occurred_at (the runbook, under Adding a consumer); {} event(s) of the \
+                     pages before were replayed",
+                    rows.len(),
+                    rows.first().map(|r| r.get::<_, String>(3)).unwrap_or_default(),
                     summary.republished
-                ),
+                )
+                }
             }
         }
         for wave in waves {
