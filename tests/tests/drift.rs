@@ -271,7 +271,8 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
     let name = format!("drift-check/{}", check.id().expect("pid"));
 
     // Wait until the check holds its three consumer snapshots and has not
-    // opened the orders one.
+    // taken the orders one (its session is open, idle, outside a
+    // transaction: the check connects to all four first).
     let orders = pg(Database::Orders).await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     loop {
@@ -279,7 +280,8 @@ async fn an_order_committed_between_the_snapshots_is_in_flight_not_drift() {
             .query_one(
                 "SELECT count(*) FILTER (WHERE datname IN ('inventory', 'ledger', 'loyalty') \
                                            AND state = 'idle in transaction'), \
-                        count(*) FILTER (WHERE datname = 'orders') \
+                        count(*) FILTER (WHERE datname = 'orders' \
+                                           AND state = 'idle in transaction') \
                    FROM pg_stat_activity WHERE application_name = $1",
                 &[&name],
             )
@@ -708,6 +710,44 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
         out.contains("trial balance USD: debits 1249.00 = credits 1249.00"),
         "{out}"
     );
+}
+
+/// Without `--tenant` the check runs tenant by tenant over every tenant
+/// with rows in any database, a tenant only a consumer knows included: its
+/// findings and summary are those of a check of that tenant alone.
+#[tokio::test]
+async fn an_unfiltered_check_covers_each_tenant_as_its_own_check_does() {
+    let tenant = unique_tenant("drift-all");
+    let stray = Uuid::now_v7();
+    pg(Database::Loyalty)
+        .await
+        .execute(
+            "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
+             event_type, reason, occurred_at) \
+             VALUES ($1, '77', $2, 80, $3, 'ParcelDelivered', 'test', now())",
+            &[&tenant, &stray, &Uuid::now_v7()],
+        )
+        .await
+        .expect("loyalty entry");
+    let databases = ops::drift::Databases::from_env();
+    let alone = ops::drift::check(&databases, Some(&tenant), std::time::Duration::ZERO)
+        .await
+        .expect("the tenant's check");
+    assert_eq!(
+        alone
+            .drift
+            .iter()
+            .map(|d| (d.order_id, d.what.as_str()))
+            .collect::<Vec<_>>(),
+        vec![(Some(stray), "loyalty entries for an unknown order")]
+    );
+    let all = ops::drift::check(&databases, None, std::time::Duration::ZERO)
+        .await
+        .expect("the unfiltered check");
+    let of_tenant: Vec<_> = all.drift.iter().filter(|d| d.tenant == tenant).collect();
+    assert_eq!(of_tenant, alone.drift.iter().collect::<Vec<_>>());
+    assert_eq!(all.tenants.get(&tenant), alone.tenants.get(&tenant));
+    assert!(all.tenants.len() > 1, "the other tenants too");
 }
 
 /// Effects of an order the orders database does not have (a consumer fed

@@ -21,6 +21,11 @@
 //!   do not net to zero.
 //!
 //! Orders changed within `grace` are skipped (their events may be in flight).
+//!
+//! Tenant by tenant (every tenant with rows in any of the four databases,
+//! or the one asked for), each in snapshots of its own: what is held in
+//! memory, and how long a snapshot holds back the databases' vacuum, is one
+//! tenant's, not the whole system's.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -90,20 +95,73 @@ impl Report {
 async fn connect(url: &str) -> anyhow::Result<Client> {
     let (client, connection) = kit::db::connect(url).await?;
     tokio::spawn(connection);
-    // Read-only, and one consistent snapshot per database, taken now: a
-    // REPEATABLE READ snapshot is taken at the transaction's first query,
-    // not at BEGIN.
-    // Named after the process, so an operator (and the test of the snapshot
-    // order) can tell its sessions in pg_stat_activity.
+    // Read-only. Named after the process, so an operator (and the test of
+    // the snapshot order) can tell its sessions in pg_stat_activity.
     client
         .batch_execute(&format!(
             "SET application_name = 'drift-check/{}'; \
-             SET default_transaction_read_only = on; \
-             BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1",
+             SET default_transaction_read_only = on",
             std::process::id()
         ))
         .await?;
     Ok(client)
+}
+
+/// One consistent snapshot of `client`'s database, taken now: a REPEATABLE
+/// READ snapshot is taken at the transaction's first query, not at BEGIN.
+async fn snapshot(client: &Client) -> anyhow::Result<()> {
+    client
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SELECT 1")
+        .await?;
+    Ok(())
+}
+
+/// The check's sessions, one per database.
+struct Sessions {
+    orders: Client,
+    inventory: Client,
+    ledger: Client,
+    loyalty: Client,
+}
+
+/// The tenants with rows in `table`, found through its index that leads
+/// with `tenant_id` (a skip scan: one probe per tenant, not a read of every
+/// row).
+fn tenants_of(table: &str) -> String {
+    format!(
+        "WITH RECURSIVE t(tenant_id) AS ( \
+           (SELECT tenant_id FROM {table} ORDER BY tenant_id LIMIT 1) \
+           UNION ALL \
+           SELECT (SELECT x.tenant_id FROM {table} x WHERE x.tenant_id > t.tenant_id \
+                    ORDER BY x.tenant_id LIMIT 1) \
+             FROM t WHERE t.tenant_id IS NOT NULL) \
+         SELECT tenant_id FROM t WHERE tenant_id IS NOT NULL"
+    )
+}
+
+/// Every tenant with rows the check reads, in any of the four databases (a
+/// tenant only a consumer knows is drift too).
+async fn tenants(sessions: &Sessions) -> anyhow::Result<BTreeSet<String>> {
+    let mut tenants = BTreeSet::new();
+    for (client, tables) in [
+        (&sessions.orders, &["orders"][..]),
+        (
+            &sessions.inventory,
+            &["stock_levels", "stock_movements"][..],
+        ),
+        (&sessions.ledger, &["ledger_orders", "journal_entries"][..]),
+        (
+            &sessions.loyalty,
+            &["loyalty_orders", "loyalty_entries"][..],
+        ),
+    ] {
+        for table in tables {
+            for row in client.query(&tenants_of(table), &[]).await? {
+                tenants.insert(row.get(0));
+            }
+        }
+    }
+    Ok(tenants)
 }
 
 struct Order {
@@ -207,12 +265,44 @@ type Postings = BTreeMap<String, (i128, i128)>;
 
 type Key = (String, Uuid);
 
-/// Run the check, optionally for one tenant.
+/// Run the check, for one tenant or for every tenant, one after the other.
 pub async fn check(
     dbs: &Databases,
     tenant: Option<&str>,
     grace: Duration,
 ) -> anyhow::Result<Report> {
+    let sessions = Sessions {
+        orders: connect(&dbs.orders).await?,
+        inventory: connect(&dbs.inventory).await?,
+        ledger: connect(&dbs.ledger).await?,
+        loyalty: connect(&dbs.loyalty).await?,
+    };
+    let tenants = match tenant {
+        Some(tenant) => BTreeSet::from([tenant.to_owned()]),
+        None => tenants(&sessions).await?,
+    };
+    let mut report = Report::default();
+    for tenant in &tenants {
+        let one = check_tenant(&sessions, tenant, grace).await?;
+        report.tenants.extend(one.tenants);
+        report.drift.extend(one.drift);
+    }
+    report.drift.sort();
+    Ok(report)
+}
+
+/// The check of one tenant, in snapshots of its own.
+async fn check_tenant(
+    sessions: &Sessions,
+    tenant: &str,
+    grace: Duration,
+) -> anyhow::Result<Report> {
+    let Sessions {
+        orders: orders_db,
+        inventory,
+        ledger,
+        loyalty,
+    } = sessions;
     // The consumers' snapshots first, the orders' last: every effect they
     // show comes from an event of an order committed before it, so the
     // orders snapshot has that order (and its payment or delivery); what the
@@ -220,13 +310,32 @@ pub async fn check(
     // The other way round, an order placed (or paid, or delivered) between
     // the two snapshots showed as an effect for an unknown order (or an
     // unexpected one) on any system taking orders.
-    let inventory = connect(&dbs.inventory).await?;
-    let ledger = connect(&dbs.ledger).await?;
-    let loyalty = connect(&dbs.loyalty).await?;
+    for client in [inventory, ledger, loyalty] {
+        snapshot(client).await?;
+    }
     // Where the test of the snapshot order holds the check to commit an
     // order between the snapshots (the check writes nothing).
     kit::failpoint::hold_point("drift.between_snapshots");
-    let orders_db = connect(&dbs.orders).await?;
+    snapshot(orders_db).await?;
+    let report = compare(sessions, Some(tenant), grace).await;
+    for client in [inventory, ledger, loyalty, orders_db] {
+        client.batch_execute("COMMIT").await?;
+    }
+    report
+}
+
+/// Compare the four snapshots (of `tenant`'s rows, or all).
+async fn compare(
+    sessions: &Sessions,
+    tenant: Option<&str>,
+    grace: Duration,
+) -> anyhow::Result<Report> {
+    let Sessions {
+        orders: orders_db,
+        inventory,
+        ledger,
+        loyalty,
+    } = sessions;
     let grace_s = i64::try_from(grace.as_secs()).unwrap_or(i64::MAX);
 
     let mut report = Report::default();
@@ -335,7 +444,7 @@ pub async fn check(
     // The order terms the ledger and loyalty keep from OrderPlaced, as the
     // order's own are read above (loyalty's without the ledger's amounts).
     let ledger_terms = terms_of(
-        &ledger,
+        ledger,
         "SELECT tenant_id, order_id, customer_id, currency, merchandise, shipping, tax, \
                 total, cost_of_goods \
            FROM ledger_orders WHERE $1::text IS NULL OR tenant_id = $1",
@@ -343,7 +452,7 @@ pub async fn check(
     )
     .await?;
     let loyalty_terms = terms_of(
-        &loyalty,
+        loyalty,
         "SELECT tenant_id, order_id, customer_id, currency, merchandise \
            FROM loyalty_orders WHERE $1::text IS NULL OR tenant_id = $1",
         tenant,
@@ -741,13 +850,7 @@ pub async fn check(
     {
         report.tenants.entry(row.get(0)).or_default().loyalty_entries = row.get(1);
     }
-    annotate(
-        &mut report,
-        tenant,
-        &orders_db,
-        [&inventory, &ledger, &loyalty],
-    )
-    .await?;
+    annotate(&mut report, tenant, orders_db, [inventory, ledger, loyalty]).await?;
     report.drift.sort();
     Ok(report)
 }
