@@ -730,7 +730,14 @@ async fn seed_003_story_produces_exactly_the_rows_of_the_example() {
     // none serves a 404, both problem+json as order-api answers (they were
     // a bare 404 without a body).
     for (consumer, method, path, answer) in [
-        (&inventory, "GET", "/stock/receipts", Some("POST")),
+        (
+            &inventory,
+            "PUT",
+            "/stock/receipts",
+            Some("GET, HEAD, POST"),
+        ),
+        // A sku named `receipts` is read as any other (none here: 404).
+        (&inventory, "GET", "/stock/receipts", None),
         (&inventory, "PUT", "/stock/JKT-M", Some("GET, HEAD")),
         (
             &inventory,

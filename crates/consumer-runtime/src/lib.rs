@@ -225,9 +225,9 @@ pub fn session_options() -> String {
 /// a missing file) and `XX001`/`XX002` (a corrupted page or index) are
 /// the storage's, the same for any event that touches it (the runtime's
 /// own statements retry them in place too, see `process::the_event_s_own`);
-/// `0A000` is a prepared
+/// and `0A000` is a prepared
 /// statement whose table an online migration changed (cached plan must not
-/// change result type). Both of the last stay with their session, so the
+/// change result type). `25006` and `0A000` stay with their session, so the
 /// connection is closed, not pooled (`HandlerError::needs_fresh_session`
 /// for a handler's statement; the runtime's inbox insert, a read-only
 /// session's first write, likewise), and the retry runs on a new one (a cache of new statements, the primary
@@ -491,8 +491,8 @@ impl<D: Domain> Application<D> {
         // a stuck dependency is cut off by `kit::shutdown::GRACE`.
         broker.await???;
         tracing::info!("consumer stopped");
-        // Returns at once on shutdown (its batch, if any, is dropped: one
-        // autocommit DELETE each).
+        // Returns at once on shutdown (a batch under way is dropped with its
+        // transaction: rolled back, left to the next run).
         cleanup.await??;
         http?;
         Ok(())

@@ -169,11 +169,14 @@ impl consumer_runtime::Domain for Inventory {
 
     fn routes(cfg: &mut web::ServiceConfig) {
         use kit::http::{get_or_head, resource};
-        cfg.service(resource(
-            "/stock/receipts",
-            web::post().to(post_receipt),
-            "POST",
-        ))
+        cfg.service(
+            resource(
+                "/stock/receipts",
+                web::post().to(post_receipt),
+                "GET, HEAD, POST",
+            )
+            .route(get_or_head().to(get_stock_of_receipts_sku)),
+        )
         .service(resource(
             "/stock/{sku}",
             get_or_head().to(get_stock),
@@ -653,7 +656,25 @@ async fn get_stock(
     sku: web::Path<String>,
     query: web::Query<LocationQuery>,
 ) -> Result<HttpResponse, Problem> {
-    let sku = sku.into_inner();
+    stock(scope, pool, sku.into_inner(), query).await
+}
+
+/// `GET /stock/receipts`: the stock of the sku named `receipts` (any text
+/// is a sku), whose path is also the receipts' resource.
+async fn get_stock_of_receipts_sku(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+    query: web::Query<LocationQuery>,
+) -> Result<HttpResponse, Problem> {
+    stock(scope, pool, "receipts".to_owned(), query).await
+}
+
+async fn stock(
+    scope: TenantScope,
+    pool: web::Data<kit::db::PgPool>,
+    sku: String,
+    query: web::Query<LocationQuery>,
+) -> Result<HttpResponse, Problem> {
     no_control_characters("sku", &sku)?;
     match query.location.as_deref() {
         Some(location) => {

@@ -281,7 +281,10 @@ pub async fn on_session<T>(
     let result = work(&mut client).await;
     if let Err(error) = &result {
         if session_fault(error.as_ref()) {
-            tracing::warn!(%error, "closing the database session: it cannot do this work for its life");
+            tracing::warn!(
+                error = format!("{error:#}"),
+                "closing the database session: it cannot do this work for its life"
+            );
             drop(deadpool_postgres::Object::take(client));
         }
     }

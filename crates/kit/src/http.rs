@@ -205,23 +205,30 @@ pub fn watch_readiness(health: Health, every: Duration, shutdown: CancellationTo
     };
     crate::metrics::register(&health.registry, &gauge);
     tokio::spawn(async move {
-        let mut was_ready = true;
+        // The state last logged: the words of `/readyz` for the database
+        // and the broker (None before the first check).
+        let mut last: Option<(serde_json::Value, serde_json::Value)> = None;
+        let mut ever_ready = false;
         loop {
             let (ready, body, error) = readiness(&health).await;
             gauge.set(i64::from(ready));
-            // The cause in the log once, when the service stops being ready
-            // (`/readyz` says only which side, in a fixed word).
-            if was_ready && !ready {
-                tracing::warn!(
-                    database = %body["database"],
-                    broker = %body["broker"],
-                    error = error.as_deref().unwrap_or(""),
-                    "not ready"
-                );
-            } else if ready && !was_ready {
-                tracing::info!("ready again");
+            // The cause in the log when the state changes (`/readyz` says
+            // only which side, in a fixed word): at WARN once the service
+            // has been ready, at INFO before (the first checks run before
+            // the service has connected to its broker).
+            let state = (body["database"].clone(), body["broker"].clone());
+            if last.as_ref() != Some(&state) {
+                let (database, broker) = (&state.0, &state.1);
+                let error = error.as_deref().unwrap_or("");
+                match (ready, ever_ready) {
+                    (true, false) => tracing::info!("ready"),
+                    (true, true) => tracing::info!("ready again"),
+                    (false, false) => tracing::info!(%database, %broker, error, "not ready yet"),
+                    (false, true) => tracing::warn!(%database, %broker, error, "not ready"),
+                }
+                ever_ready |= ready;
+                last = Some(state);
             }
-            was_ready = ready;
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}

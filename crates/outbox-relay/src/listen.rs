@@ -44,7 +44,9 @@ pub async fn listen(
     let mut config: tokio_postgres::Config = match url.parse() {
         Ok(config) => config,
         Err(error) => {
-            tracing::error!(%error, "bad database url: no LISTEN, polling only");
+            // Not reached: the pool parsed the same URL at start-up. Were it,
+            // the relay stops (the task is `essential`).
+            tracing::error!(%error, "bad database url: no LISTEN");
             return;
         }
     };
