@@ -72,6 +72,27 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
                 db.name()
             );
         }
+        // The queue-like tables are vacuumed as queues (orders V4, runtime V4).
+        let queue = match db {
+            Database::Orders => "outbox_events",
+            _ => "processed_events",
+        };
+        let options: Vec<String> = pg(db)
+            .await
+            .query_one(
+                "SELECT reloptions FROM pg_class \
+                 WHERE relname = $1 AND relnamespace = 'public'::regnamespace",
+                &[&queue],
+            )
+            .await
+            .expect("reloptions")
+            .get(0);
+        for option in [
+            "autovacuum_vacuum_scale_factor=0.01",
+            "autovacuum_vacuum_threshold=5000",
+        ] {
+            assert!(options.iter().any(|o| o == option), "{queue}: {options:?}");
+        }
     }
 }
 
