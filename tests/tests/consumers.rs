@@ -2468,6 +2468,42 @@ async fn a_journal_entry_takes_effect_at_the_event_s_business_time() {
     assert!(posted > "2024-05-14", "posted when applied: {posted}");
 }
 
+/// Loyalty dates its award at the delivery (`delivered_at`), as the ledger
+/// dates the revenue, not at the delivery's recording (the envelope's
+/// `occurred_at`): a late report earns its points in the delivery's period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loyalty_entry_is_dated_at_the_delivery() {
+    let tenant = unique("t5-loy-late");
+    let name = unique("t5-loy-late-loy");
+    let loyalty_c = Consumer::start(Kind::Loyalty, &name, Options::one_partition()).await;
+    let publisher = Publisher::connect().await;
+    let s = story(&tenant);
+    let mut delivered: Value = serde_json::from_slice(&s.delivered.body).expect("json");
+    delivered["payload"]["delivered_at"] = json!("2024-05-13T14:00:00Z");
+    let late = Message {
+        body: serde_json::to_vec(&delivered).expect("json"),
+        ..s.delivered.clone()
+    };
+    publisher
+        .all_to_consumer(&name, &[&s.placed, &s.paid, &late])
+        .await;
+    wait_sequence(Database::Loyalty, &name, s.order, 3).await;
+    system_tests::consumers::settled(Database::Loyalty).await;
+    let (status, page) = loyalty_c
+        .get(&format!("/customers/77/loyalty?tenant={tenant}"))
+        .await;
+    assert_eq!(status, 200, "{page}");
+    let entry = &page["entries"][0];
+    assert_eq!(entry["points"], json!(80), "{page}");
+    assert_eq!(
+        entry["occurred_at"],
+        json!("2024-05-13T14:00:00Z"),
+        "{page}"
+    );
+    let recorded = entry["recorded_at"].as_str().unwrap_or_default();
+    assert!(recorded > "2024-05-14", "recorded when applied: {page}");
+}
+
 /// An event naming another tenant's order (a producer bug, a forged
 /// message): dead-lettered alone as poison, never applied. Applied, the
 /// ledger booked the payment under the wrong tenant and moved the order's
@@ -2555,8 +2591,9 @@ async fn an_event_naming_another_tenant_s_order_is_dead_lettered_and_the_order_f
     assert_eq!(owner, tenant);
 }
 
-/// An event the database refuses to store (here an order id too long for the
-/// progress row's index: SQLSTATE 54000) fails like a handler error: retried
+/// An event the database refuses to store (here an aggregate id too long for
+/// the progress row's index: SQLSTATE 54000; of an aggregate other than an
+/// order, whose id the envelope itself checks) fails like a handler error: retried
 /// through the tiers, then dead-lettered with the database's reason (its
 /// order cannot be parked either). It is never retried in place, which held
 /// its partition forever: the good order behind it on the same partition is
@@ -2580,6 +2617,7 @@ async fn an_event_the_database_refuses_is_dead_lettered_and_the_partition_flows(
     );
     let mut envelope: Value = serde_json::from_slice(&refused.body).expect("json");
     envelope["aggregate_id"] = json!(huge);
+    envelope["aggregate_type"] = json!("giftcard");
     refused.body = serde_json::to_vec(&envelope).expect("json");
     refused.aggregate_id = huge.clone();
 

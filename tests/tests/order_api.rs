@@ -1632,12 +1632,37 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
         "idempotency_key_reused",
     )
     .await;
-    expect_problem(
+    // The same payment again under another key (its first key lost or
+    // expired) is told apart from another payment of the order: both 409
+    // order_already_paid naming the payment the order has.
+    let again = expect_problem(
         caller.post(&pay_url, "p-second", payment).await,
         StatusCode::CONFLICT,
         "order_already_paid",
     )
     .await;
+    assert_eq!(again["payment_id"], "9001", "{again}");
+    assert!(
+        again["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("the order is paid by this payment (payment_id 9001)")),
+        "{again}"
+    );
+    let other = expect_problem(
+        caller
+            .post(&pay_url, "p-other", &payment.replace("9001", "9002"))
+            .await,
+        StatusCode::CONFLICT,
+        "order_already_paid",
+    )
+    .await;
+    assert_eq!(other["payment_id"], "9001", "{other}");
+    assert!(
+        other["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("the order is paid by payment_id 9001;")),
+        "{other}"
+    );
 
     // Lines must match the order.
     let (status, problem) = json_of(
@@ -1765,7 +1790,7 @@ async fn malformed_input_gets_a_clear_4xx_and_writes_nothing() {
             "lines",
         ),
         (
-            "unknown currency",
+            "unsupported currency",
             SEED_ORDER.replace("USD", "XYZ"),
             400,
             "currency",

@@ -176,7 +176,7 @@ impl fmt::Display for CurrencyError {
             ),
             CurrencyError::Unknown { code } => write!(
                 f,
-                "unknown currency {code:?}: supported codes are {}",
+                "unsupported currency {code:?} (not an ISO 4217 code, or one this system does not take): supported codes are {}",
                 SUPPORTED_CURRENCIES.join(", ")
             ),
         }
@@ -226,7 +226,7 @@ mod tests {
         let err = Currency::parse("XYZ").unwrap_err();
         assert_eq!(err, CurrencyError::Unknown { code: "XYZ".into() });
         assert!(
-            err.to_string().contains("unknown currency \"XYZ\""),
+            err.to_string().contains("unsupported currency \"XYZ\""),
             "{err}"
         );
         assert!(err.to_string().contains("USD"), "{err}");

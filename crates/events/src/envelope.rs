@@ -209,6 +209,23 @@ impl RawEnvelope {
         if self.aggregate_id.is_empty() {
             return Err(empty("aggregate_id"));
         }
+        // An order's id in its one spelling, for every event of an order,
+        // also of a type a consumer does not decode: the consumers
+        // sequence, deduplicate and partition by the aggregate_id text, so
+        // another spelling of the same UUID would be another order to them
+        // (a consumer that ignores the type advanced that phantom order's
+        // sequence, one that decodes it refused it).
+        if self.aggregate_type == AGGREGATE_TYPE_ORDER
+            && Uuid::try_parse(&self.aggregate_id)
+                .map(|id| id.hyphenated().to_string())
+                .as_deref()
+                != Ok(self.aggregate_id.as_str())
+        {
+            return Err(DecodeError::Malformed(format!(
+                "aggregate_id of an order must be its id as a lower-case hyphenated UUID, got {:?}",
+                self.aggregate_id
+            )));
+        }
         if self.aggregate_sequence < 1 {
             return Err(DecodeError::Malformed(format!(
                 "aggregate_sequence must be 1 or more, got {}",
@@ -269,13 +286,17 @@ impl RawEnvelope {
                 self.aggregate_type
             )));
         }
-        let given: serde_json::Value =
+        // Read from the text as sent, not through a JSON tree of it: a field
+        // the contract does not have (a newer producer's, ignored) is skipped
+        // whatever it holds, a number beyond f64 or nesting past serde_json's
+        // 128 levels included, which a tree of the payload could not hold
+        // (the event was poison in every consumer).
+        let payload: P =
             serde_json::from_str(self.payload.get()).map_err(|e| invalid(e.to_string()))?;
-        let payload = P::deserialize(&given).map_err(|e| invalid(e.to_string()))?;
         // serde's derive also reads a struct from a JSON array of its fields
         // in order (the payload, a line); the contract's are objects.
         let typed = serde_json::to_value(&payload).map_err(|e| invalid(e.to_string()))?;
-        objects_where_the_contract_has_them(&given, &typed, "payload").map_err(invalid)?;
+        objects_where_the_contract_has_them(&self.payload, &typed, "payload").map_err(invalid)?;
         payload.check().map_err(invalid)?;
         let order_id = order_id(&payload);
         // The order's id in its one spelling (lower-case, hyphenated, as
@@ -297,14 +318,19 @@ impl RawEnvelope {
 /// something else than a JSON object where `typed` (the payload decoded and
 /// encoded again, as the contract spells it) has one: a struct read from a
 /// JSON array by position. Fields `given` lacks (defaults) are skipped.
+/// `given` is read only where `typed` has an object or an array, each level
+/// as raw values: nothing of a field the contract does not have is parsed.
 fn objects_where_the_contract_has_them(
-    given: &serde_json::Value,
+    given: &RawValue,
     typed: &serde_json::Value,
     path: &str,
 ) -> Result<(), String> {
     use serde_json::Value;
-    match (given, typed) {
-        (Value::Object(given), Value::Object(typed)) => {
+    match typed {
+        Value::Object(typed) => {
+            let given: std::collections::BTreeMap<String, Box<RawValue>> =
+                serde_json::from_str(given.get())
+                    .map_err(|_| format!("{path} must be a JSON object"))?;
             for (name, typed) in typed {
                 if let Some(given) = given.get(name) {
                     objects_where_the_contract_has_them(given, typed, &format!("{path}.{name}"))?;
@@ -312,8 +338,12 @@ fn objects_where_the_contract_has_them(
             }
             Ok(())
         }
-        (_, Value::Object(_)) => Err(format!("{path} must be a JSON object")),
-        (Value::Array(given), Value::Array(typed)) => {
+        Value::Array(typed) => {
+            // Read as the payload's array already (the typed one came
+            // from it); anything else has no object to check.
+            let Ok(given) = serde_json::from_str::<Vec<Box<RawValue>>>(given.get()) else {
+                return Ok(());
+            };
             for (i, (given, typed)) in given.iter().zip(typed).enumerate() {
                 objects_where_the_contract_has_them(given, typed, &format!("{path}[{i}]"))?;
             }

@@ -88,6 +88,7 @@ pub use envelope::{
     supported_versions, DecodeError, EncodeError, Envelope, Event, EventPayload, RawEnvelope,
 };
 pub use money::{format_total, Money, MoneyError};
+pub use timestamp::parse_rfc3339;
 pub use v1::{DeliveredLineV1, OrderLineV1, OrderPlacedV1, ParcelDeliveredV1, PaymentReceivedV1};
 
 /// The topic exchange every order event is published to (routing key =

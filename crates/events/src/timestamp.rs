@@ -30,6 +30,31 @@ pub(crate) fn check_range(field: &str, value: &OffsetDateTime) -> Result<(), Str
     ))
 }
 
+/// `text` as an RFC 3339 timestamp: `time`'s parser, which also takes any
+/// one byte between the date and the time ("2024-05-10X09:15:00Z") and
+/// drops fractional digits past the ninth, behind a check of those two:
+/// `T` (or `t`, or a space, which RFC 3339 section 5.6 lets applications
+/// use, and releases before took) there, at most nine fractional digits (a
+/// nanosecond).
+pub fn parse_rfc3339(text: &str) -> Result<OffsetDateTime, String> {
+    let bytes = text.as_bytes();
+    if bytes.len() > 10 && !matches!(bytes[10], b'T' | b't' | b' ') {
+        return Err(format!(
+            "the date and the time must be separated by \"T\", not {:?}",
+            char::from(bytes[10])
+        ));
+    }
+    if let Some(fraction) = text.get(19..).and_then(|rest| rest.strip_prefix('.')) {
+        let digits = fraction.bytes().take_while(u8::is_ascii_digit).count();
+        if digits > 9 {
+            return Err(format!(
+                "at most 9 fractional digits (a nanosecond), not {digits}"
+            ));
+        }
+    }
+    OffsetDateTime::parse(text, &Rfc3339).map_err(|e| e.to_string())
+}
+
 pub(crate) fn serialize<S: Serializer>(
     value: &OffsetDateTime,
     serializer: S,
@@ -53,7 +78,7 @@ impl Visitor<'_> for Rfc3339Visitor {
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<OffsetDateTime, E> {
-        OffsetDateTime::parse(v, &Rfc3339)
+        parse_rfc3339(v)
             .map_err(|e| E::custom(format_args!("invalid RFC 3339 timestamp {v:?}: {e}")))
     }
 }

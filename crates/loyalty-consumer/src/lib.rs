@@ -153,7 +153,11 @@ impl consumer_runtime::Domain for Loyalty {
                             "1 point per whole {currency} of merchandise: {merchandise} {currency} delivered (delivery {})",
                             delivery.delivery_id
                         ),
-                        &envelope.occurred_at,
+                        // When the parcel was delivered (the ledger dates the
+                        // revenue so too), not when the API recorded it: a
+                        // late report earns its points in the delivery's
+                        // period. `recorded_at` keeps the writing time.
+                        &delivery.delivered_at,
                     ],
                 )
                 .await?;

@@ -20,7 +20,14 @@ pub enum Rejection {
         order_id: Uuid,
     },
     OrderNotFound,
-    OrderAlreadyPaid,
+    /// The order is paid, by the payment `payment_id` (none: no payment row,
+    /// a hand repair), which is the request's own when `by_this_payment`:
+    /// a payment retried after its key expired (or under another key) can
+    /// tell that it was recorded from another payment of the same order.
+    OrderAlreadyPaid {
+        payment_id: Option<String>,
+        by_this_payment: bool,
+    },
     /// The payment id is recorded on another order of the tenant
     /// (`order_id`): one provider payment pays one order.
     PaymentAlreadyRecorded {
@@ -77,11 +84,26 @@ impl Rejection {
             OrderNotFound => {
                 Problem::new(StatusCode::NOT_FOUND, "order_not_found", "No such order")
             }
-            OrderAlreadyPaid => Problem::new(
-                StatusCode::CONFLICT,
-                "order_already_paid",
-                "The order is already paid",
-            ),
+            OrderAlreadyPaid {
+                payment_id,
+                by_this_payment,
+            } => {
+                let problem = Problem::new(
+                    StatusCode::CONFLICT,
+                    "order_already_paid",
+                    "The order is already paid",
+                );
+                match (payment_id, by_this_payment) {
+                    (Some(payment_id), true) => problem.detail(format!(
+                        "the order is paid by this payment (payment_id {payment_id}), recorded \
+                         before under another idempotency key or one that has expired"
+                    )),
+                    (Some(payment_id), false) => problem.detail(format!(
+                        "the order is paid by payment_id {payment_id}; an order takes one payment"
+                    )),
+                    (None, _) => problem,
+                }
+            }
             PaymentAlreadyRecorded {
                 payment_id,
                 order_id,
@@ -149,22 +171,29 @@ impl Rejection {
         }
     }
 
-    /// The exact body: the problem, plus `order_id` (an RFC 9457 extension
-    /// member) where the rejection points at an order.
+    /// The exact body: the problem, plus (RFC 9457 extension members)
+    /// `order_id` where the rejection points at an order, and `payment_id`,
+    /// the payment an already paid order has.
     pub fn to_body(&self) -> Vec<u8> {
         #[derive(Serialize)]
-        struct WithOrder {
+        struct WithMembers<'a> {
             #[serde(flatten)]
             problem: Problem,
-            order_id: Uuid,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            order_id: Option<Uuid>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            payment_id: Option<&'a str>,
         }
-        let problem = self.problem();
-        match self.resource_id() {
-            Some(order_id) => {
-                serde_json::to_vec(&WithOrder { problem, order_id }).unwrap_or_default()
-            }
-            None => problem.to_body(),
-        }
+        let payment_id = match self {
+            Rejection::OrderAlreadyPaid { payment_id, .. } => payment_id.as_deref(),
+            _ => None,
+        };
+        serde_json::to_vec(&WithMembers {
+            problem: self.problem(),
+            order_id: self.resource_id(),
+            payment_id,
+        })
+        .unwrap_or_default()
     }
 }
 

@@ -348,7 +348,21 @@ async fn pay(
         return Ok(Err(Rejection::OrderNotFound));
     };
     if status != "placed" {
-        return Ok(Err(Rejection::OrderAlreadyPaid));
+        // Which payment the order has (one, orders V9): a retry of the
+        // same payment whose key expired is told from another payment.
+        let paid_by = tx
+            .prepare_cached(
+                "SELECT payment_id FROM payments WHERE order_id = $1 AND tenant_id = $2",
+            )
+            .await?;
+        let payment_id: Option<String> = tx
+            .query_opt(&paid_by, &[&order_id, &tenant])
+            .await?
+            .map(|row| row.get(0));
+        return Ok(Err(Rejection::OrderAlreadyPaid {
+            by_this_payment: payment_id.as_deref() == Some(payment.payment_id.as_str()),
+            payment_id,
+        }));
     }
     if let Some(given) = &payment.currency {
         if given.as_str() != currency {

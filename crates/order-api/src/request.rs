@@ -8,7 +8,7 @@
 
 use events::{Currency, Money};
 use serde::{de::DeserializeOwned, Deserialize, Deserializer};
-use time::{format_description::well_known::Rfc3339, OffsetDateTime, UtcOffset};
+use time::{OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
 use crate::error::ApiError;
@@ -426,7 +426,7 @@ fn rfc3339_utc<'de, D: Deserializer<'de>>(
     let Some(text) = Option::<String>::deserialize(deserializer)? else {
         return Ok(None);
     };
-    let at = OffsetDateTime::parse(&text, &Rfc3339).map_err(|error| {
+    let at = events::parse_rfc3339(&text).map_err(|error| {
         serde::de::Error::custom(format_args!(
             "expected an RFC 3339 timestamp with an offset like \"2024-05-13T14:00:00Z\", \
              got {text:?} ({error})"
@@ -550,6 +550,7 @@ impl DeliveryRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use time::format_description::well_known::Rfc3339;
 
     fn order(body: &str) -> NewOrder {
         parse::<CreateOrderRequest>(body.as_bytes())
@@ -756,6 +757,10 @@ mod tests {
             "1715608800",
             // Year 10000 in UTC: refused, not a panic.
             r#""9999-12-31T23:30:00-01:00""#,
+            // Any byte between date and time, and digits past the ninth,
+            // which `time`'s parser takes (events::parse_rfc3339).
+            r#""2024-05-13X14:00:00Z""#,
+            r#""2024-05-13T14:00:00.1234567891Z""#,
         ] {
             let error = at(malformed).expect_err(malformed);
             assert_eq!(error.problem().status, 400, "{malformed}");
