@@ -169,8 +169,10 @@ impl RawEnvelope {
     /// Fails with [`DecodeError::Malformed`] when the bytes are not a JSON
     /// object, an envelope field is missing or has the wrong type, or a
     /// header field is invalid (`event_type`, `tenant_id`, `aggregate_type`
-    /// or `aggregate_id` empty; `aggregate_sequence` below 1; `occurred_at`
-    /// whose UTC value is outside years 0000-9999). A malformed
+    /// or `aggregate_id` empty; an order's `aggregate_id` not its lower-case
+    /// hyphenated UUID; `aggregate_sequence` below 1; `occurred_at` not
+    /// RFC 3339 ([`crate::parse_rfc3339`]) or whose UTC value is outside
+    /// years 0000-9999). A malformed
     /// message is poison.
     /// The payload is only checked to be JSON (of any depth, numbers of any
     /// size): see [`RawEnvelope::decode`].

@@ -37,6 +37,9 @@ pub(crate) fn check_range(field: &str, value: &OffsetDateTime) -> Result<(), Str
 /// use, and releases before took) there, at most nine fractional digits (a
 /// nanosecond).
 pub fn parse_rfc3339(text: &str) -> Result<OffsetDateTime, String> {
+    // Parsed first, so that a wrong date or time is reported as such; then
+    // what the parser let through.
+    let at = OffsetDateTime::parse(text, &Rfc3339).map_err(|e| e.to_string())?;
     let bytes = text.as_bytes();
     if bytes.len() > 10 && !matches!(bytes[10], b'T' | b't' | b' ') {
         return Err(format!(
@@ -52,7 +55,7 @@ pub fn parse_rfc3339(text: &str) -> Result<OffsetDateTime, String> {
             ));
         }
     }
-    OffsetDateTime::parse(text, &Rfc3339).map_err(|e| e.to_string())
+    Ok(at)
 }
 
 pub(crate) fn serialize<S: Serializer>(

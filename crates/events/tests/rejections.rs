@@ -676,6 +676,19 @@ fn payloads_breaking_the_version_s_rules_are_invalid_payload() {
     assert_contains(&invalid_payload(&nothing), "total must be positive");
 }
 
+/// A contract field given twice in a payload is poison, not last-wins (the
+/// outbox's jsonb never holds one: only a foreign publisher can send it).
+#[test]
+fn a_payload_field_given_twice_is_invalid_payload() {
+    let golden = String::from_utf8(edited(PAYMENT_RECEIVED_JSON, |_| {})).expect("utf-8");
+    let twice = golden.replacen(r#""payload":{"#, r#""payload":{"amount":"1.00","#, 1);
+    assert_ne!(twice, golden);
+    assert_contains(
+        &invalid_payload(twice.as_bytes()),
+        "duplicate field `amount`",
+    );
+}
+
 #[test]
 fn payload_must_agree_with_the_envelope() {
     let text = invalid_payload(&set(

@@ -8,7 +8,7 @@
 
 use events::{Currency, Money};
 use serde::{de::DeserializeOwned, Deserialize, Deserializer};
-use time::{OffsetDateTime, UtcOffset};
+use time::{format_description::well_known::Rfc3339, OffsetDateTime, UtcOffset};
 use uuid::Uuid;
 
 use crate::error::ApiError;
@@ -426,7 +426,11 @@ fn rfc3339_utc<'de, D: Deserializer<'de>>(
     let Some(text) = Option::<String>::deserialize(deserializer)? else {
         return Ok(None);
     };
-    let at = events::parse_rfc3339(&text).map_err(|error| {
+    // `time`'s parse, as releases before parsed it (it also takes any byte
+    // between date and time, which the events' parser refuses): a request
+    // an earlier release stored must parse to replay. What it yields is
+    // written to ParcelDelivered in the one form.
+    let at = OffsetDateTime::parse(&text, &Rfc3339).map_err(|error| {
         serde::de::Error::custom(format_args!(
             "expected an RFC 3339 timestamp with an offset like \"2024-05-13T14:00:00Z\", \
              got {text:?} ({error})"
@@ -550,7 +554,6 @@ impl DeliveryRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use time::format_description::well_known::Rfc3339;
 
     fn order(body: &str) -> NewOrder {
         parse::<CreateOrderRequest>(body.as_bytes())
@@ -757,10 +760,6 @@ mod tests {
             "1715608800",
             // Year 10000 in UTC: refused, not a panic.
             r#""9999-12-31T23:30:00-01:00""#,
-            // Any byte between date and time, and digits past the ninth,
-            // which `time`'s parser takes (events::parse_rfc3339).
-            r#""2024-05-13X14:00:00Z""#,
-            r#""2024-05-13T14:00:00.1234567891Z""#,
         ] {
             let error = at(malformed).expect_err(malformed);
             assert_eq!(error.problem().status, 400, "{malformed}");
