@@ -2407,15 +2407,13 @@ async fn a_malformed_body_parks_its_order_and_a_replay_and_redrive_repair_it() {
     assert!(drain_dead_letters(&name).await.is_empty());
 }
 
-/// Seed 003: revenue is recognised on delivery. A delivery reported late
-/// (its `delivered_at` a day before it was recorded) is posted now but
-/// takes effect at `delivered_at`; the payment takes effect when it was
-/// recorded (its envelope's `occurred_at`). `GET /journal` shows both times.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_journal_entry_takes_effect_at_the_event_s_business_time() {
-    let tenant = unique("t5-effective");
-    let name = unique("t5-effective-led");
-    let ledger = Consumer::start(Kind::Ledger, &name, Options::one_partition()).await;
+/// The seed story with its delivery reported late (`delivered_at`
+/// 2024-05-13T14:00:00Z, long before it is recorded), applied by a
+/// one-partition consumer of `kind`: the consumer, its tenant, the story.
+async fn late_delivery_applied(kind: Kind, prefix: &str) -> (Consumer, String, Story) {
+    let tenant = unique(prefix);
+    let name = unique(&format!("{prefix}-c"));
+    let consumer = Consumer::start(kind, &name, Options::one_partition()).await;
     let publisher = Publisher::connect().await;
     let s = story(&tenant);
     let mut delivered: Value = serde_json::from_slice(&s.delivered.body).expect("json");
@@ -2427,8 +2425,18 @@ async fn a_journal_entry_takes_effect_at_the_event_s_business_time() {
     publisher
         .all_to_consumer(&name, &[&s.placed, &s.paid, &late])
         .await;
-    wait_sequence(Database::Ledger, &name, s.order, 3).await;
-    system_tests::consumers::settled(Database::Ledger).await;
+    wait_sequence(kind.database(), &name, s.order, 3).await;
+    system_tests::consumers::settled(kind.database()).await;
+    (consumer, tenant, s)
+}
+
+/// Seed 003: revenue is recognised on delivery. A delivery reported late
+/// (its `delivered_at` a day before it was recorded) is posted now but
+/// takes effect at `delivered_at`; the payment takes effect when it was
+/// recorded (its envelope's `occurred_at`). `GET /journal` shows both times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_entry_takes_effect_at_the_event_s_business_time() {
+    let (ledger, tenant, s) = late_delivery_applied(Kind::Ledger, "t5-effective").await;
     let (status, journal) = ledger
         .get(&format!("/journal?tenant={tenant}&order_id={}", s.order))
         .await;
@@ -2473,22 +2481,7 @@ async fn a_journal_entry_takes_effect_at_the_event_s_business_time() {
 /// `occurred_at`): a late report earns its points in the delivery's period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loyalty_entry_is_dated_at_the_delivery() {
-    let tenant = unique("t5-loy-late");
-    let name = unique("t5-loy-late-loy");
-    let loyalty_c = Consumer::start(Kind::Loyalty, &name, Options::one_partition()).await;
-    let publisher = Publisher::connect().await;
-    let s = story(&tenant);
-    let mut delivered: Value = serde_json::from_slice(&s.delivered.body).expect("json");
-    delivered["payload"]["delivered_at"] = json!("2024-05-13T14:00:00Z");
-    let late = Message {
-        body: serde_json::to_vec(&delivered).expect("json"),
-        ..s.delivered.clone()
-    };
-    publisher
-        .all_to_consumer(&name, &[&s.placed, &s.paid, &late])
-        .await;
-    wait_sequence(Database::Loyalty, &name, s.order, 3).await;
-    system_tests::consumers::settled(Database::Loyalty).await;
+    let (loyalty_c, tenant, _) = late_delivery_applied(Kind::Loyalty, "t5-loy-late").await;
     let (status, page) = loyalty_c
         .get(&format!("/customers/77/loyalty?tenant={tenant}"))
         .await;

@@ -719,16 +719,7 @@ async fn journals_on_other_accounts_are_drift_even_when_balanced() {
 async fn an_unfiltered_check_covers_each_tenant_as_its_own_check_does() {
     let tenant = unique_tenant("drift-all");
     let stray = Uuid::now_v7();
-    pg(Database::Loyalty)
-        .await
-        .execute(
-            "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
-             event_type, reason, occurred_at) \
-             VALUES ($1, '77', $2, 80, $3, 'ParcelDelivered', 'test', now())",
-            &[&tenant, &stray, &Uuid::now_v7()],
-        )
-        .await
-        .expect("loyalty entry");
+    loyalty_entry_of(&tenant, stray).await;
     let databases = ops::drift::Databases::from_env();
     let alone = ops::drift::check(&databases, Some(&tenant), std::time::Duration::ZERO)
         .await
@@ -748,6 +739,20 @@ async fn an_unfiltered_check_covers_each_tenant_as_its_own_check_does() {
     assert_eq!(of_tenant, alone.drift.iter().collect::<Vec<_>>());
     assert_eq!(all.tenants.get(&tenant), alone.tenants.get(&tenant));
     assert!(all.tenants.len() > 1, "the other tenants too");
+}
+
+/// A loyalty entry of 80 points for customer 77 of `order` (a delivery's).
+async fn loyalty_entry_of(tenant: &str, order: Uuid) {
+    pg(Database::Loyalty)
+        .await
+        .execute(
+            "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
+             event_type, reason, occurred_at) \
+             VALUES ($1, '77', $2, 80, $3, 'ParcelDelivered', 'test', now())",
+            &[&tenant, &order, &Uuid::now_v7()],
+        )
+        .await
+        .expect("loyalty entry");
 }
 
 /// Effects of an order the orders database does not have (a consumer fed
@@ -771,16 +776,7 @@ async fn effects_of_an_unknown_order_are_drift() {
         system_tests::SEED_PAYMENT_JOURNAL,
     )
     .await;
-    pg(Database::Loyalty)
-        .await
-        .execute(
-            "INSERT INTO loyalty_entries (tenant_id, customer_id, order_id, points, event_id, \
-             event_type, reason, occurred_at) \
-             VALUES ($1, '77', $2, 80, $3, 'ParcelDelivered', 'test', now())",
-            &[&tenant, &stray, &Uuid::now_v7()],
-        )
-        .await
-        .expect("loyalty entry");
+    loyalty_entry_of(&tenant, stray).await;
     let only_terms = Uuid::now_v7();
     plant_terms(&tenant, only_terms, "USD").await;
 

@@ -381,18 +381,16 @@ async fn field_order_whitespace_and_defaults_replay_the_same_order() {
     assert_eq!(counts(&caller.tenant).await.orders, 1);
 }
 
-#[tokio::test]
-async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
-    let caller = Caller::new("crash-after");
-    let mut api =
-        OrderApi::start(&[("FAILPOINTS", "order_api.after_commit=return".to_owned())]).await;
+/// POST `body` to `path` under `key` on `api`, whose armed fail point
+/// aborts the process before it answers: no answer, the process aborted.
+async fn lost_to_a_crash(api: &mut OrderApi, caller: &Caller, path: &str, key: &str, body: &str) {
     let lost = caller
         .client
-        .post(api.url("/orders"))
+        .post(api.url(path))
         .bearer_auth(&caller.key)
-        .header("Idempotency-Key", "retry-me")
+        .header("Idempotency-Key", key)
         .header("Content-Type", "application/json")
-        .body(SEED_ORDER)
+        .body(body.to_owned())
         .send()
         .await;
     assert!(
@@ -404,6 +402,14 @@ async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
         .wait_exit(Duration::from_secs(10))
         .expect("the fail point aborts the process");
     assert!(system_tests::system::aborted(&status), "{status:?}");
+}
+
+#[tokio::test]
+async fn a_crash_after_commit_before_the_response_is_replayed_on_retry() {
+    let caller = Caller::new("crash-after");
+    let mut api =
+        OrderApi::start(&[("FAILPOINTS", "order_api.after_commit=return".to_owned())]).await;
+    lost_to_a_crash(&mut api, &caller, "/orders", "retry-me", SEED_ORDER).await;
     // Committed: exactly one order, one outbox row, one key with the response.
     assert_eq!(counts(&caller.tenant).await, Counts::ONE_ORDER);
     let (_, stored_status, stored) = stored_body(&caller.tenant, "POST /orders", "retry-me")
@@ -469,24 +475,7 @@ async fn a_payment_crashing_after_its_commit_is_replayed_and_sequenced_once() {
     let mut api =
         OrderApi::start(&[("FAILPOINTS", "order_api.after_commit=return".to_owned())]).await;
     let path = format!("/orders/{order}/payments");
-    let lost = caller
-        .client
-        .post(api.url(&path))
-        .bearer_auth(&caller.key)
-        .header("Idempotency-Key", "pay-once")
-        .header("Content-Type", "application/json")
-        .body(SEED_PAYMENT)
-        .send()
-        .await;
-    assert!(
-        lost.is_err(),
-        "the process aborts before answering: {lost:?}"
-    );
-    let status = api
-        .service
-        .wait_exit(Duration::from_secs(10))
-        .expect("the fail point aborts the process");
-    assert!(system_tests::system::aborted(&status), "{status:?}");
+    lost_to_a_crash(&mut api, &caller, &path, "pay-once", SEED_PAYMENT).await;
     let committed = || async {
         let db = pg(Database::Orders).await;
         let payments: i64 = db

@@ -297,12 +297,7 @@ async fn check_tenant(
     tenant: &str,
     grace: Duration,
 ) -> anyhow::Result<Report> {
-    let Sessions {
-        orders: orders_db,
-        inventory,
-        ledger,
-        loyalty,
-    } = sessions;
+    let consumers = [&sessions.inventory, &sessions.ledger, &sessions.loyalty];
     // The consumers' snapshots first, the orders' last: every effect they
     // show comes from an event of an order committed before it, so the
     // orders snapshot has that order (and its payment or delivery); what the
@@ -310,15 +305,15 @@ async fn check_tenant(
     // The other way round, an order placed (or paid, or delivered) between
     // the two snapshots showed as an effect for an unknown order (or an
     // unexpected one) on any system taking orders.
-    for client in [inventory, ledger, loyalty] {
+    for client in consumers {
         snapshot(client).await?;
     }
     // Where the test of the snapshot order holds the check to commit an
     // order between the snapshots (the check writes nothing).
     kit::failpoint::hold_point("drift.between_snapshots");
-    snapshot(orders_db).await?;
+    snapshot(&sessions.orders).await?;
     let report = compare(sessions, Some(tenant), grace).await;
-    for client in [inventory, ledger, loyalty, orders_db] {
+    for client in consumers.into_iter().chain([&sessions.orders]) {
         client.batch_execute("COMMIT").await?;
     }
     report
