@@ -1487,6 +1487,8 @@ async fn a_create_replay_after_a_payment_is_the_creation_snapshot() {
     let (status, live) = json_of(caller.get(&api.url(&format!("/orders/{id}"))).await).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(live["status"], "paid", "{live}");
+    assert_eq!(live["payment"]["payment_id"], "9001", "{live}");
+    assert!(live.get("delivery").is_none(), "{live}");
     let doc: Value = reqwest::get(api.url("/openapi.json"))
         .await
         .expect("openapi")
@@ -1693,6 +1695,15 @@ async fn payments_and_deliveries_follow_the_order_and_number_its_events() {
     let (status, view) = json_of(caller.get(&api.url(&format!("/orders/{id}"))).await).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(view["status"], "delivered");
+    // The order names its payment and its delivery (a client reconciling a
+    // lost answer finds which provider payment paid it).
+    assert_eq!(
+        view["payment"],
+        json!({"payment_id": "9001", "method": "card", "amount": "93.00"}),
+        "{view}"
+    );
+    assert_eq!(view["delivery"]["delivery_id"], "311", "{view}");
+    assert!(view["delivery"]["delivered_at"].is_string(), "{view}");
 
     // Exactly three events, numbered 1, 2, 3, with the seed's payloads.
     let rows = pg(Database::Orders)

@@ -134,6 +134,30 @@ pub struct OrderView {
     pub total: Money,
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
+    /// Its payment, once paid (GET only: the POST's answer, stored and
+    /// replayed, is the order as placed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payment: Option<PaymentSummary>,
+    /// Its delivery, once delivered (GET only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<DeliverySummary>,
+}
+
+/// The payment an order has (one, orders V9): which provider payment paid
+/// it, so that a client can reconcile a payment whose answer it lost.
+#[derive(Debug, Serialize)]
+pub struct PaymentSummary {
+    pub payment_id: String,
+    pub method: String,
+    pub amount: Money,
+}
+
+/// The delivery an order has (one, orders V9).
+#[derive(Debug, Serialize)]
+pub struct DeliverySummary {
+    pub delivery_id: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub delivered_at: OffsetDateTime,
 }
 
 /// The order row; the checkout id backstops a retry under a new key.
@@ -242,6 +266,8 @@ async fn create_order(
         tax: order.tax,
         total: order.total,
         created_at,
+        payment: None,
+        delivery: None,
     };
     Ok(Ok(created(&view, order_id)?))
 }
@@ -582,9 +608,40 @@ pub async fn get_order(
             unit_cost: Money::from_minor(l.get(3)),
         })
         .collect();
+    let status: String = row.get(0);
+    let (mut payment, mut delivery) = (None, None);
+    if status != "placed" {
+        let paid = client
+            .prepare_cached(
+                "SELECT payment_id, method, amount_minor FROM payments \
+                  WHERE order_id = $1 AND tenant_id = $2",
+            )
+            .await?;
+        payment = client
+            .query_opt(&paid, &[&order_id, &tenant])
+            .await?
+            .map(|p| PaymentSummary {
+                payment_id: p.get(0),
+                method: p.get(1),
+                amount: Money::from_minor(p.get(2)),
+            });
+        let delivered = client
+            .prepare_cached(
+                "SELECT delivery_id, delivered_at FROM deliveries \
+                  WHERE order_id = $1 AND tenant_id = $2",
+            )
+            .await?;
+        delivery = client
+            .query_opt(&delivered, &[&order_id, &tenant])
+            .await?
+            .map(|d| DeliverySummary {
+                delivery_id: d.get(0),
+                delivered_at: d.get(1),
+            });
+    }
     Ok(Some(OrderView {
         order_id,
-        status: row.get(0),
+        status,
         customer_id: row.get(1),
         checkout_id: row.get(2),
         currency: row.get(3),
@@ -595,5 +652,7 @@ pub async fn get_order(
         tax: Money::from_minor(row.get(7)),
         total: Money::from_minor(row.get(8)),
         created_at: row.get(9),
+        payment,
+        delivery,
     }))
 }
