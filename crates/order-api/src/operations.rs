@@ -625,6 +625,12 @@ pub async fn get_order(
                 method: p.get(1),
                 amount: Money::from_minor(p.get(2)),
             });
+    }
+    // Only for a delivered order: each statement here reads the database as
+    // of its own start, and a delivery committed since the order was read
+    // would show beside a status of "paid". (The row commits with the
+    // status: a delivered order has it.)
+    if status == "delivered" {
         let delivered = client
             .prepare_cached(
                 "SELECT delivery_id, delivered_at FROM deliveries \

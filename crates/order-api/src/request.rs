@@ -752,6 +752,12 @@ mod tests {
         assert_ne!(utc.fingerprint(order_id), absent.fingerprint(order_id));
         let later = at(r#""2024-05-13T14:00:01Z""#).expect("later");
         assert_ne!(later.fingerprint(order_id), utc.fingerprint(order_id));
+        // Parsed as releases before parsed it (`time`'s parser, which takes
+        // any byte between date and time): a request they stored under
+        // such a spelling is the same request, and replays.
+        let odd = at(r#""2024-05-13X14:00:00Z""#).expect("parsed as before");
+        assert_eq!(odd.delivered_at, utc.delivered_at);
+        assert_eq!(odd.fingerprint(order_id), utc.fingerprint(order_id));
 
         for malformed in [
             r#""2024-05-13T14:00:00""#,
@@ -775,6 +781,9 @@ mod tests {
         for invalid in [
             r#""2024-05-13T14:02:00.000001Z""#,
             r#""2024-05-13T14:00:00.0000001Z""#,
+            // Past nine digits `time` keeps the first nine: refused here
+            // for its precision (422), not in the parse (400).
+            r#""2024-05-13T14:00:00.1234567891Z""#,
         ] {
             let error = at(invalid)
                 .expect("parses")
