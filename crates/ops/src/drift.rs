@@ -231,11 +231,7 @@ impl Terms {
 /// A consumer's order terms, read by `sql` (columns: tenant, order,
 /// customer, currency, merchandise, then the ledger's shipping, tax, total
 /// and cost of goods, if it has them).
-async fn terms_of(
-    db: &Client,
-    sql: &str,
-    tenant: Option<&str>,
-) -> anyhow::Result<BTreeMap<Key, Terms>> {
+async fn terms_of(db: &Client, sql: &str, tenant: &str) -> anyhow::Result<BTreeMap<Key, Terms>> {
     Ok(db
         .query(sql, &[&tenant])
         .await?
@@ -312,19 +308,15 @@ async fn check_tenant(
     // order between the snapshots (the check writes nothing).
     kit::failpoint::hold_point("drift.between_snapshots");
     snapshot(&sessions.orders).await?;
-    let report = compare(sessions, Some(tenant), grace).await;
+    let report = compare(sessions, tenant, grace).await;
     for client in consumers.into_iter().chain([&sessions.orders]) {
         client.batch_execute("COMMIT").await?;
     }
     report
 }
 
-/// Compare the four snapshots (of `tenant`'s rows, or all).
-async fn compare(
-    sessions: &Sessions,
-    tenant: Option<&str>,
-    grace: Duration,
-) -> anyhow::Result<Report> {
+/// Compare the four snapshots of `tenant`'s rows.
+async fn compare(sessions: &Sessions, tenant: &str, grace: Duration) -> anyhow::Result<Report> {
     let Sessions {
         orders: orders_db,
         inventory,
@@ -345,7 +337,7 @@ async fn compare(
                     (SELECT min(p.method) FROM payments p WHERE p.order_id = o.order_id), \
                     o.currency \
                FROM orders o JOIN order_lines l USING (order_id) \
-              WHERE $1::text IS NULL OR o.tenant_id = $1",
+              WHERE o.tenant_id = $1",
             &[&tenant, &grace_s],
         )
         .await?
@@ -381,7 +373,7 @@ async fn compare(
         .query(
             "SELECT tenant_id, order_id, movement_type, sku, location, sum(qty)::bigint \
                FROM stock_movements \
-              WHERE order_id IS NOT NULL AND ($1::text IS NULL OR tenant_id = $1) \
+              WHERE order_id IS NOT NULL AND tenant_id = $1 \
               GROUP BY 1, 2, 3, 4, 5",
             &[&tenant],
         )
@@ -409,7 +401,7 @@ async fn compare(
                     GROUPING(l.account_code, e.currency) = 3, count(DISTINCT e.entry_id), \
                     sum(l.debit)::text, sum(l.credit)::text \
                FROM journal_entries e JOIN journal_lines l USING (entry_id) \
-              WHERE $1::text IS NULL OR e.tenant_id = $1 \
+              WHERE e.tenant_id = $1 \
               GROUP BY GROUPING SETS ((e.tenant_id, e.order_id, e.event_type, l.account_code, e.currency), \
                                       (e.tenant_id, e.order_id, e.event_type))",
             &[&tenant],
@@ -442,14 +434,14 @@ async fn compare(
         ledger,
         "SELECT tenant_id, order_id, customer_id, currency, merchandise, shipping, tax, \
                 total, cost_of_goods \
-           FROM ledger_orders WHERE $1::text IS NULL OR tenant_id = $1",
+           FROM ledger_orders WHERE tenant_id = $1",
         tenant,
     )
     .await?;
     let loyalty_terms = terms_of(
         loyalty,
         "SELECT tenant_id, order_id, customer_id, currency, merchandise \
-           FROM loyalty_orders WHERE $1::text IS NULL OR tenant_id = $1",
+           FROM loyalty_orders WHERE tenant_id = $1",
         tenant,
     )
     .await?;
@@ -460,7 +452,7 @@ async fn compare(
     for row in loyalty
         .query(
             "SELECT tenant_id, order_id, customer_id, count(*), sum(points)::text \
-               FROM loyalty_entries WHERE $1::text IS NULL OR tenant_id = $1 GROUP BY 1, 2, 3",
+               FROM loyalty_entries WHERE tenant_id = $1 GROUP BY 1, 2, 3",
             &[&tenant],
         )
         .await?
@@ -732,7 +724,7 @@ async fn compare(
             "SELECT tenant_id, order_id, movement_type, sku, location, qty, on_hand_delta, \
                     reserved_delta \
                FROM stock_movements \
-              WHERE ($1::text IS NULL OR tenant_id = $1) \
+              WHERE tenant_id = $1 \
                 AND NOT ((movement_type = 'receipt' AND on_hand_delta = qty AND reserved_delta = 0) \
                       OR (movement_type = 'reserve' AND on_hand_delta = 0 AND reserved_delta = qty) \
                       OR (movement_type = 'sale' AND on_hand_delta = qty AND reserved_delta = qty)) \
@@ -763,7 +755,7 @@ async fn compare(
                LEFT JOIN (SELECT tenant_id, sku, location, sum(on_hand_delta) AS on_hand, \
                                  sum(reserved_delta) AS reserved \
                             FROM stock_movements GROUP BY 1, 2, 3) m USING (tenant_id, sku, location) \
-              WHERE $1::text IS NULL OR s.tenant_id = $1",
+              WHERE s.tenant_id = $1",
             &[&tenant],
         )
         .await?
@@ -794,7 +786,7 @@ async fn compare(
                     coalesce(sum(l.debit), 0)::text, coalesce(sum(l.credit), 0)::text, \
                     count(l.entry_id) \
                FROM journal_entries e LEFT JOIN journal_lines l USING (entry_id) \
-              WHERE $1::text IS NULL OR e.tenant_id = $1 \
+              WHERE e.tenant_id = $1 \
               GROUP BY 1, 2, 3 HAVING count(l.entry_id) = 0 OR sum(l.debit) <> sum(l.credit)",
             &[&tenant],
         )
@@ -818,7 +810,7 @@ async fn compare(
             "SELECT e.tenant_id, e.currency, count(DISTINCT e.entry_id), \
                     sum(l.debit)::text, sum(l.credit)::text \
                FROM journal_entries e JOIN journal_lines l USING (entry_id) \
-              WHERE $1::text IS NULL OR e.tenant_id = $1 GROUP BY 1, 2",
+              WHERE e.tenant_id = $1 GROUP BY 1, 2",
             &[&tenant],
         )
         .await?
@@ -838,12 +830,16 @@ async fn compare(
     }
     for row in loyalty
         .query(
-            "SELECT tenant_id, count(*) FROM loyalty_entries WHERE $1::text IS NULL OR tenant_id = $1 GROUP BY 1",
+            "SELECT tenant_id, count(*) FROM loyalty_entries WHERE tenant_id = $1 GROUP BY 1",
             &[&tenant],
         )
         .await?
     {
-        report.tenants.entry(row.get(0)).or_default().loyalty_entries = row.get(1);
+        report
+            .tenants
+            .entry(row.get(0))
+            .or_default()
+            .loyalty_entries = row.get(1);
     }
     annotate(&mut report, tenant, orders_db, [inventory, ledger, loyalty]).await?;
     report.drift.sort();
@@ -857,7 +853,7 @@ async fn compare(
 /// drift in the strict sense: an event lost or applied wrongly.
 async fn annotate(
     report: &mut Report,
-    tenant: Option<&str>,
+    tenant: &str,
     orders_db: &Client,
     consumers: [&Client; 3],
 ) -> anyhow::Result<()> {
@@ -869,7 +865,7 @@ async fn annotate(
         .query(
             "SELECT tenant_id, aggregate_id, count(*), count(*) FILTER (WHERE quarantined_at IS NOT NULL) \
                FROM outbox_events \
-              WHERE published_at IS NULL AND ($1::text IS NULL OR tenant_id = $1) \
+              WHERE published_at IS NULL AND tenant_id = $1 \
               GROUP BY 1, 2",
             &[&tenant],
         )
@@ -890,7 +886,7 @@ async fn annotate(
             .query(
                 "SELECT tenant_id, aggregate_id, consumer_name, coalesce(parked_reason, '') \
                    FROM order_progress \
-                  WHERE parked_at IS NOT NULL AND ($1::text IS NULL OR tenant_id = $1)",
+                  WHERE parked_at IS NOT NULL AND tenant_id = $1",
                 &[&tenant],
             )
             .await?

@@ -583,9 +583,16 @@ pub async fn get_order(
 ) -> Result<Option<OrderView>, ApiError> {
     let statement = client
         .prepare_cached(
-            "SELECT status, customer_id, checkout_id, currency, location, merchandise_minor, \
-                    shipping_minor, tax_minor, total_minor, created_at \
-               FROM orders WHERE order_id = $1 AND tenant_id = $2",
+            // Its payment and delivery in the same statement, so in the
+            // same snapshot as its status (one each: orders V9).
+            "SELECT o.status, o.customer_id, o.checkout_id, o.currency, o.location, \
+                    o.merchandise_minor, o.shipping_minor, o.tax_minor, o.total_minor, \
+                    o.created_at, p.payment_id, p.method, p.amount_minor, d.delivery_id, \
+                    d.delivered_at \
+               FROM orders o \
+               LEFT JOIN payments p ON p.order_id = o.order_id AND p.tenant_id = o.tenant_id \
+               LEFT JOIN deliveries d ON d.order_id = o.order_id AND d.tenant_id = o.tenant_id \
+              WHERE o.order_id = $1 AND o.tenant_id = $2",
         )
         .await?;
     let Some(row) = client.query_opt(&statement, &[&order_id, &tenant]).await? else {
@@ -608,46 +615,22 @@ pub async fn get_order(
             unit_cost: Money::from_minor(l.get(3)),
         })
         .collect();
-    let status: String = row.get(0);
-    let (mut payment, mut delivery) = (None, None);
-    if status != "placed" {
-        let paid = client
-            .prepare_cached(
-                "SELECT payment_id, method, amount_minor FROM payments \
-                  WHERE order_id = $1 AND tenant_id = $2",
-            )
-            .await?;
-        payment = client
-            .query_opt(&paid, &[&order_id, &tenant])
-            .await?
-            .map(|p| PaymentSummary {
-                payment_id: p.get(0),
-                method: p.get(1),
-                amount: Money::from_minor(p.get(2)),
-            });
-    }
-    // Only for a delivered order: each statement here reads the database as
-    // of its own start, and a delivery committed since the order was read
-    // would show beside a status of "paid". (The row commits with the
-    // status: a delivered order has it.)
-    if status == "delivered" {
-        let delivered = client
-            .prepare_cached(
-                "SELECT delivery_id, delivered_at FROM deliveries \
-                  WHERE order_id = $1 AND tenant_id = $2",
-            )
-            .await?;
-        delivery = client
-            .query_opt(&delivered, &[&order_id, &tenant])
-            .await?
-            .map(|d| DeliverySummary {
-                delivery_id: d.get(0),
-                delivered_at: d.get(1),
-            });
-    }
+    let payment = row
+        .get::<_, Option<String>>(10)
+        .map(|payment_id| PaymentSummary {
+            payment_id,
+            method: row.get(11),
+            amount: Money::from_minor(row.get(12)),
+        });
+    let delivery = row
+        .get::<_, Option<String>>(13)
+        .map(|delivery_id| DeliverySummary {
+            delivery_id,
+            delivered_at: row.get(14),
+        });
     Ok(Some(OrderView {
         order_id,
-        status,
+        status: row.get(0),
         customer_id: row.get(1),
         checkout_id: row.get(2),
         currency: row.get(3),

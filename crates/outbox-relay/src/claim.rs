@@ -271,107 +271,88 @@ pub async fn claim(
     settling: &SettlingLeases,
 ) -> anyhow::Result<Claimed> {
     kit::db::on_session(pool, async |client| {
-        claim_on(
-            client,
-            instance,
-            settings,
-            floor,
-            may_take_suspects,
-            settling,
-        )
-        .await
-    })
-    .await
-}
-
-async fn claim_on(
-    client: &mut kit::db::Client,
-    instance: &str,
-    settings: &RelaySettings,
-    floor: Floor,
-    may_take_suspects: bool,
-    settling: &SettlingLeases,
-) -> anyhow::Result<Claimed> {
-    if kit::failpoint::error_point("relay.claim.session_read_only") {
-        // A test's stand-in for a session on a standby: every write of the
-        // session fails from here on (25006).
-        client
-            .batch_execute("SET SESSION default_transaction_read_only = on")
+        if kit::failpoint::error_point("relay.claim.session_read_only") {
+            // A test's stand-in for a session on a standby: every write of the
+            // session fails from here on (25006).
+            client
+                .batch_execute("SET SESSION default_transaction_read_only = on")
+                .await?;
+        }
+        let tx = client.transaction().await?;
+        // Read after the BEGIN's answer, not before: the claim's `now()` is the
+        // BEGIN's, and a lease that has run out by then was registered as
+        // settling before its end, so before that answer. Read earlier (or
+        // before a wait for a connection), a BEGIN held up on the network past
+        // the lease's end found the list without it, and took over rows whose
+        // confirmed batch this process was still marking (a duplicate publish,
+        // a lease expiry counted against healthy rows).
+        let spared = settling
+            .lock()
+            .map(|leases| leases.clone())
+            .unwrap_or_default();
+        // One round trip (an unnamed statement parsed, bound and run at once),
+        // planned with these parameters every time, like a first execution.
+        let rows = tx
+            .query_typed(
+                CLAIM_SQL,
+                &[
+                    (&instance, Type::TEXT),
+                    (&millis(settings.lease()), Type::INT8),
+                    (&settings.batch_size, Type::INT8),
+                    (&settings.only_tenant, Type::TEXT),
+                    (&floor, Type::TIMESTAMPTZ),
+                    (&settings.batch_max_bytes, Type::INT8),
+                    (&settings.max_attempts, Type::INT4),
+                    (&may_take_suspects, Type::BOOL),
+                    (&spared, Type::TIMESTAMPTZ_ARRAY),
+                ],
+            )
             .await?;
-    }
-    let tx = client.transaction().await?;
-    // Read after the BEGIN's answer, not before: the claim's `now()` is the
-    // BEGIN's, and a lease that has run out by then was registered as
-    // settling before its end, so before that answer. Read earlier (or
-    // before a wait for a connection), a BEGIN held up on the network past
-    // the lease's end found the list without it, and took over rows whose
-    // confirmed batch this process was still marking (a duplicate publish,
-    // a lease expiry counted against healthy rows).
-    let spared = settling
-        .lock()
-        .map(|leases| leases.clone())
-        .unwrap_or_default();
-    // One round trip (an unnamed statement parsed, bound and run at once),
-    // planned with these parameters every time, like a first execution.
-    let rows = tx
-        .query_typed(
-            CLAIM_SQL,
-            &[
-                (&instance, Type::TEXT),
-                (&millis(settings.lease()), Type::INT8),
-                (&settings.batch_size, Type::INT8),
-                (&settings.only_tenant, Type::TEXT),
-                (&floor, Type::TIMESTAMPTZ),
-                (&settings.batch_max_bytes, Type::INT8),
-                (&settings.max_attempts, Type::INT4),
-                (&may_take_suspects, Type::BOOL),
-                (&spared, Type::TIMESTAMPTZ_ARRAY),
-            ],
-        )
-        .await?;
-    // Crash window (fail point `relay.claim`, test `relay_crash_during_claim`):
-    // before the commit the whole claim rolls back: no lease, and no
-    // takeover counted or row quarantined by it; the next claim after the
-    // same lease expiry does it again, once. After the commit the leases,
-    // counts and quarantines stand and only this process's log lines and
-    // metrics for them are lost (the quarantined gauge is recounted from the
-    // table every `metrics_interval_ms`); its leased rows are taken over at
-    // expiry, one more expiry each.
-    kit::failpoint::crash_point("relay.claim");
-    tx.commit().await?;
-    let mut claimed = Claimed::default();
-    for row in rows {
-        let event_id: Uuid = row.get(0); // uuid NOT NULL: always readable
-        let previous_owner: Option<String> = row.get(12);
-        if let Some(previous_owner) = &previous_owner {
-            claimed.taken_over += 1;
-            tracing::warn!(%event_id, previous_owner, "took over an expired claim");
-        }
-        if row.get::<_, bool>(16) {
-            claimed.counted += 1;
-        }
-        if row.get::<_, bool>(14) {
-            // Quarantined by the claim: the reason is its last_error.
-            let reason: Option<String> = row.get(15);
-            claimed
-                .quarantined
-                .push((event_id, reason.unwrap_or_default()));
-            continue;
-        }
-        // now() + a lease in ms: always finite, always readable.
-        claimed.lease_until = Some(row.get(13));
-        match OutboxRow::try_from_row(&row) {
-            Ok(decoded) => claimed.rows.push(decoded),
-            Err(error) => {
-                let attempts: i32 = row.get(11); // integer NOT NULL
-                tracing::error!(%event_id, error = %error, "claimed an outbox row that cannot be read");
+        // Crash window (fail point `relay.claim`, test `relay_crash_during_claim`):
+        // before the commit the whole claim rolls back: no lease, and no
+        // takeover counted or row quarantined by it; the next claim after the
+        // same lease expiry does it again, once. After the commit the leases,
+        // counts and quarantines stand and only this process's log lines and
+        // metrics for them are lost (the quarantined gauge is recounted from the
+        // table every `metrics_interval_ms`); its leased rows are taken over at
+        // expiry, one more expiry each.
+        kit::failpoint::crash_point("relay.claim");
+        tx.commit().await?;
+        let mut claimed = Claimed::default();
+        for row in rows {
+            let event_id: Uuid = row.get(0); // uuid NOT NULL: always readable
+            let previous_owner: Option<String> = row.get(12);
+            if let Some(previous_owner) = &previous_owner {
+                claimed.taken_over += 1;
+                tracing::warn!(%event_id, previous_owner, "took over an expired claim");
+            }
+            if row.get::<_, bool>(16) {
+                claimed.counted += 1;
+            }
+            if row.get::<_, bool>(14) {
+                // Quarantined by the claim: the reason is its last_error.
+                let reason: Option<String> = row.get(15);
                 claimed
-                    .undecodable
-                    .push((event_id, attempts, unreadable(&error)));
+                    .quarantined
+                    .push((event_id, reason.unwrap_or_default()));
+                continue;
+            }
+            // now() + a lease in ms: always finite, always readable.
+            claimed.lease_until = Some(row.get(13));
+            match OutboxRow::try_from_row(&row) {
+                Ok(decoded) => claimed.rows.push(decoded),
+                Err(error) => {
+                    let attempts: i32 = row.get(11); // integer NOT NULL
+                    tracing::error!(%event_id, error = %error, "claimed an outbox row that cannot be read");
+                    claimed
+                        .undecodable
+                        .push((event_id, attempts, unreadable(&error)));
+                }
             }
         }
-    }
-    Ok(claimed)
+        Ok(claimed)
+    })
+    .await
 }
 
 /// Mark confirmed rows published, in one statement. Only rows still under
@@ -403,54 +384,44 @@ pub async fn mark_published(
         return Ok(0);
     }
     kit::db::on_session(pool, async |client| {
-        mark_published_on(client, instance, lease_until, ids, retry).await
-    })
-    .await
-}
-
-async fn mark_published_on(
-    client: &kit::db::Client,
-    instance: &str,
-    lease_until: OffsetDateTime,
-    ids: &[Uuid],
-    retry: bool,
-) -> anyhow::Result<u64> {
-    let params: &[(&(dyn ToSql + Sync), Type)] = &[
-        (&ids, Type::UUID_ARRAY),
-        (&instance, Type::TEXT),
-        (&lease_until, Type::TIMESTAMPTZ),
-    ];
-    let mut marked = client
-        .execute_typed(
-            "UPDATE outbox_events
-             SET published_at = now()
-             WHERE event_id = ANY($1) AND claimed_by = $2 AND claim_until = $3
-               AND published_at IS NULL",
-            params,
-        )
-        .await?;
-    if retry {
-        let row = client
-            .query_typed(
-                "SELECT count(*) FROM outbox_events
+        let params: &[(&(dyn ToSql + Sync), Type)] = &[
+            (&ids, Type::UUID_ARRAY),
+            (&instance, Type::TEXT),
+            (&lease_until, Type::TIMESTAMPTZ),
+        ];
+        let mut marked = client
+            .execute_typed(
+                "UPDATE outbox_events
+                 SET published_at = now()
                  WHERE event_id = ANY($1) AND claimed_by = $2 AND claim_until = $3
-                   AND published_at IS NOT NULL",
+                   AND published_at IS NULL",
                 params,
             )
             .await?;
-        marked = row
-            .first()
-            .map(|row| row.get::<_, i64>(0))
-            .and_then(|n| u64::try_from(n).ok())
-            .unwrap_or(marked);
-    }
-    // A committed mark whose reply is lost (the statement ran in its own
-    // transaction): the caller retries it.
-    anyhow::ensure!(
-        !kit::failpoint::error_point("relay.mark.reply_lost"),
-        "injected by fail point relay.mark.reply_lost: the mark committed, its reply was lost"
-    );
-    Ok(marked)
+        if retry {
+            let row = client
+                .query_typed(
+                    "SELECT count(*) FROM outbox_events
+                     WHERE event_id = ANY($1) AND claimed_by = $2 AND claim_until = $3
+                       AND published_at IS NOT NULL",
+                    params,
+                )
+                .await?;
+            marked = row
+                .first()
+                .map(|row| row.get::<_, i64>(0))
+                .and_then(|n| u64::try_from(n).ok())
+                .unwrap_or(marked);
+        }
+        // A committed mark whose reply is lost (the statement ran in its own
+        // transaction): the caller retries it.
+        anyhow::ensure!(
+            !kit::failpoint::error_point("relay.mark.reply_lost"),
+            "injected by fail point relay.mark.reply_lost: the mark committed, its reply was lost"
+        );
+        Ok(marked)
+    })
+    .await
 }
 
 /// A failed publish of one row.
@@ -500,77 +471,66 @@ pub async fn mark_failed(
         return Ok(Vec::new());
     }
     kit::db::on_session(pool, async |client| {
-        mark_failed_on(client, instance, lease_until, failures, max_attempts, retry).await
-    })
-    .await
-}
-
-async fn mark_failed_on(
-    client: &kit::db::Client,
-    instance: &str,
-    lease_until: OffsetDateTime,
-    failures: &[Failure],
-    max_attempts: i32,
-    retry: bool,
-) -> anyhow::Result<Vec<Uuid>> {
-    let ids: Vec<Uuid> = failures.iter().map(|f| f.event_id).collect();
-    let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
-    let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
-    let quarantinable: Vec<bool> = failures.iter().map(|f| f.quarantinable).collect();
-    let rows = client
-        .query(
-            "UPDATE outbox_events o
-             SET attempt_count = o.attempt_count + 1,
-                 own_failure_count = o.own_failure_count + f.quarantinable::int,
-                 last_error = f.error,
-                 available_at = now() + f.delay_ms * interval '1 millisecond',
-                 quarantined_at = CASE WHEN f.quarantinable AND o.own_failure_count + 1 >= $4
-                                       THEN now() END,
-                 claimed_by = NULL,
-                 claim_until = NULL,
-                 lease_expiries = 0
-             FROM unnest($1::uuid[], $2::text[], $3::bigint[], $6::bool[])
-                  AS f(event_id, error, delay_ms, quarantinable)
-             WHERE o.event_id = f.event_id AND o.claimed_by = $5 AND o.claim_until = $7
-               AND o.published_at IS NULL
-             RETURNING o.event_id, o.quarantined_at IS NOT NULL",
-            &[
-                &ids,
-                &errors,
-                &delays,
-                &max_attempts,
-                &instance,
-                &quarantinable,
-                &lease_until,
-            ],
-        )
-        .await?;
-    if retry && rows.is_empty() {
-        let quarantined = client
+        let ids: Vec<Uuid> = failures.iter().map(|f| f.event_id).collect();
+        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+        let delays: Vec<i64> = failures.iter().map(|f| f.delay_ms).collect();
+        let quarantinable: Vec<bool> = failures.iter().map(|f| f.quarantinable).collect();
+        let rows = client
             .query(
-                "SELECT o.event_id
-                 FROM outbox_events o
-                 JOIN unnest($1::uuid[], $2::text[]) AS f(event_id, error)
-                   ON o.event_id = f.event_id
-                 WHERE o.quarantined_at IS NOT NULL AND o.published_at IS NULL
-                   AND o.claimed_by IS NULL AND o.last_error = f.error",
-                &[&ids, &errors],
+                "UPDATE outbox_events o
+                 SET attempt_count = o.attempt_count + 1,
+                     own_failure_count = o.own_failure_count + f.quarantinable::int,
+                     last_error = f.error,
+                     available_at = now() + f.delay_ms * interval '1 millisecond',
+                     quarantined_at = CASE WHEN f.quarantinable AND o.own_failure_count + 1 >= $4
+                                           THEN now() END,
+                     claimed_by = NULL,
+                     claim_until = NULL,
+                     lease_expiries = 0
+                 FROM unnest($1::uuid[], $2::text[], $3::bigint[], $6::bool[])
+                      AS f(event_id, error, delay_ms, quarantinable)
+                 WHERE o.event_id = f.event_id AND o.claimed_by = $5 AND o.claim_until = $7
+                   AND o.published_at IS NULL
+                 RETURNING o.event_id, o.quarantined_at IS NOT NULL",
+                &[
+                    &ids,
+                    &errors,
+                    &delays,
+                    &max_attempts,
+                    &instance,
+                    &quarantinable,
+                    &lease_until,
+                ],
             )
             .await?;
-        return Ok(quarantined.iter().map(|row| row.get(0)).collect());
-    }
-    // A committed write whose reply is lost (the statement ran in its own
-    // transaction): the caller retries it.
-    anyhow::ensure!(
-        !kit::failpoint::error_point("relay.mark_failed.reply_lost"),
-        "injected by fail point relay.mark_failed.reply_lost: the failures were recorded, \
-         the reply was lost"
-    );
-    Ok(rows
-        .iter()
-        .filter(|row| row.get::<_, bool>(1))
-        .map(|row| row.get(0))
-        .collect())
+        if retry && rows.is_empty() {
+            let quarantined = client
+                .query(
+                    "SELECT o.event_id
+                     FROM outbox_events o
+                     JOIN unnest($1::uuid[], $2::text[]) AS f(event_id, error)
+                       ON o.event_id = f.event_id
+                     WHERE o.quarantined_at IS NOT NULL AND o.published_at IS NULL
+                       AND o.claimed_by IS NULL AND o.last_error = f.error",
+                    &[&ids, &errors],
+                )
+                .await?;
+            return Ok(quarantined.iter().map(|row| row.get(0)).collect());
+        }
+        // A committed write whose reply is lost (the statement ran in its own
+        // transaction): the caller retries it.
+        anyhow::ensure!(
+            !kit::failpoint::error_point("relay.mark_failed.reply_lost"),
+            "injected by fail point relay.mark_failed.reply_lost: the failures were recorded, \
+             the reply was lost"
+        );
+        Ok(rows
+            .iter()
+            .filter(|row| row.get::<_, bool>(1))
+            .map(|row| row.get(0))
+            .collect())
+    })
+    .await
 }
 
 /// Milliseconds until the earliest row in backoff becomes due, if any (to
