@@ -1,10 +1,7 @@
 //! The one error type of order-api and its one mapping to HTTP
 //! (`application/problem+json` with a stable `code`).
 
-use actix_web::{
-    http::{header, StatusCode},
-    HttpResponse, ResponseError,
-};
+use actix_web::{http::StatusCode, HttpResponse, ResponseError};
 use kit::http::Problem;
 use serde::Serialize;
 use uuid::Uuid;
@@ -211,11 +208,6 @@ pub enum ApiError {
     UnsupportedMediaType,
     #[error("body larger than {limit} bytes")]
     PayloadTooLarge { limit: usize },
-    #[error("not found")]
-    NotFound,
-    /// `allow`: the resource's methods, for the `Allow` header.
-    #[error("method not allowed")]
-    MethodNotAllowed { allow: &'static str },
     #[error("idempotency key reused with a different request")]
     KeyReused,
     #[error("a request with this idempotency key is still in progress")]
@@ -319,12 +311,6 @@ impl ApiError {
                 "The request body is too large",
             )
             .detail(format!("at most {limit} bytes")),
-            Self::NotFound => Problem::new(StatusCode::NOT_FOUND, "not_found", "No such resource"),
-            Self::MethodNotAllowed { .. } => Problem::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "Method not allowed on this resource",
-            ),
             Self::KeyReused => Problem::new(
                 StatusCode::CONFLICT,
                 "idempotency_key_reused",
@@ -412,12 +398,6 @@ impl ResponseError for ApiError {
             }
             _ => tracing::debug!(error = %self, "request rejected"),
         }
-        let mut response = self.problem().error_response();
-        if let Self::MethodNotAllowed { allow } = self {
-            response
-                .headers_mut()
-                .insert(header::ALLOW, header::HeaderValue::from_static(allow));
-        }
-        response
+        self.problem().error_response()
     }
 }

@@ -166,7 +166,7 @@ impl Application {
                 .app_data(web::Data::new(app_state.with_pool(pool)))
                 .configure(kit::http::health_routes(health.clone()))
                 .configure(routes::configure)
-                .default_service(web::to(routes::not_found))
+                .default_service(web::to(kit::http::not_found))
         })
         .workers(workers);
         let server = server

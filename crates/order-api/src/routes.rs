@@ -47,32 +47,31 @@ fn retention(seconds: u64) -> String {
     }
 }
 
+/// Each resource answers any other method with a 405 naming its methods
+/// (`kit::http::resource`, as every service's resources do).
 pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.service(
-        web::resource("/orders")
-            .route(web::post().to(create_order))
-            .default_service(web::to(method_not_allowed("POST"))),
-    )
-    .service(
-        web::resource("/orders/{id}")
-            .route(kit::http::get_or_head().to(get_order))
-            .default_service(web::to(method_not_allowed("GET, HEAD"))),
-    )
-    .service(
-        web::resource("/orders/{id}/payments")
-            .route(web::post().to(order_command::<PaymentRequest>))
-            .default_service(web::to(method_not_allowed("POST"))),
-    )
-    .service(
-        web::resource("/orders/{id}/deliveries")
-            .route(web::post().to(order_command::<DeliveryRequest>))
-            .default_service(web::to(method_not_allowed("POST"))),
-    )
-    .service(
-        web::resource("/openapi.json")
-            .route(kit::http::get_or_head().to(openapi_document))
-            .default_service(web::to(method_not_allowed("GET, HEAD"))),
-    );
+    use kit::http::{get_or_head, resource};
+    cfg.service(resource("/orders", web::post().to(create_order), "POST"))
+        .service(resource(
+            "/orders/{id}",
+            get_or_head().to(get_order),
+            "GET, HEAD",
+        ))
+        .service(resource(
+            "/orders/{id}/payments",
+            web::post().to(order_command::<PaymentRequest>),
+            "POST",
+        ))
+        .service(resource(
+            "/orders/{id}/deliveries",
+            web::post().to(order_command::<DeliveryRequest>),
+            "POST",
+        ))
+        .service(resource(
+            "/openapi.json",
+            get_or_head().to(openapi_document),
+            "GET, HEAD",
+        ));
 }
 
 /// The OpenAPI document, with this server's key retention. A GET resource
@@ -82,18 +81,6 @@ async fn openapi_document(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("application/json")
         .body(openapi(state.settings.idempotency.ttl_seconds))
-}
-
-pub async fn not_found() -> Result<HttpResponse, ApiError> {
-    Err(ApiError::NotFound)
-}
-
-/// A resource's answer to any other method: 405 with `Allow`, the methods
-/// it has (RFC 9110 section 15.5.6).
-fn method_not_allowed(
-    allow: &'static str,
-) -> impl Fn() -> std::future::Ready<Result<HttpResponse, ApiError>> + Clone {
-    move || std::future::ready(Err(ApiError::MethodNotAllowed { allow }))
 }
 
 /// Read the body up to the configured limit; only JSON (or no content type).
