@@ -305,6 +305,31 @@ mod tests {
 
     use super::*;
 
+    /// A database that refuses the connection: not ready, `/readyz` says
+    /// `unavailable` and nothing of the error (a host, a server's FATAL
+    /// message), which the caller gets for the log.
+    #[tokio::test]
+    async fn readiness_names_the_database_s_state_in_a_word_and_keeps_its_error_for_the_log() {
+        let settings = crate::settings::DatabaseSettings {
+            // Port 1: nothing listens there.
+            url: "postgres://app:secret@127.0.0.1:1/orders".to_owned(),
+            ..crate::settings::DatabaseSettings::local("orders")
+        };
+        let health = Health {
+            service: "test",
+            registry: Registry::new(),
+            database: Some(crate::db::pool(&settings).expect("a pool")),
+            broker: None,
+        };
+        let (ready, body, error) = readiness(&health).await;
+        assert!(!ready);
+        assert_eq!(body["status"], "not_ready");
+        assert_eq!(body["database"], "unavailable", "{body}");
+        let error = error.expect("the error, for the log");
+        assert!(!error.is_empty());
+        assert!(!body.to_string().contains(&error), "{body}");
+    }
+
     fn token_of(header: Option<&str>) -> Option<String> {
         let mut request = TestRequest::default();
         if let Some(value) = header {
