@@ -25,6 +25,9 @@ pub struct Settings {
 /// The smallest `consumer.delivery_limit` accepted.
 pub const MIN_DELIVERY_LIMIT: u32 = 5;
 
+/// The longest inbox retention: a century (the relay's longest too).
+const MAX_RETENTION_HOURS: u32 = 100 * 365 * 24;
+
 /// How the consumer takes events off the broker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ConsumerSettings {
@@ -182,6 +185,13 @@ impl Settings {
             self.cleanup.inbox_retention_hours,
             self.cleanup.min_retention_hours
         );
+        // A century, as the relay's retention: further back, `now() -
+        // interval` leaves PostgreSQL's timestamp range and every cleanup
+        // run fails (the inbox would grow without bound).
+        anyhow::ensure!(
+            self.cleanup.inbox_retention_hours <= MAX_RETENTION_HOURS,
+            "cleanup.inbox_retention_hours must be at most a century ({MAX_RETENTION_HOURS})"
+        );
         anyhow::ensure!(
             self.cleanup.batch_size >= 1,
             "cleanup.batch_size must be at least 1"
@@ -214,6 +224,15 @@ impl Settings {
         anyhow::ensure!(
             tiers.iter().all(|t| !t.is_zero()),
             "consumer.retry_tiers_ms: a tier of 0 ms would be a tight retry loop"
+        );
+        // Each tier is a queue's `x-message-ttl`, which RabbitMQ refuses
+        // past 2^32 - 1 ms (406 PRECONDITION_FAILED, which start-up would
+        // report as a topology conflict to be drained and deleted).
+        anyhow::ensure!(
+            tiers.iter().all(|t| t.as_millis() <= u128::from(u32::MAX)),
+            "consumer.retry_tiers_ms: a tier may be at most 4294967295 ms (about 49 days, \
+             RabbitMQ's largest message TTL): {:?}",
+            self.consumer.retry_tiers_ms
         );
         // Backoff (seed 003): each retry waits at least as long as the one
         // before; a shorter later tier is a typo that would hammer a
@@ -335,6 +354,26 @@ mod tests {
         settings.cleanup.inbox_retention_hours = 8 * 24;
         settings.consumer.retry_tiers_ms = "0".into();
         assert!(settings.validate().is_err());
+    }
+
+    #[test]
+    fn values_beyond_what_the_database_or_broker_take_are_refused() {
+        let mut settings = Settings::local("loyalty", "loyalty", 8083);
+        settings.cleanup.inbox_retention_hours = MAX_RETENTION_HOURS;
+        settings.validate().expect("a century");
+        settings.cleanup.inbox_retention_hours = MAX_RETENTION_HOURS + 1;
+        assert!(settings.validate().is_err());
+        settings.cleanup.inbox_retention_hours = u32::MAX;
+        assert!(settings.validate().is_err());
+        settings.cleanup.inbox_retention_hours = 8 * 24;
+        settings.consumer.retry_tiers_ms = "10000,4294967295".into();
+        settings.validate().expect("RabbitMQ's largest TTL");
+        settings.consumer.retry_tiers_ms = "10000,4294967296".into();
+        let error = settings.validate().expect_err("past RabbitMQ's TTL");
+        assert!(
+            error.to_string().contains("at most 4294967295 ms"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -162,8 +162,15 @@ impl Settings {
             "idempotency.ttl_seconds must be 1 to {MAX_TTL_SECONDS} (ten years)"
         );
         anyhow::ensure!(
-            i.cleanup_interval_seconds >= 1 && i.cleanup_batch >= 1,
-            "idempotency.cleanup_interval_seconds and idempotency.cleanup_batch must be at least 1"
+            i.cleanup_batch >= 1,
+            "idempotency.cleanup_batch must be at least 1"
+        );
+        // The cleanup's timer adds the interval to an Instant: a value past
+        // its range (someone switching the cleanup "off") would panic there
+        // at the first tick and stop the service with no word of the setting.
+        anyhow::ensure!(
+            (1..=86_400).contains(&i.cleanup_interval_seconds),
+            "idempotency.cleanup_interval_seconds must be 1 to 86400 (a day)"
         );
         anyhow::ensure!(
             i.max_body_bytes >= 1,
@@ -250,6 +257,10 @@ mod tests {
         assert_eq!((long.drain_seconds(), long.warnings().len()), (23, 1));
         assert!(with(|s| s.idempotency.ttl_seconds = u64::MAX).is_err());
         assert!(with(|s| s.idempotency.cleanup_batch = 0).is_err());
+        assert!(with(|s| s.idempotency.cleanup_interval_seconds = 0).is_err());
+        assert!(with(|s| s.idempotency.cleanup_interval_seconds = 86_400).is_ok());
+        assert!(with(|s| s.idempotency.cleanup_interval_seconds = 86_401).is_err());
+        assert!(with(|s| s.idempotency.cleanup_interval_seconds = u64::MAX).is_err());
         assert!(with(|s| s.auth.key_cache_ms = u64::MAX).is_err());
     }
 

@@ -78,8 +78,14 @@ struct ReplayArgs {
 }
 
 fn parse_time(value: &str) -> Result<OffsetDateTime, String> {
-    OffsetDateTime::parse(value, &Rfc3339)
-        .map_err(|e| format!("{value:?} is not an RFC 3339 time: {e}"))
+    let at = OffsetDateTime::parse(value, &Rfc3339)
+        .map_err(|e| format!("{value:?} is not an RFC 3339 time: {e}"))?;
+    // The database driver sends the time in UTC, and converting one whose
+    // UTC falls past year 9999 (9999-12-31T23:59:59-01:00) panics there.
+    match at.checked_to_offset(time::UtcOffset::UTC) {
+        Some(utc) if (0..=9999).contains(&utc.year()) => Ok(at),
+        _ => Err(format!("{value:?} is outside years 0 to 9999 in UTC")),
+    }
 }
 
 fn consumer_name_ok(name: &str) -> bool {
@@ -220,4 +226,18 @@ pub async fn main() -> anyhow::Result<()> {
         }
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_time;
+
+    #[test]
+    fn a_replay_window_past_the_drivers_range_is_a_usage_error() {
+        assert!(parse_time("9999-12-31T22:59:59-01:00").is_ok());
+        let error = parse_time("9999-12-31T23:59:59-01:00").expect_err("year 10000 in UTC");
+        assert!(error.contains("outside years 0 to 9999"), "{error}");
+        assert!(parse_time("0000-01-01T00:00:00+01:00").is_err());
+        assert!(parse_time("yesterday").is_err());
+    }
 }

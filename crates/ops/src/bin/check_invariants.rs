@@ -37,8 +37,8 @@ struct Cli {
     #[arg(long = "consumer", value_name = "KIND=NAME")]
     consumers: Vec<String>,
     /// Poll until every invariant holds or this many seconds have passed
-    /// (the system may still be draining).
-    #[arg(long, default_value_t = 0)]
+    /// (the system may still be draining); at most a day.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=86_400))]
     wait_seconds: u64,
     /// A relay's /metrics URL: its republished messages are reported
     /// (outbox_expired_claims_total, leases taken over, and

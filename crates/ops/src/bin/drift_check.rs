@@ -17,7 +17,9 @@ struct Cli {
     /// follow its commit by milliseconds, and an event still unpublished a
     /// minute after its commit is what OutboxOldestPendingTooOld watches; 0
     /// checks every order (a system at rest, or a test).
-    #[arg(long, default_value_t = 60)]
+    /// At most a century (further back than PostgreSQL's timestamps reach
+    /// makes the check's statement fail).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(..=3_153_600_000))]
     grace_seconds: u64,
 }
 
