@@ -3491,12 +3491,14 @@ async fn a_panic_in_the_inbox_cleanup_stops_the_consumer() {
     let client = pg(Database::Loyalty).await;
     let old = Uuid::now_v7();
     inbox_row(&client, &name, old, 9).await;
+    let log = std::env::temp_dir().join(format!("{name}.log"));
     let options = Options {
         failpoints: Some("consumer.cleanup=panic".to_owned()),
         extra: vec![(
             "LOYALTY_CONSUMER__CLEANUP__INTERVAL_SECS".into(),
             "1".into(),
         )],
+        log: Some(log.clone()),
         ..Options::default()
     };
     let _topology = TopologyGuard::new(&name, &options);
@@ -3508,6 +3510,16 @@ async fn a_panic_in_the_inbox_cleanup_stops_the_consumer() {
     assert!(
         !status.success() && !system_tests::system::aborted(&status),
         "an error exit, not a crash: {status:?}"
+    );
+    // Stopped by the cleanup's panic, not by anything else that exits 1
+    // (a setting refused at start-up would pass the checks above).
+    let output = system_tests::take_log(&log);
+    assert!(
+        output.contains("consumer.cleanup")
+            && output.lines().any(|line| line
+                .contains("a part of the service ended before shutdown")
+                && line.contains("inbox cleanup")),
+        "{output}"
     );
     assert_eq!(inbox_ids(&client, &name).await, vec![old], "rolled back");
 }
@@ -5197,10 +5209,10 @@ async fn a_clean_stop_logs_no_error() {
 }
 
 /// SIGTERM while a consumer sets up its partitions (the set-up after the
-/// first partition's channels and consumer are open delayed 60 s by
+/// first partition's channels and consumer are open delayed 600 s by
 /// `consumer.partition_set_up`): the set-up is cut short and what it opened
-/// is closed, so the stop is clean: status 0 within seconds, not after the
-/// delay or the stop grace, no error logged (a channel dropped open is
+/// is closed, so the stop is clean: status 0, not the stop grace's status 1
+/// (the delay outlasts the grace), no error logged (a channel dropped open is
 /// closed by lapin in the background, which logs at ERROR once its
 /// connection is gone), and it never consumed. (Session 26's change, tested
 /// here: with the cut-short set-up dropping its channels instead of closing
@@ -5210,7 +5222,7 @@ async fn a_stop_during_the_partitions_set_up_is_clean() {
     let name = unique("t-setup-stop");
     let log = std::env::temp_dir().join(format!("{name}.log"));
     let options = Options {
-        failpoints: Some("consumer.partition_set_up=1*return(60000)".into()),
+        failpoints: Some("consumer.partition_set_up=1*return(600000)".into()),
         extra: vec![("RUST_LOG".into(), "info".into())],
         log: Some(log.clone()),
         ..Options::default()
@@ -5228,7 +5240,6 @@ async fn a_stop_during_the_partitions_set_up_is_clean() {
         },
     )
     .await;
-    let signalled = std::time::Instant::now();
     service.signal("TERM");
     let status = tokio::task::spawn_blocking(move || service.wait_exit(WAIT))
         .await
@@ -5236,11 +5247,6 @@ async fn a_stop_during_the_partitions_set_up_is_clean() {
         .expect("exits after SIGTERM");
     let output = system_tests::take_log(&log);
     assert!(status.success(), "clean exit: {status}\n{output}");
-    assert!(
-        signalled.elapsed() < Duration::from_secs(15),
-        "stopped within seconds, not after the delay: {:?}",
-        signalled.elapsed()
-    );
     assert!(!output.contains("\"consuming\""), "{output}");
     system_tests::assert_clean_stop(&output, "consumer stopped");
 }

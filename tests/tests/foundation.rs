@@ -37,15 +37,54 @@ async fn tables(db: Database) -> Vec<String> {
 #[tokio::test]
 async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
     for db in Database::ALL {
-        let pool = pool(db);
-        // Twice, concurrently: the advisory lock serialises them and the second
-        // run applies nothing.
+        // Twice, concurrently, on a new database (the shared ones are
+        // migrated already, where both runs would apply nothing whether or
+        // not they were serialised): the advisory lock serialises them, so
+        // one applies every migration and the other nothing, without a
+        // collision on a table or the history.
+        let (fresh, url) = system_tests::create_database(db).await;
+        let mut settings = kit::settings::DatabaseSettings::local(db.name());
+        settings.url = url;
+        settings.pool_size = 4;
+        let fresh_pool = kit::db::pool(&settings).expect("pool");
         let (a, b) = tokio::join!(
-            kit::migrations::run(&pool, db),
-            kit::migrations::run(&pool, db)
+            kit::migrations::run(&fresh_pool, db),
+            kit::migrations::run(&fresh_pool, db)
         );
-        a.expect("migrate");
-        b.expect("migrate");
+        let (a, b) = (a.expect("migrate"), b.expect("migrate"));
+        let (all, none) = if a.is_empty() { (b, a) } else { (a, b) };
+        assert!(
+            none.is_empty(),
+            "{}: both runs applied {all:?} / {none:?}",
+            db.name()
+        );
+        let history = match db {
+            Database::Orders => "SELECT count(*) FROM refinery_schema_history",
+            _ => {
+                "SELECT (SELECT count(*) FROM refinery_schema_history) \
+                 + (SELECT count(*) FROM consumer_runtime_schema_history)"
+            }
+        };
+        let recorded: i64 = fresh_pool
+            .get()
+            .await
+            .expect("connection")
+            .query_one(history, &[])
+            .await
+            .expect("history")
+            .get(0);
+        assert_eq!(recorded, all.len() as i64, "{}: {all:?}", db.name());
+        assert!(all.len() >= 4, "{}: {all:?}", db.name());
+        assert!(kit::migrations::run(&fresh_pool, db)
+            .await
+            .expect("migrate")
+            .is_empty());
+        drop(fresh_pool);
+        system_tests::drop_database(db, &fresh).await;
+
+        // The shared database: migrated, and a run applies nothing.
+        let pool = pool(db);
+        kit::migrations::run(&pool, db).await.expect("migrate");
         assert!(kit::migrations::run(&pool, db)
             .await
             .expect("migrate")
@@ -874,8 +913,12 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
         ("loyalty-consumer", "LOYALTY_CONSUMER"),
     ];
     // Consumers get a private name (their queues are deleted afterwards) and
-    // stay unbound from order-events; everything else is the zero-config default.
+    // stay unbound from order-events; the relay works on an orders database
+    // of its own (with the default one, and no tenant filter, it would
+    // claim and publish every other test's pending rows and its cleanup
+    // delete their old ones); everything else is the zero-config default.
     let private = system_tests::consumers::unique("foundation");
+    let (relay_database, relay_url) = system_tests::create_database(Database::Orders).await;
     let mut running = Vec::new();
     for (name, prefix) in services {
         let port = free_port();
@@ -892,6 +935,9 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
                 format!("{prefix}__CONSUMER__BIND_ORDER_EVENTS"),
                 "false".to_owned(),
             ));
+        }
+        if name == "outbox-relay" {
+            env.push((format!("{prefix}__DATABASE__URL"), relay_url.clone()));
         }
         let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         let service = Service::start(name, &[], &env);
@@ -952,6 +998,7 @@ async fn every_service_starts_with_no_configuration_and_stops_on_sigterm() {
             system_tests::consumers::teardown(&format!("{private}-{}", service.name), 4, 5).await;
         }
     }
+    system_tests::drop_database(Database::Orders, &relay_database).await;
 }
 
 /// A consumer that runs but cannot reach its broker answers /readyz 503 and
@@ -1103,7 +1150,6 @@ async fn a_sigterm_while_waiting_for_another_migration_stops_the_service_cleanly
             queued(1),
         )
         .await;
-        let signalled = std::time::Instant::now();
         service.signal("TERM");
         let status = tokio::task::spawn_blocking(move || {
             let status = service.wait_exit(Duration::from_secs(60));
@@ -1113,12 +1159,9 @@ async fn a_sigterm_while_waiting_for_another_migration_stops_the_service_cleanly
         .expect("join");
         let (status, _service) = status;
         let status = status.unwrap_or_else(|| panic!("{name} still waiting 60 s after SIGTERM"));
-        // Well within the stop grace (25 s), which would end it with status 1.
-        assert!(
-            signalled.elapsed() < Duration::from_secs(15),
-            "{name} took {:?} to stop",
-            signalled.elapsed()
-        );
+        // Not ended by the stop grace (25 s, status 1 and an ERROR line):
+        // the status, the clean stop and the line below say it stopped the
+        // wait itself.
         let output = system_tests::take_log(&log);
         if args.is_empty() {
             assert!(status.success(), "{name}: {status}\n{output}");

@@ -34,6 +34,17 @@ impl Caller {
         }
     }
 
+    /// A caller of a tenant whose key is in `database`.
+    fn in_database(prefix: &str, database: &OwnOrdersDatabase) -> Self {
+        let tenant = unique_tenant(prefix);
+        let key = database.api_key(&tenant);
+        Self {
+            client: Client::new(),
+            key,
+            tenant,
+        }
+    }
+
     async fn post(&self, url: &str, idempotency_key: &str, body: &str) -> Response {
         self.client
             .post(url)
@@ -916,14 +927,15 @@ async fn a_body_slower_than_the_budget_is_answered_at_the_budget() {
 }
 
 /// A stop lets the requests in flight finish within their budget: a POST
-/// held 18 s before its COMMIT (its budget 20 s, within the 23 s a stop lets
+/// held 13 s before its COMMIT (its budget 20 s, within the 23 s a stop lets
 /// requests finish), the stop asked while it is
 /// held, is answered 201 and committed more than 10 s after the stop, and
 /// then the process stops cleanly. Before, a stop cut the requests still
 /// running after 10 s whatever their budget: the client saw the connection
-/// reset and the order rolled back. (The stop comes at most 6 s into the
-/// hold, so the answer comes at least 12 s after it: more than 10 s however
-/// slow the machine.)
+/// reset and the order rolled back. (The stop comes as soon as the hold is
+/// seen, a poll after it began, so the answer comes about 13 s after it;
+/// the work before the hold may take up to 6 s and the COMMIT still goes
+/// out within the budget.)
 /// On a database of its own, so that the probe sees only this POST.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
@@ -936,7 +948,7 @@ async fn a_stop_lets_a_request_in_flight_finish_within_its_budget() {
             ("ORDER_API__DATABASE__URL", database.url.clone()),
             (
                 "FAILPOINTS",
-                "order_api.committing=return(18000)".to_owned(),
+                "order_api.committing=return(13000)".to_owned(),
             ),
             (
                 "ORDER_API__IDEMPOTENCY__REQUEST_BUDGET_MS",
@@ -1330,20 +1342,16 @@ async fn reads_before_the_transaction_end_at_the_request_budget() {
         let tx = db.transaction().await.expect("begin");
         let holder = lock_table(&tx, table).await;
         let blocked = blocked_by(&observer, holder);
-        let started = std::time::Instant::now();
         let (response, blocked) = tokio::join!(get(), blocked);
         let response = response.expect("get");
-        let waited = started.elapsed();
+        // At the budget: `lock_timeout` (20 s) ending the wait would answer
+        // `unavailable`, not `deadline_exceeded`.
         expect_problem(
             response,
             StatusCode::SERVICE_UNAVAILABLE,
             "deadline_exceeded",
         )
         .await;
-        assert!(
-            waited < Duration::from_secs(15),
-            "{table}: answered after {waited:?}, as if lock_timeout (20 s) had ended the wait"
-        );
         // The cancelled read's connection is closed, not pooled (its
         // backend ends while the lock is still held).
         backend_gone(&observer, blocked, "the cancelled read's connection closed").await;
@@ -2514,7 +2522,6 @@ async fn the_wait_for_an_in_flight_owner_is_bounded() {
     .await
     .expect("claim");
     let before = key_metrics(&api, "POST /orders").await;
-    let started = std::time::Instant::now();
     let response = caller.post(&api.url("/orders"), "busy", SEED_ORDER).await;
     assert_eq!(response.status(), StatusCode::CONFLICT);
     assert_eq!(
@@ -2525,11 +2532,9 @@ async fn the_wait_for_an_in_flight_owner_is_bounded() {
         Some("1")
     );
     let (_, problem) = json_of(response).await;
+    // The wait is bounded: an unbounded one would end in the client's
+    // timeout, with no answer.
     assert_eq!(problem["code"], "idempotency_in_progress");
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "the wait is bounded"
-    );
     assert_eq!(
         key_metrics(&api, "POST /orders").await - before,
         KeyMetrics {
@@ -2769,6 +2774,9 @@ async fn a_revoked_key_stops_working_within_the_key_cache_window() {
         let missing = api.url(&format!("/orders/{}", uuid::Uuid::now_v7()));
         // Authenticated (404 for an unknown order), and now remembered.
         assert_eq!(caller.get(&missing).await.status(), StatusCode::NOT_FOUND);
+        // The entry's age counts from before this instant (its lookup began
+        // before the answer came).
+        let answered = std::time::Instant::now();
         let revoked = pg(Database::Orders)
             .await
             .execute(
@@ -2785,18 +2793,20 @@ async fn a_revoked_key_stops_working_within_the_key_cache_window() {
                 StatusCode::UNAUTHORIZED
             );
         } else {
-            // Within the window (bounded wait, generous for a slow machine).
-            let revoked_at = std::time::Instant::now();
-            let status = loop {
-                let status = caller.get(&missing).await.status();
-                if status == StatusCode::UNAUTHORIZED
-                    || revoked_at.elapsed() > Duration::from_secs(30)
-                {
-                    break status;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            };
-            assert_eq!(status, StatusCode::UNAUTHORIZED, "cache {cache_ms} ms");
+            // Once the window has passed, the very next request is refused:
+            // one request, no polling (a window stretched by the service,
+            // say rounded up to a second, fails here however slow the
+            // machine: only a shorter window could pass).
+            let window = Duration::from_millis(cache_ms);
+            tokio::time::sleep_until(tokio::time::Instant::from_std(
+                answered + window + Duration::from_millis(100),
+            ))
+            .await;
+            assert_eq!(
+                caller.get(&missing).await.status(),
+                StatusCode::UNAUTHORIZED,
+                "cache {cache_ms} ms"
+            );
         }
         // Refused from then on (a refusal is never remembered as valid).
         assert_eq!(
@@ -3568,18 +3578,25 @@ async fn a_delivery_carries_the_given_delivered_at_and_its_fingerprint() {
 /// for that lock.
 #[tokio::test]
 async fn a_record_deleted_under_a_takeover_frees_the_key_for_a_new_operation() {
-    let api = OrderApi::start(&patient_with(&[(
-        "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
-        "3600".to_owned(),
-    )]))
+    // On a database of its own: every other order-api's cleanup deletes
+    // every tenant's expired keys, and could take this one between its
+    // expiry's commit and the lock below on a stalled machine.
+    let database = OwnOrdersDatabase::create().await;
+    let api = OrderApi::start(&patient_with(&[
+        (
+            "ORDER_API__IDEMPOTENCY__CLEANUP_INTERVAL_SECONDS",
+            "3600".to_owned(),
+        ),
+        ("ORDER_API__DATABASE__URL", database.url.clone()),
+    ]))
     .await;
-    let caller = std::sync::Arc::new(Caller::new("vanish"));
+    let caller = std::sync::Arc::new(Caller::in_database("vanish", &database));
     let first = caller.post(&api.url("/orders"), "k", SEED_ORDER).await;
     assert_eq!(first.status(), StatusCode::CREATED);
     let filter = "WHERE tenant_id = $1 AND idempotency_key = 'k'";
-    let watcher = pg(Database::Orders).await;
-    // Expiring in six seconds, and locked before that: no other test's
-    // order-api cleanup (`FOR UPDATE SKIP LOCKED`) can take it first.
+    let watcher = database.connect().await;
+    // Expiring in six seconds, and locked before that: its order-api's
+    // cleanup (`FOR UPDATE SKIP LOCKED`, hourly) cannot take it first.
     let expiring = watcher
         .execute(
             &format!(
@@ -3590,7 +3607,7 @@ async fn a_record_deleted_under_a_takeover_frees_the_key_for_a_new_operation() {
         .await
         .expect("expire soon");
     assert_eq!(expiring, 1);
-    let mut cleanup = pg(Database::Orders).await;
+    let mut cleanup = database.connect().await;
     let tx = cleanup.transaction().await.expect("begin");
     let locked = tx
         .execute(
@@ -3652,7 +3669,7 @@ async fn a_record_deleted_under_a_takeover_frees_the_key_for_a_new_operation() {
         },
         "claimed, not in progress"
     );
-    let c = counts(&caller.tenant).await;
+    let c = counts_in(&watcher, &caller.tenant).await;
     assert_eq!(
         (c.orders, c.keys),
         (2, 1),

@@ -29,9 +29,14 @@ const MAX_CACHED_KEYS: usize = 10_000;
 
 impl KeyCache {
     fn get(&self, hash: &str, ttl: Duration) -> Option<String> {
+        self.get_at(hash, ttl, Instant::now())
+    }
+
+    /// [`Self::get`] as of `now`.
+    fn get_at(&self, hash: &str, ttl: Duration, now: Instant) -> Option<String> {
         let keys = self.keys.lock().ok()?;
         keys.get(hash)
-            .filter(|(_, at)| at.elapsed() < ttl)
+            .filter(|(_, at)| now.saturating_duration_since(*at) < ttl)
             .map(|(tenant, _)| tenant.clone())
     }
 
@@ -131,31 +136,25 @@ pub async fn create_key(pool: &Pool, tenant: &str) -> anyhow::Result<String> {
 mod tests {
     use super::*;
 
-    /// An entry serves for `auth.key_cache_ms` after it was verified, and
-    /// not a moment longer (the system test allows a slow machine seconds).
+    /// An entry serves for `auth.key_cache_ms` after its lookup began, and
+    /// not a moment longer (on a clock of the test's own: no stall of the
+    /// machine between two lines can age an entry).
     #[test]
     fn a_cached_key_serves_for_the_configured_window_only() {
         let cache = KeyCache::default();
         let ttl = Duration::from_millis(500);
-        let at = |age: Duration| {
-            let cache = KeyCache::default();
-            cache
-                .keys
-                .lock()
-                .expect("lock")
-                .insert("h".to_owned(), ("acme".to_owned(), Instant::now() - age));
-            cache.get("h", ttl)
-        };
-        assert_eq!(at(Duration::from_millis(100)).as_deref(), Some("acme"));
+        let asked = Instant::now();
+        cache.put("h".to_owned(), "acme", asked);
+        let at = |age: Duration| cache.get_at("h", ttl, asked + age);
+        assert_eq!(at(Duration::ZERO).as_deref(), Some("acme"));
+        assert_eq!(at(Duration::from_millis(499)).as_deref(), Some("acme"));
         assert_eq!(at(ttl), None);
         assert_eq!(at(Duration::from_secs(10)), None);
-        cache.put("h".to_owned(), "acme", Instant::now());
-        assert_eq!(cache.get("h", ttl).as_deref(), Some("acme"));
-        // A lookup that took longer than the window is stale at once: its
-        // age counts from when it was asked.
-        cache.put("slow".to_owned(), "acme", Instant::now() - ttl);
-        assert_eq!(cache.get("slow", ttl), None);
-        assert_eq!(cache.get("h", Duration::ZERO), None, "0: off");
-        assert_eq!(cache.get("other", ttl), None);
+        // A lookup that took longer than the window is stale when it is
+        // put: its age counts from when it was asked.
+        cache.put("slow".to_owned(), "acme", asked);
+        assert_eq!(cache.get_at("slow", ttl, asked + ttl), None);
+        assert_eq!(cache.get_at("h", Duration::ZERO, asked), None, "0: off");
+        assert_eq!(cache.get_at("other", ttl, asked), None);
     }
 }
