@@ -14,7 +14,7 @@ FAILPOINTS_FEATURES := --features order-api/failpoints,outbox-relay/failpoints,i
 .PHONY: help up down migrate build run demo drift test lint bench bench-backlog bench-api bench-relay bench-consumers bench-e2e soak
 
 help:
-	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops them)"
+	@echo "make run      start PostgreSQL, RabbitMQ and the five services (Ctrl-C stops the services; make down stops PostgreSQL and RabbitMQ)"
 	@echo "make test     run the whole test suite (starts what it needs)"
 	@echo "make demo     run the seed 003 story against a running system (make run)"
 	@echo "make drift    compare the four databases; exit 1 on any drift (DRIFT_GRACE=0: also orders changed in the last minute; DRIFT_TENANT=demo: one tenant)"
@@ -45,8 +45,10 @@ migrate: up build
 run: up build
 	scripts/run.sh
 
+# At the services' ports as make run starts them (<PREFIX>__HTTP__PORT, else
+# the defaults: demo_urls in scripts/service-env.sh).
 demo: build
-	$(ENV) . scripts/service-env.sh && set -a && { [ -f .run/credentials.env ] && . .run/credentials.env || true; } && set +a && target/debug/demo
+	$(ENV) . scripts/service-env.sh && demo_urls && set -a && { [ -f .run/credentials.env ] && . .run/credentials.env || true; } && set +a && target/debug/demo
 
 # Orders changed within DRIFT_GRACE seconds are skipped as in flight (0: every order).
 DRIFT_GRACE ?= 60
@@ -83,7 +85,10 @@ BENCH_BUILD := CARGO_TARGET_DIR=$(BENCH_TARGET) $(CARGO) build --profile bench-r
 # drain; bench-api / bench-relay / bench-consumers / bench-e2e: one phase alone,
 # the quick loops (bench-e2e paces at BENCH_E2E_RATE orders/s, default 50).
 BENCH_TARGETS := bench bench-backlog bench-api bench-relay bench-consumers bench-e2e
+# Refused beside a `make run`, as make test is (scripts/no-stray-services.sh):
+# its relay has no tenant filter and would claim the bench's outbox rows.
 $(BENCH_TARGETS): up
+	scripts/no-stray-services.sh
 	$(BENCH_BUILD)
 	$(ENV) for svc in order-api inventory-consumer ledger-consumer loyalty-consumer; do \
 		$(BENCH_BIN)/$$svc migrate || exit 1; \
@@ -95,7 +100,10 @@ $(BENCH_TARGETS): up
 # SOAK_ORDERS (5000), SOAK_SECONDS (minimum chaos duration, 0),
 # SOAK_KILL_INTERVAL_MS (2000), SOAK_CONCURRENCY (16), SOAK_INFRA_RESTARTS (1),
 # SOAK_BACKLOG_ORDERS (16667 = 50,000 events). Report: target/soak-report.txt.
+# Refused beside a `make run`, as make test is (its relay would claim the
+# soak's outbox rows).
 soak: up
+	scripts/no-stray-services.sh
 	$(CARGO) build --workspace --all-targets $(FAILPOINTS_FEATURES)
 	$(ENV) SOAK_LONG=1 $(CARGO) test -p system-tests --test soak -- --nocapture --test-threads=1 soak_with_kill_9 backlog_drains
 	@cat target/soak-report.txt

@@ -147,6 +147,33 @@ for name, (prefix, port) in apps.items():
         check(f"{prefix}__AMQP__URL" in env, f"compose: {name}: {prefix}__AMQP__URL")
         check(deps.get("rabbitmq", {}).get("condition") == "service_healthy", f"compose: {name}: waits for rabbitmq healthy")
 
+# A service outside the default profiles is never built by `up -d --build`,
+# and `run` builds it only when no image exists: without pull_policy build
+# (build at every run) it runs the previous release against the new schema.
+for name, service in services.items():
+    if "build" in service and service.get("profiles"):
+        check(service.get("pull_policy") == "build",
+              f"compose: {name}: built, in profiles {service['profiles']}: pull_policy: build (else an upgrade runs its old image)")
+
+def seconds(duration):
+    """A compose duration ("10m", "1m30s", "90s") in seconds; None if not one."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|ns|m|s)", str(duration))
+    if not isinstance(duration, str) or not parts or "".join(n + u for n, u in parts) != duration:
+        return None
+    return sum(float(n) * units[u] for n, u in parts)
+
+# Every app migrates its database at start-up (order-api and the relay the
+# orders database, each consumer its own; `<service> migrate` runs the same)
+# and answers /readyz only after: its start period must cover a migration
+# that waits for table locks (retried for up to two minutes) or builds an
+# index, or a migrating consumer turns unhealthy and `up` never starts the
+# relay, which waits for the consumers to be healthy.
+for name in apps:
+    period = services.get(name, {}).get("healthcheck", {}).get("start_period")
+    check((seconds(period) or 0) >= 120,
+          f"compose: {name}: health check start_period {period!r} shorter than 2m (it migrates at start-up)")
+
 plugins = open("deploy/rabbitmq/enabled_plugins").read()
 for plugin in ("rabbitmq_management", "rabbitmq_consistent_hash_exchange"):
     check(plugin in plugins, f"rabbitmq: plugin {plugin} not enabled")

@@ -146,9 +146,23 @@ runuser -u rabbitmq -- test -w "$RABBITMQ_DIR" \
     || die "OS user rabbitmq cannot write $RABBITMQ_DIR (chmod o+x its parent directories)"
 
 # Is a node with our name running, and is it ours (data dir under $RABBITMQ_MNESIA_BASE)?
-rmq_node_dir() { rabbitmqctl -q eval 'rabbit_mnesia:dir().' 2>/dev/null | tr -d '"'; }
+# (rmq_node_dir [-n node]: another node's)
+rmq_node_dir() { rabbitmqctl -q "$@" eval 'rabbit_mnesia:dir().' 2>/dev/null | tr -d '"'; }
+# Debian's own node (the package's service) keeps its data in /var/lib/rabbitmq:
+# stopped, as Debian's PostgreSQL cluster is above. A node with its data
+# anywhere else is another checkout's (its .run, or its directory in
+# /var/lib/outbox-infra), whose tests or `make run` may be using it: refused,
+# as PostgreSQL refuses a foreign holder of its port (and as infra-down.sh
+# there leaves this checkout's node alone).
+deb_rabbitmq_dir=/var/lib/rabbitmq
+foreign_node() {   # node data_dir: die naming where it is stopped
+    local where=
+    [[ "$2" == */.run/rabbitmq/mnesia/* ]] && where=" (make down in ${2%%/.run/rabbitmq/mnesia/*})"
+    die "RabbitMQ node $1 is running with its data in $2, not in this checkout's $RABBITMQ_MNESIA_BASE: stop it from the checkout that started it$where, then run this again"
+}
 node_dir=$(rmq_node_dir || true)
 if [ -n "$node_dir" ] && [[ "$node_dir" != "$RABBITMQ_MNESIA_BASE"/* ]]; then
+    [[ "$node_dir" == "$deb_rabbitmq_dir"/* ]] || foreign_node "$RABBITMQ_NODENAME" "$node_dir"
     log "a Debian-managed RabbitMQ node $RABBITMQ_NODENAME is running (data: $node_dir): stopping it"
     rabbitmqctl -q stop || true
     node_dir=
@@ -157,11 +171,37 @@ fi
 if [ -z "$node_dir" ] && port_open 127.0.0.1 "$AMQP_PORT"; then
     # Debian's default node may run under another name (rabbit@<hostname>)
     deb_node="rabbit@$(hostname -s)"
-    if [ "$deb_node" != "$RABBITMQ_NODENAME" ] && rabbitmqctl -q -n "$deb_node" stop >/dev/null 2>&1; then
-        log "stopped RabbitMQ node $deb_node that held port $AMQP_PORT"
-        for _ in $(seq 30); do port_open 127.0.0.1 "$AMQP_PORT" || break; sleep 1; done
+    if [ "$deb_node" != "$RABBITMQ_NODENAME" ]; then
+        deb_dir=$(rmq_node_dir -n "$deb_node" || true)
+        if [ -n "$deb_dir" ] && [[ "$deb_dir" != "$deb_rabbitmq_dir"/* ]]; then
+            foreign_node "$deb_node" "$deb_dir"
+        fi
+        if [ -n "$deb_dir" ] && rabbitmqctl -q -n "$deb_node" stop >/dev/null 2>&1; then
+            log "stopped the Debian-managed RabbitMQ node $deb_node (data: $deb_dir) that held port $AMQP_PORT"
+            for _ in $(seq 30); do port_open 127.0.0.1 "$AMQP_PORT" || break; sleep 1; done
+        fi
     fi
     port_open 127.0.0.1 "$AMQP_PORT" && die "port $AMQP_PORT is already in use by another process"
+fi
+# Our node's Erlang VM answers but its rabbit application is stopped (an
+# interrupt between stop_app and start_app of rabbitmq_restart app,
+# scripts/infra-env.sh): nothing else would start it (the node is up, so it
+# is not started below) and the wait for it would time out with "not
+# running". A restart in progress (a test's, run beside this) starts it
+# again by itself within seconds: that is waited for first (about half a
+# minute), so as not to cut a test's outage short. Started before the plugins are enabled on
+# it; start_app does nothing to an application already running or booting.
+if [ -n "$node_dir" ] && ! rabbitmq-diagnostics -q check_running >/dev/null 2>&1; then
+    app_running=0
+    for _ in $(seq 10); do
+        sleep 2
+        rabbitmq-diagnostics -q check_running >/dev/null 2>&1 && { app_running=1; break; }
+    done
+    if [ "$app_running" = 0 ]; then
+        log "RabbitMQ node $RABBITMQ_NODENAME is up but its application is stopped ($node_dir): starting it (rabbitmqctl start_app)"
+        rabbitmqctl -q start_app >/dev/null \
+            || { tail -n 40 "$RABBITMQ_LOG_BASE"/*.log >&2 2>/dev/null; die "rabbitmqctl start_app failed on node $RABBITMQ_NODENAME"; }
+    fi
 fi
 
 # plugins: consistent-hash is mandatory, management optional

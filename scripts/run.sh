@@ -17,15 +17,9 @@ BIN="${BIN:-target/debug}"
 # returned (no queue bound; retried) or, worse, routed to the consumers
 # already bound only (a later one would miss them).
 SERVICES=(inventory-consumer ledger-consumer loyalty-consumer outbox-relay order-api)
-# Each service's HTTP port: its own setting when given (`<PREFIX>__HTTP__PORT`,
-# which the service reads too), else its default.
-PORTS=(
-    "${INVENTORY_CONSUMER__HTTP__PORT:-8081}"
-    "${LEDGER_CONSUMER__HTTP__PORT:-8082}"
-    "${LOYALTY_CONSUMER__HTTP__PORT:-8083}"
-    "${OUTBOX_RELAY__HTTP__PORT:-9100}"
-    "${ORDER_API__HTTP__PORT:-8080}"
-)
+# Each service's HTTP port (scripts/service-env.sh: its own setting when
+# given, `<PREFIX>__HTTP__PORT`, which the service reads too, else its default).
+PORTS=("$INVENTORY_PORT" "$LEDGER_PORT" "$LOYALTY_PORT" "$RELAY_PORT" "$ORDER_API_PORT")
 CONSUMERS=3
 mkdir -p .run
 
@@ -102,15 +96,13 @@ for ((i = CONSUMERS; i < ${#SERVICES[@]}; i++)); do await "$i" healthz; done
 echo "==> all services started"
 if [ "${RUN_DEMO:-1}" = 1 ]; then
     echo "==> running the seed 003 story (make demo runs it again)"
-    ORDER_API_BIN="$BIN/order-api" \
-        ORDER_API_URL="${ORDER_API_URL:-http://127.0.0.1:${PORTS[4]}}" \
-        INVENTORY_URL="${INVENTORY_URL:-http://127.0.0.1:${PORTS[0]}}" \
-        LEDGER_URL="${LEDGER_URL:-http://127.0.0.1:${PORTS[1]}}" \
-        LOYALTY_URL="${LOYALTY_URL:-http://127.0.0.1:${PORTS[2]}}" \
-        "$BIN/demo" || echo "==> the story did not complete (see above)" >&2
+    # The services' URLs for the demo alone (a subshell: nothing started
+    # later sees them), as `make demo` sets them (scripts/service-env.sh).
+    (demo_urls && ORDER_API_BIN="$BIN/order-api" exec "$BIN/demo") \
+        || echo "==> the story did not complete (see above)" >&2
 fi
 echo "==> order-api http://127.0.0.1:${PORTS[4]} (GET /openapi.json), inventory :${PORTS[0]}, ledger :${PORTS[1]}, loyalty :${PORTS[2]}, relay metrics :${PORTS[3]}/metrics"
 echo "==> demo tenant: $TENANT   API key: $ORDER_API_KEY   service token: $SERVICE_TOKEN  (in $CREDENTIALS)"
 echo "    (README.md, section API, has curl examples: source $CREDENTIALS first)"
-echo "==> Ctrl-C stops everything"
+echo "==> Ctrl-C stops the five services (PostgreSQL and RabbitMQ keep running: make down stops them)"
 wait

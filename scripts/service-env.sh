@@ -14,3 +14,23 @@ export LEDGER_CONSUMER__DATABASE__URL="${LEDGER_CONSUMER__DATABASE__URL:-$PG_URL
 export LEDGER_CONSUMER__AMQP__URL="${LEDGER_CONSUMER__AMQP__URL:-$AMQP_URL}"
 export LOYALTY_CONSUMER__DATABASE__URL="${LOYALTY_CONSUMER__DATABASE__URL:-$PG_URL_LOYALTY}"
 export LOYALTY_CONSUMER__AMQP__URL="${LOYALTY_CONSUMER__AMQP__URL:-$AMQP_URL}"
+
+# Each service's HTTP port: its own setting when given (`<PREFIX>__HTTP__PORT`,
+# which the service reads too), else its default. Shell variables, not
+# exported (no service reads them): make run probes the services there, and
+# demo_urls points the demo at them.
+ORDER_API_PORT="${ORDER_API__HTTP__PORT:-8080}"
+INVENTORY_PORT="${INVENTORY_CONSUMER__HTTP__PORT:-8081}"
+LEDGER_PORT="${LEDGER_CONSUMER__HTTP__PORT:-8082}"
+LOYALTY_PORT="${LOYALTY_CONSUMER__HTTP__PORT:-8083}"
+RELAY_PORT="${OUTBOX_RELAY__HTTP__PORT:-9100}"
+# demo_urls: export the services' URLs the demo reads (crates/ops/src/bin/demo.rs),
+# at those ports; a URL already set wins. `make run` (for its one run of the
+# story) and `make demo` both call it, so a port moved for `make run` is the
+# port `make demo` reaches.
+demo_urls() {
+    export ORDER_API_URL="${ORDER_API_URL:-http://127.0.0.1:$ORDER_API_PORT}"
+    export INVENTORY_URL="${INVENTORY_URL:-http://127.0.0.1:$INVENTORY_PORT}"
+    export LEDGER_URL="${LEDGER_URL:-http://127.0.0.1:$LEDGER_PORT}"
+    export LOYALTY_URL="${LOYALTY_URL:-http://127.0.0.1:$LOYALTY_PORT}"
+}
