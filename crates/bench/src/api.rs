@@ -357,6 +357,26 @@ fn blake_like(body: &Value) -> String {
     format!("{h:016x}").repeat(4)
 }
 
+/// How long a raw client waits after its connection closed before opening
+/// another.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(200);
+
+/// A connection of the raw loop, the transaction's statements prepared on it.
+async fn raw_connection(
+    url: &str,
+) -> Result<(tokio_postgres::Client, [tokio_postgres::Statement; 5]), tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    let statements = [
+        client.prepare(CLAIM).await?,
+        client.prepare(INSERT_ORDER).await?,
+        client.prepare(INSERT_LINES).await?,
+        client.prepare(INSERT_OUTBOX).await?,
+        client.prepare(STORE).await?,
+    ];
+    Ok((client, statements))
+}
+
 /// The same transaction at the same concurrency, one connection per client.
 /// Order numbers start at `first`.
 pub async fn raw_run(
@@ -369,18 +389,7 @@ pub async fn raw_run(
     let next = Arc::new(std::sync::atomic::AtomicU64::new(first));
     let mut clients = Vec::new();
     for _ in 0..concurrency {
-        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .expect("raw connection");
-        tokio::spawn(connection);
-        let statements = [
-            client.prepare(CLAIM).await.expect("prepare"),
-            client.prepare(INSERT_ORDER).await.expect("prepare"),
-            client.prepare(INSERT_LINES).await.expect("prepare"),
-            client.prepare(INSERT_OUTBOX).await.expect("prepare"),
-            client.prepare(STORE).await.expect("prepare"),
-        ];
-        clients.push((client, statements));
+        clients.push(raw_connection(url).await.expect("raw connection"));
     }
     // One transaction first: a raw loop whose statements are out of step
     // with order-api's (they are its constants) fails the run here, instead
@@ -397,8 +406,9 @@ pub async fn raw_run(
     let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let _progress = progress("raw", done.clone(), started);
     let mut tasks = tokio::task::JoinSet::new();
-    for (mut client, statements) in clients {
+    for (mut client, mut statements) in clients {
         let (next, tenant, done) = (next.clone(), tenant.to_owned(), done.clone());
+        let url = url.to_owned();
         tasks.spawn(async move {
             let mut samples = Vec::new();
             let mut errors = 0;
@@ -415,6 +425,18 @@ pub async fn raw_run(
                     Ok(Err(error)) => {
                         errors += 1;
                         eprintln!("raw order: {error}");
+                        // A connection the database closed (a restart)
+                        // fails every transaction at once: it is replaced,
+                        // a moment after the failure, so that while the
+                        // database is away the client tries a few times a
+                        // second instead of erroring in a tight loop.
+                        if client.is_closed() {
+                            tokio::time::sleep(RECONNECT_PAUSE).await;
+                            match raw_connection(&url).await {
+                                Ok(fresh) => (client, statements) = fresh,
+                                Err(error) => eprintln!("raw reconnect: {error}"),
+                            }
+                        }
                     }
                     Err(_) => {
                         // The connection is mid-transaction: this client

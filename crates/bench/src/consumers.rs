@@ -23,15 +23,21 @@ pub struct Apply {
     /// First to last `processed_at` (without the process's start-up).
     pub span_seconds: f64,
     pub per_second: f64,
+    /// Events applied in each second from the run's start ([`timeline`];
+    /// for the chart). Phase 3's measured halves only: the unprepared run,
+    /// which the chart leaves out, has none.
+    pub timeline: Vec<u64>,
 }
 
 impl Apply {
     /// This run followed by `next`, as one run: events over the sum of both
-    /// spans (the pause between them, another side's turn, left out).
-    pub fn then(self, next: Apply) -> Apply {
+    /// spans (the pause between them, another side's turn, left out), the
+    /// timelines one after the other.
+    pub fn then(mut self, next: Apply) -> Apply {
         let events = self.events + next.events;
         let wall_seconds = self.wall_seconds + next.wall_seconds;
         let span_seconds = self.span_seconds + next.span_seconds;
+        self.timeline.extend(next.timeline);
         Apply {
             events,
             wall_seconds,
@@ -41,6 +47,7 @@ impl Apply {
             } else {
                 crate::stats::rate(events, Duration::from_secs_f64(wall_seconds))
             },
+            timeline: self.timeline,
         }
     }
 }
@@ -205,7 +212,42 @@ async fn applied_since(db: &Client, name: &str, since: time::OffsetDateTime) -> 
     )
 }
 
-/// Wait until `name` has applied `events` events since `since`.
+/// Events `name` applied in each second since `since`, by `processed_at`
+/// (its transaction's start): every second to the last, the last partial,
+/// so that the timeline sums to the events applied since `since`. Read
+/// once the run is over, outside its CPU meter (the service's side and
+/// the raw side alike: one measure for both), not by counting while it
+/// runs, which competes with the consumer for the same PostgreSQL.
+pub async fn timeline(db: &Client, name: &str, since: time::OffsetDateTime) -> Vec<u64> {
+    let rows = db
+        .query(
+            "SELECT floor(EXTRACT(EPOCH FROM processed_at - $2))::bigint, count(*)
+               FROM processed_events WHERE consumer_name = $1 AND processed_at >= $2
+              GROUP BY 1 ORDER BY 1",
+            &[&name, &since],
+        )
+        .await
+        .expect("timeline");
+    by_second(rows.iter().map(|row| (row.get(0), row.get(1))))
+}
+
+/// (second, count) pairs as a timeline from second 0: a second without
+/// any is 0, not left out (a stall shows as one).
+fn by_second(counts: impl IntoIterator<Item = (i64, i64)>) -> Vec<u64> {
+    let mut timeline = Vec::new();
+    for (second, count) in counts {
+        let second = usize::try_from(second).unwrap_or_default();
+        if timeline.len() <= second {
+            timeline.resize(second + 1, 0);
+        }
+        timeline[second] += u64::try_from(count).unwrap_or_default();
+    }
+    timeline
+}
+
+/// Wait until `name` has applied `events` events since `since` (its
+/// timeline is the caller's to read, once its CPU meter has stopped:
+/// [`timeline`]).
 pub async fn measure(
     db: &Client,
     name: &str,
@@ -228,6 +270,7 @@ pub async fn measure(
                 } else {
                     rate(applied, wall)
                 },
+                timeline: Vec::new(),
             };
         }
         if last_print.elapsed() > Duration::from_secs(5) {
@@ -339,10 +382,10 @@ async fn raw_with<D: Domain>(
     }
     // Pooled connections like the service's (the domain prepares its
     // statements through the pool's statement cache; the same session
-    // settings), one per worker.
+    // settings), one per worker: the pool holds exactly the workers'.
     let mut settings = kit::settings::DatabaseSettings::local(kind.database().name());
     settings.url = system_tests::pg_url(kind.database());
-    settings.pool_size = 4;
+    settings.pool_size = shares.len();
     let pool = kit::db::pool_with_options(&settings, Some(&consumer_runtime::session_options()))
         .expect("pool");
     let mut clients = Vec::new();
@@ -352,10 +395,13 @@ async fn raw_with<D: Domain>(
     let started = Instant::now();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = tokio::task::JoinSet::new();
-    for (mut client, share) in clients.into_iter().zip(shares) {
+    for (client, share) in clients.into_iter().zip(shares) {
         let (domain, name, pool) = (domain.clone(), name.to_owned(), pool.clone());
         let done = done.clone();
         tasks.spawn(async move {
+            // The worker's connection; `None` once the database closed it
+            // and until the pool gives a new one.
+            let mut held = Some(client);
             for body in share {
                 // Retried on a new connection if the database went away (other
                 // engineers' fault tests restart it); an event applied before
@@ -363,9 +409,14 @@ async fn raw_with<D: Domain>(
                 // before it (left-over inbox rows) fails the run: it would
                 // count an event not applied.
                 let mut attempts = 0;
-                while let Err(error) =
-                    apply_one(&mut client, pipelined, domain.as_ref(), &name, &body).await
-                {
+                loop {
+                    let applied = match connection(&pool, &mut held).await {
+                        Ok(client) => {
+                            apply_one(client, pipelined, domain.as_ref(), &name, &body).await
+                        }
+                        Err(error) => Err(error),
+                    };
+                    let Err(error) = applied else { break };
                     if error.to_string().contains("raw events are new") {
                         assert!(
                             attempts > 0,
@@ -376,10 +427,15 @@ async fn raw_with<D: Domain>(
                     attempts += 1;
                     assert!(attempts < 50, "raw apply: {error}");
                     tokio::time::sleep(Duration::from_millis(200)).await;
-                    if client.is_closed() {
-                        if let Ok(c) = pool.get().await {
-                            client = c;
-                        }
+                    // A connection the database closed is taken out of the
+                    // pool (which frees its slot) before the next attempt
+                    // asks the pool for another. The pool has one slot per
+                    // worker, all held: kept, the closed connection left no
+                    // slot for its replacement (each `get` waited out its
+                    // 5 s and failed, and the worker retried on the closed
+                    // connection until its attempts ran out).
+                    if let Some(closed) = held.take_if(|client| client.is_closed()) {
+                        drop(kit::db::Client::take(closed));
                     }
                 }
                 done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -410,7 +466,22 @@ async fn raw_with<D: Domain>(
         wall_seconds: wall.as_secs_f64(),
         span_seconds: wall.as_secs_f64(),
         per_second: rate(bodies.len() as u64, wall),
+        // The caller's to read, once its CPU meter has stopped ([`timeline`]).
+        timeline: Vec::new(),
     }
+}
+
+/// The connection `held`, or when there is none, a new one from `pool`
+/// (held from then on).
+async fn connection<'a>(
+    pool: &kit::db::PgPool,
+    held: &'a mut Option<kit::db::Client>,
+) -> anyhow::Result<&'a mut kit::db::Client> {
+    let client = match held.take() {
+        Some(client) => client,
+        None => pool.get().await?,
+    };
+    Ok(held.insert(client))
 }
 
 /// Apply `bodies` (aggregate id, envelope) raw as consumer `name` of `kind`.
@@ -455,12 +526,13 @@ pub async fn forget(kind: Kind, name: &str) {
 mod tests {
     use super::*;
 
-    fn apply(events: u64, span_seconds: f64) -> Apply {
+    fn apply(events: u64, span_seconds: f64, timeline: &[u64]) -> Apply {
         Apply {
             events,
             wall_seconds: span_seconds + 1.0,
             span_seconds,
             per_second: events as f64 / span_seconds,
+            timeline: timeline.to_vec(),
         }
     }
 
@@ -468,10 +540,22 @@ mod tests {
     fn two_halves_make_one_rate_over_both_spans() {
         // 5000 in 2 s, then 5000 in 8 s: 10000 in 10 s, not the mean of
         // 2500 and 625.
-        let both = apply(5000, 2.0).then(apply(5000, 8.0));
+        let both = apply(5000, 2.0, &[3000, 2000]).then(apply(5000, 8.0, &[625; 8]));
         assert_eq!(both.events, 10_000);
         assert_eq!(both.span_seconds, 10.0);
         assert_eq!(both.wall_seconds, 12.0);
         assert_eq!(both.per_second, 1000.0);
+        assert_eq!(both.timeline.len(), 10);
+        assert_eq!(both.timeline.iter().sum::<u64>(), 10_000);
+    }
+
+    #[test]
+    fn a_second_without_an_event_is_a_zero_in_the_timeline() {
+        // Seconds 0 (the start-up) and 3 (a stall) had none.
+        assert_eq!(
+            by_second([(1, 900), (2, 1000), (4, 300)]),
+            vec![0, 900, 1000, 0, 300]
+        );
+        assert_eq!(by_second([]), Vec::<u64>::new());
     }
 }

@@ -128,6 +128,11 @@ pub struct Results {
     pub sustain_orders: api::Load,
     /// Orders per second the whole pipeline sustained (applied by all three).
     pub sustained: f64,
+    /// [`Results::e2e_timeline`] of the sustained run (for the chart: a
+    /// stall under the closed-loop load shows here).
+    pub sustain_timeline: Vec<(f64, f64, f64, f64)>,
+    /// [`Results::e2e_applied`] of the sustained run.
+    pub sustain_applied: Vec<(f64, f64)>,
     pub e2e_rate: f64,
     pub e2e_orders: api::Load,
     pub e2e: Latency,
@@ -146,8 +151,8 @@ pub struct Results {
     pub e2e_applied: Vec<(f64, f64)>,
 }
 
-/// What the end-to-end run's chart draws: [`Results::e2e_timeline`] and
-/// [`Results::e2e_applied`].
+/// What the chart draws of a run of phase 4: [`Results::e2e_timeline`] and
+/// [`Results::e2e_applied`] (the sustained run's likewise).
 type Timelines = (Vec<(f64, f64, f64, f64)>, Vec<(f64, f64)>);
 
 fn block<T>(f: impl FnOnce() -> T) -> T {
@@ -521,6 +526,9 @@ async fn suite_phases(bench: &Bench, settings: &Settings) -> anyhow::Result<usiz
     report::print_load("order-api", &results.sustain_orders);
     let applied = applied_by_all(system, orders, since).await?;
     results.sustained = applied.throughput();
+    let (_, (timeline, done)) = applied.by_second(since)?;
+    results.sustain_timeline = timeline;
+    results.sustain_applied = done;
     println!(
         "  {} orders applied by all three consumers at {:.0}/s (first order to last applied)",
         applied.events.len(),
@@ -607,6 +615,59 @@ impl Applied {
             }
             _ => 0.0,
         }
+    }
+
+    /// The latency of every event, from its order's commit to the last of
+    /// the three consumers' (see [`Applied`]), and the run's per-second
+    /// timelines, by whole seconds since `since`.
+    fn by_second(&self, since: time::OffsetDateTime) -> anyhow::Result<(Latency, Timelines)> {
+        let mut samples = Vec::new();
+        let mut per_second: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+        let mut done_per_second: BTreeMap<i64, u64> = BTreeMap::new();
+        for (id, committed) in &self.events {
+            let done = self
+                .done
+                .get(id)
+                .ok_or_else(|| anyhow::anyhow!("event {id} not applied by all three consumers"))?;
+            let latency = ms((*done - *committed).unsigned_abs());
+            samples.push(latency);
+            per_second
+                .entry((*committed - since).whole_seconds())
+                .or_default()
+                .push(latency);
+            *done_per_second
+                .entry((*done - since).whole_seconds())
+                .or_default() += 1;
+        }
+        // Every second from the first to the last, a second without an order
+        // (or without an event done) drawn as 0, not bridged by a line.
+        let seconds = per_second
+            .keys()
+            .chain(done_per_second.keys())
+            .copied()
+            .fold(None, |span: Option<(i64, i64)>, s| {
+                Some(span.map_or((s, s), |(a, b)| (a.min(s), b.max(s))))
+            });
+        let (mut timeline, mut done) = (Vec::new(), Vec::new());
+        if let Some((first, last)) = seconds {
+            for second in first..=last {
+                match per_second.get_mut(&second) {
+                    Some(v) => {
+                        v.sort_by(f64::total_cmp);
+                        timeline.push((
+                            second as f64,
+                            v.len() as f64,
+                            stats::percentile(v, 0.5),
+                            v[v.len() - 1],
+                        ));
+                    }
+                    None => timeline.push((second as f64, 0.0, f64::NAN, f64::NAN)),
+                }
+                let n = done_per_second.get(&second).copied().unwrap_or_default();
+                done.push((second as f64, n as f64));
+            }
+        }
+        Ok((Latency::of(samples), (timeline, done)))
     }
 }
 
@@ -852,63 +913,15 @@ async fn end_to_end(
     orders: &tokio_postgres::Client,
     since: time::OffsetDateTime,
 ) -> anyhow::Result<(Latency, Timelines)> {
-    let Applied {
-        events,
-        done: applied,
-        start_to_start,
-    } = applied_by_all(system, orders, since).await?;
-    let before = Latency::of(start_to_start);
+    let applied = applied_by_all(system, orders, since).await?;
+    let (latency, timelines) = applied.by_second(since)?;
+    let before = Latency::of(applied.start_to_start);
     println!(
         "  (order transaction start -> the last consumer transaction's start, as measured \
          until session 7: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms)",
         before.p50_ms, before.p99_ms, before.max_ms
     );
-    let mut samples = Vec::new();
-    let mut per_second: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
-    let mut done_per_second: BTreeMap<i64, u64> = BTreeMap::new();
-    for (id, committed) in &events {
-        let done = applied
-            .get(id)
-            .ok_or_else(|| anyhow::anyhow!("event {id} not applied by all three consumers"))?;
-        let latency = ms((*done - *committed).unsigned_abs());
-        samples.push(latency);
-        per_second
-            .entry((*committed - since).whole_seconds())
-            .or_default()
-            .push(latency);
-        *done_per_second
-            .entry((*done - since).whole_seconds())
-            .or_default() += 1;
-    }
-    // Every second from the first to the last, a second without an order
-    // (or without an event done) drawn as 0, not bridged by a line.
-    let seconds = per_second
-        .keys()
-        .chain(done_per_second.keys())
-        .copied()
-        .fold(None, |span: Option<(i64, i64)>, s| {
-            Some(span.map_or((s, s), |(a, b)| (a.min(s), b.max(s))))
-        });
-    let (mut timeline, mut done) = (Vec::new(), Vec::new());
-    if let Some((first, last)) = seconds {
-        for second in first..=last {
-            match per_second.get_mut(&second) {
-                Some(v) => {
-                    v.sort_by(f64::total_cmp);
-                    timeline.push((
-                        second as f64,
-                        v.len() as f64,
-                        stats::percentile(v, 0.5),
-                        v[v.len() - 1],
-                    ));
-                }
-                None => timeline.push((second as f64, 0.0, f64::NAN, f64::NAN)),
-            }
-            let n = done_per_second.get(&second).copied().unwrap_or_default();
-            done.push((second as f64, n as f64));
-        }
-    }
-    Ok((Latency::of(samples), (timeline, done)))
+    Ok((latency, timelines))
 }
 
 /// Phase 2: the relay draining a backlog (one relay, then two) against lapin
@@ -1267,16 +1280,11 @@ async fn consumer_phase(
         let (first, first_cpu) = consumer_half(consumer, &db, &rows[..half]).await;
         stop_member(consumer);
         let raw_name = format!("{}-raw", consumer.name);
-        settle(&db).await;
-        let meter = cpu::Meter::start();
-        let raw_first =
-            consumers::raw(kind, &raw_name, &raw_bodies[..half], partitions, true).await;
-        let raw_cpu = meter.stop();
-        settle(&db).await;
-        let meter = cpu::Meter::start();
-        let raw_second =
-            consumers::raw(kind, &raw_name, &raw_bodies[half..], partitions, true).await;
-        let raw_cpu = raw_cpu.plus(meter.stop());
+        let (raw_first, raw_cpu) =
+            raw_apply_half(kind, &db, &raw_name, &raw_bodies[..half], partitions).await;
+        let (raw_second, second_raw_cpu) =
+            raw_apply_half(kind, &db, &raw_name, &raw_bodies[half..], partitions).await;
+        let raw_cpu = raw_cpu.plus(second_raw_cpu);
         // The second half; the consumer then stays up for phase 4.
         let (second, second_cpu) = consumer_half(consumer, &db, &rows[half..]).await;
         let applied = first.then(second);
@@ -1427,9 +1435,28 @@ async fn roll_over_quorum_wal() {
     }
 }
 
+/// One raw half of phase 3 after [`settle`]: `bodies` applied raw as
+/// consumer `name` of `kind` (prepared and pipelined, `partitions` workers),
+/// with its timeline, and the machine's CPU meanwhile.
+async fn raw_apply_half(
+    kind: Kind,
+    db: &tokio_postgres::Client,
+    name: &str,
+    bodies: &[(String, Vec<u8>)],
+    partitions: usize,
+) -> (consumers::Apply, cpu::Usage) {
+    settle(db).await;
+    let since = consumers::now(db).await;
+    let meter = cpu::Meter::start();
+    let mut applied = consumers::raw(kind, name, bodies, partitions, true).await;
+    let cpu = meter.stop();
+    applied.timeline = consumers::timeline(db, name, since).await;
+    (applied, cpu)
+}
+
 /// Queue `rows` for the stopped `consumer`, vacuum its database, start it
-/// and wait until it has applied them all: the run and the machine's CPU
-/// from its start to then.
+/// and wait until it has applied them all: the run (with its timeline) and
+/// the machine's CPU from its start to then.
 async fn consumer_half(
     consumer: &Member,
     db: &tokio_postgres::Client,
@@ -1453,7 +1480,7 @@ async fn consumer_half(
     let meter = cpu::Meter::start();
     consumer.start("");
     consumer.ready(Duration::from_secs(60)).await;
-    let applied = consumers::measure(
+    let mut applied = consumers::measure(
         db,
         &consumer.name,
         since,
@@ -1461,7 +1488,9 @@ async fn consumer_half(
         started,
     )
     .await;
-    (applied, meter.stop())
+    let cpu = meter.stop();
+    applied.timeline = consumers::timeline(db, &consumer.name, since).await;
+    (applied, cpu)
 }
 
 /// `bench consumers`: phase 3 alone (the relays stay stopped): a quick loop
