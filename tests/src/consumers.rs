@@ -271,6 +271,40 @@ impl Consumer {
         scrape_metric(&self.base_url(), name, labels).await
     }
 
+    /// Wait until this consumer is at rest after `published` messages were
+    /// sent to it: every message it received acknowledged (the published
+    /// ones and each copy it sent itself through a retry tier, its
+    /// deferrals and retries) and none ready in its partitions or tiers.
+    /// Proven by counts, not by a pause: a copy it did not count (a bug)
+    /// is acknowledged on top, and the wait never ends.
+    pub async fn settled(&self, published: u32) {
+        let mut queues: Vec<String> = (0..self.options.partitions)
+            .map(|p| format!("{}.p{p}", self.name))
+            .collect();
+        queues.extend((0..self.options.tier_count()).map(|t| format!("{}.retry.{t}", self.name)));
+        eventually(
+            &format!("{} at rest", self.name),
+            Duration::from_secs(60),
+            || async {
+                let acknowledged = self
+                    .metric("consumer_messages_acknowledged_total", "")
+                    .await;
+                let copies = self.metric("consumer_deferred_total", "").await
+                    + self.metric("consumer_retried_total", "").await;
+                if acknowledged != f64::from(published) + copies {
+                    return None;
+                }
+                for queue in &queues {
+                    if queue_depth(queue).await != 0 {
+                        return None;
+                    }
+                }
+                Some(())
+            },
+        )
+        .await;
+    }
+
     /// Wait until metric `name{labels}` reaches at least `value`.
     pub async fn wait_metric(&self, name: &str, labels: &str, value: f64) {
         wait_for_metric(

@@ -842,8 +842,10 @@ async fn duplicate_deliveries_apply_once_and_are_counted() {
         wait_sequence(c.kind.database(), &c.name, s.order, 3).await;
         c.wait_metric("consumer_duplicates_total", "", 3.0).await;
     }
-    // Settled: nothing more is coming.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Settled: nothing more is coming (each story's three events, twice).
+    for c in consumers {
+        c.settled(6).await;
+    }
     for c in consumers {
         assert_eq!(c.metric("consumer_events_applied_total", "").await, 3.0);
         assert_eq!(c.metric("consumer_duplicates_total", "").await, 3.0);
@@ -4039,7 +4041,11 @@ async fn shuffled_and_duplicated_events_of_many_orders_apply_once_in_sequence_or
         c.wait_metric("consumer_duplicates_total", "", duplicates)
             .await;
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Settled: every message and every deferral's copy acknowledged.
+    let published = u32::try_from(messages.len()).expect("small");
+    for c in consumers {
+        c.settled(published).await;
+    }
     for c in consumers {
         assert_eq!(c.metric("consumer_events_applied_total", "").await, 90.0);
         assert_eq!(c.metric("consumer_duplicates_total", "").await, duplicates);
