@@ -286,12 +286,15 @@ impl Consumer {
             &format!("{} at rest", self.name),
             Duration::from_secs(60),
             || async {
-                let acknowledged = self
-                    .metric("consumer_messages_acknowledged_total", "")
-                    .await;
-                let copies = self.metric("consumer_deferred_total", "").await
-                    + self.metric("consumer_retried_total", "").await;
-                if acknowledged != f64::from(published) + copies {
+                // Counters: whole numbers, exact as f64.
+                let count = |value: f64| value as u64;
+                let acknowledged = count(
+                    self.metric("consumer_messages_acknowledged_total", "")
+                        .await,
+                );
+                let copies = count(self.metric("consumer_deferred_total", "").await)
+                    + count(self.metric("consumer_retried_total", "").await);
+                if acknowledged != u64::from(published) + copies {
                     return None;
                 }
                 for queue in &queues {
