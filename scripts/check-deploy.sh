@@ -147,6 +147,19 @@ for name, (prefix, port) in apps.items():
         check(f"{prefix}__AMQP__URL" in env, f"compose: {name}: {prefix}__AMQP__URL")
         check(deps.get("rabbitmq", {}).get("condition") == "service_healthy", f"compose: {name}: waits for rabbitmq healthy")
 
+# Published ports: order-api's alone on every interface; the others (consoles,
+# internal endpoints) on the host's loopback only (Docker-published ports pass
+# by the host's firewall).
+for name, service in services.items():
+    for port in service.get("ports", []):
+        check(str(port) == "8080:8080" and name == "order-api" or str(port).startswith("127.0.0.1:"),
+              f"compose: {name}: port {port!r} published on every interface (127.0.0.1:... unless it is order-api's)")
+
+# No secret falls back to a default anyone can read here: each is required.
+raw = open("deploy/docker-compose.yml").read()
+for default in re.findall(r"\$\{[A-Z_]*(?:PASSWORD|TOKEN|SECRET)[A-Z_]*:-[^}]*\}", raw):
+    check(False, f"compose: {default}: a secret with a default (use ${{NAME:?...}})")
+
 # A service outside the default profiles is never built by `up -d --build`,
 # and `run` builds it only when no image exists: without pull_policy build
 # (build at every run) it runs the previous release against the new schema.
@@ -212,6 +225,7 @@ PY
 
 # The client's own validation, where a compose plugin is installed.
 if docker compose version >/dev/null 2>&1; then
-    SERVICE_TOKEN=check docker compose -f deploy/docker-compose.yml config --quiet
+    SERVICE_TOKEN=check POSTGRES_PASSWORD=check RABBITMQ_PASSWORD=check \
+        docker compose -f deploy/docker-compose.yml config --quiet
     echo "check-deploy: docker compose config: ok"
 fi

@@ -1430,3 +1430,22 @@ async fn orders_v9_refuses_a_hand_built_index_other_than_its_own() {
         scratch.drop_schema().await;
     }
 }
+
+/// A server error's text names the server's message and SQLSTATE
+/// (`kit::db::describe`): tokio-postgres's own Display is "db error", all
+/// the consumers' retry lines, order-api's 500s and the start-up wait
+/// logged before.
+#[tokio::test]
+async fn a_database_error_is_described_by_the_server_s_message() {
+    let client = pg(Database::Orders).await;
+    let error = client
+        .query_one("SELECT 1 / 0", &[])
+        .await
+        .expect_err("division by zero");
+    assert_eq!(error.to_string(), "db error", "tokio-postgres's own text");
+    let text = kit::db::describe(&error);
+    assert!(
+        text.contains("division by zero") && text.contains("(SQLSTATE 22012)"),
+        "{text}"
+    );
+}

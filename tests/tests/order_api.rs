@@ -2759,6 +2759,14 @@ async fn debug_logs_hold_neither_request_bodies_nor_keys() {
     ] {
         assert!(text.contains(expected), "no {expected:?} in:\n{text}");
     }
+    // Whose client reused the key (the runbook's "tell the client's owners").
+    assert!(
+        text.lines().any(
+            |line| line.contains("idempotency key reused with another request")
+                && line.contains(&format!("\"tenant\":\"{}\"", caller.tenant))
+        ),
+        "no tenant on the reused key's line:\n{text}"
+    );
     let leaks: Vec<&str> = text.lines().filter(|l| l.contains(&secret)).collect();
     assert!(leaks.is_empty(), "logged: {leaks:#?}");
 }

@@ -2315,16 +2315,27 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
         collector.snapshot().iter().all(|r| r.aggregate_id != stuck),
         "nothing of the quarantined order went out"
     );
+    // The order's two later events are held, not pending: the pending
+    // gauges (and their alerts) are the other orders', all published.
     let deadline = Instant::now() + Duration::from_secs(60);
     while relay.metric("outbox_quarantined_events").await < 1
         || relay
             .metric_of("outbox_oldest_quarantined_age_seconds", "")
             .await
             <= 0.0
+        || relay.metric("outbox_held_events").await != 2
+        || relay.metric("outbox_pending_events").await != 0
     {
         assert!(Instant::now() < deadline, "quarantine gauges");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert_eq!(
+        relay
+            .metric_of("outbox_oldest_pending_age_seconds", "")
+            .await,
+        0.0,
+        "the held events' age is not the pending age"
+    );
     // One return per attempt, quarantined at the fifth (a confirm timeout
     // on a slow machine would be a failure of another reason, uncounted).
     assert_eq!(relay.metric("outbox_returned_total").await, 5);
@@ -2349,6 +2360,7 @@ async fn unroutable_events_back_off_then_quarantine_and_requeue_releases_them() 
             .metric_of("outbox_oldest_quarantined_age_seconds", "")
             .await
             > 0.0
+        || relay.metric("outbox_held_events").await > 0
     {
         assert!(Instant::now() < deadline, "quarantine gauges back to 0");
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -120,6 +120,12 @@ impl FromRequest for TenantScope {
     }
 }
 
+/// A database error as a problem ([`database_problem`]), logged with its
+/// causes (the server's message: tokio-postgres's own text is "db error").
+pub fn database_error<E: std::error::Error + 'static>(error: E) -> Problem {
+    database_problem(kit::db::describe(&error))
+}
+
 /// A database failure as a problem (logged; no internals in the body).
 pub fn database_problem(error: impl std::fmt::Display) -> Problem {
     tracing::error!(%error, "database error in a read endpoint");
@@ -222,7 +228,7 @@ pub async fn known_cursor(
     let known = client
         .query_opt(sql, params)
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     match known {
         Some(_) => Ok(()),
         None => Err(bad_request("after", unknown())),

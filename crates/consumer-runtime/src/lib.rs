@@ -156,7 +156,7 @@ impl From<tokio_postgres::Error> for HandlerError {
                 db.message(),
                 db.detail().map(|d| format!(" ({d})")).unwrap_or_default()
             ),
-            None => format!("database: {error}"),
+            None => format!("database: {}", kit::db::describe(&error)),
         };
         let deployment = error
             .code()
@@ -372,12 +372,12 @@ impl<D: Domain> Application<D> {
             only_tenants: settings.only_tenants(),
         });
         let connected = Connected::default();
-        let health = Health {
-            service: D::SERVICE,
+        let health = Health::new(
+            D::SERVICE,
             registry,
-            database: Some(pool.clone()),
-            broker: Some(connected.clone()),
-        };
+            Some(pool.clone()),
+            Some(connected.clone()),
+        );
         kit::http::watch_readiness(
             health.clone(),
             std::time::Duration::from_secs(5),

@@ -75,13 +75,13 @@ pub enum Infra {
 
 impl From<tokio_postgres::Error> for Infra {
     fn from(error: tokio_postgres::Error) -> Self {
-        Infra::Database(error.to_string())
+        Infra::Database(kit::db::describe(&error))
     }
 }
 
 impl From<deadpool_postgres::PoolError> for Infra {
     fn from(error: deadpool_postgres::PoolError) -> Self {
-        Infra::Database(error.to_string())
+        Infra::Database(kit::db::describe(&error))
     }
 }
 

@@ -260,7 +260,12 @@ impl Settings {
 
     /// The bearer token of the read endpoints (see [`AuthSettings`]).
     pub fn service_token(&self) -> anyhow::Result<String> {
-        if let Ok(token) = std::env::var("SERVICE_TOKEN") {
+        self.service_token_given(std::env::var("SERVICE_TOKEN").ok())
+    }
+
+    /// [`Self::service_token`], with `SERVICE_TOKEN`'s value.
+    fn service_token_given(&self, environment: Option<String>) -> anyhow::Result<String> {
+        if let Some(token) = environment {
             if !token.trim().is_empty() {
                 return Ok(token.trim().to_owned());
             }
@@ -271,6 +276,19 @@ impl Settings {
         anyhow::ensure!(
             !self.auth.require_token,
             "SERVICE_TOKEN is required (auth.require_token is set)"
+        );
+        // The development token is in this repository: it opens the read
+        // endpoints (and stock receipts) of a server only this machine
+        // reaches, never one listening on other interfaces.
+        let host = self.http.host.trim_start_matches('[').trim_end_matches(']');
+        anyhow::ensure!(
+            host == "localhost"
+                || host
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback()),
+            "SERVICE_TOKEN is required when http.host ({}) is not a loopback address: \
+             without it the endpoints would take the public local development token",
+            self.http.host
         );
         tracing::warn!(
             token = LOCAL_DEV_TOKEN,
@@ -344,6 +362,39 @@ mod tests {
             loaded.retry_tiers().expect("tiers"),
             vec![Duration::from_millis(250)]
         );
+    }
+
+    #[test]
+    fn the_local_development_token_serves_on_loopback_only() {
+        let mut settings = Settings::local("inventory", "inventory", 8081);
+        for host in ["127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"] {
+            settings.http.host = host.to_owned();
+            assert_eq!(
+                settings.service_token_given(None).expect(host),
+                LOCAL_DEV_TOKEN
+            );
+        }
+        for host in ["0.0.0.0", "::", "10.0.0.7", "inventory"] {
+            settings.http.host = host.to_owned();
+            let error = settings.service_token_given(None).expect_err(host);
+            assert!(
+                error.to_string().contains("not a loopback address"),
+                "{error}"
+            );
+            // A token given is taken on any interface.
+            assert_eq!(
+                settings
+                    .service_token_given(Some("s3cret".into()))
+                    .expect(host),
+                "s3cret"
+            );
+            settings.auth.service_token = "from-config".into();
+            assert_eq!(
+                settings.service_token_given(None).expect(host),
+                "from-config"
+            );
+            settings.auth.service_token.clear();
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use actix_web::{http::StatusCode, web, HttpResponse};
 use consumer_runtime::{
     auth::{
-        bad_request, database_problem, next_after, no_control_characters, not_found, text_param,
+        bad_request, database_error, next_after, no_control_characters, not_found, text_param,
         PageQuery,
     },
     HandlerError, TenantScope, Transaction,
@@ -526,8 +526,8 @@ async fn post_receipt(
     if r.qty <= 0 || r.qty > 1_000_000_000 {
         return Err(bad_request("qty", "qty must be a positive whole number"));
     }
-    let mut client = pool.get().await.map_err(database_problem)?;
-    let tx = client.transaction().await.map_err(database_problem)?;
+    let mut client = pool.get().await.map_err(database_error)?;
+    let tx = client.transaction().await.map_err(database_error)?;
     let inserted = tx
         .execute(
             "INSERT INTO stock_receipts (tenant_id, receipt_id, sku, location, qty) \
@@ -535,7 +535,7 @@ async fn post_receipt(
             &[&scope.tenant, &r.receipt_id, &r.sku, &r.location, &r.qty],
         )
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     if inserted == 0 {
         let row = tx
             .query_one(
@@ -543,11 +543,11 @@ async fn post_receipt(
                 &[&scope.tenant, &r.receipt_id],
             )
             .await
-            .map_err(database_problem)?;
+            .map_err(database_error)?;
         let same = row.get::<_, String>(0) == r.sku
             && row.get::<_, String>(1) == r.location
             && row.get::<_, i64>(2) == r.qty;
-        tx.rollback().await.map_err(database_problem)?;
+        tx.rollback().await.map_err(database_error)?;
         // Back to the pool before the level's read takes one: requests
         // holding one each while waiting for a second would stall the read
         // pool (4 receipts at once) until its wait timed out.
@@ -569,7 +569,7 @@ async fn post_receipt(
     }
     lock_level(&tx, &scope.tenant, &r.sku, &r.location)
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     record(
         &tx,
         &Movement {
@@ -587,8 +587,8 @@ async fn post_receipt(
         },
     )
     .await
-    .map_err(database_problem)?;
-    tx.commit().await.map_err(database_problem)?;
+    .map_err(database_error)?;
+    tx.commit().await.map_err(database_error)?;
     // Crash window: the receipt is stored, the client has no answer. Its
     // retry with the same receipt id finds the row and is answered 200
     // `Idempotent-Replayed`: the stock counted once.
@@ -618,7 +618,7 @@ async fn levels(
     sku: &str,
     location: Option<&str>,
 ) -> Result<Vec<Level>, Problem> {
-    let client = pool.get().await.map_err(database_problem)?;
+    let client = pool.get().await.map_err(database_error)?;
     let rows = client
         .query(
             "SELECT sku, location, on_hand, reserved, available FROM stock_levels \
@@ -627,7 +627,7 @@ async fn levels(
             &[&tenant, &sku, &location],
         )
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     Ok(rows
         .iter()
         .map(|row| Level {
@@ -745,7 +745,7 @@ async fn movements(
 ) -> Result<(Vec<MovementView>, Option<i64>), Problem> {
     let limit = page.limit()?;
     let after: Option<i64> = page.after("a movement_id (an integer)")?;
-    let client = pool.get().await.map_err(database_problem)?;
+    let client = pool.get().await.map_err(database_error)?;
     let rows = client
         .query(
             "SELECT movement_id, movement_type, qty, on_hand_delta, reserved_delta, shortage, \
@@ -756,7 +756,7 @@ async fn movements(
             &[&tenant, &sku, &location, &after, &limit],
         )
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     let views: Vec<MovementView> = rows
         .iter()
         .map(|row| MovementView {

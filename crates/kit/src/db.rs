@@ -372,6 +372,28 @@ pub fn unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
     true
 }
 
+/// `error` and its causes, on one line. tokio-postgres writes only its
+/// kind ("db error", "error connecting to server"): the server's message
+/// (with its SQLSTATE), or the I/O error under a failed connection, is in
+/// the chain of causes, which every log line and message of a database
+/// failure needs.
+pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        let part = cause.to_string().replace('\n', "; ");
+        if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        if let Some(db) = cause.downcast_ref::<tokio_postgres::error::DbError>() {
+            text.push_str(&format!(" (SQLSTATE {})", db.code().code()));
+        }
+        next = cause.source();
+    }
+    text
+}
+
 /// Wait (with capped exponential backoff) until the pool hands out a working
 /// connection, or until `shutdown` is cancelled.
 pub async fn wait_until_ready(pool: &Pool, shutdown: &CancellationToken) -> Result<(), DbError> {
@@ -393,12 +415,12 @@ pub async fn wait_until_ready(pool: &Pool, shutdown: &CancellationToken) -> Resu
 
 /// One round trip to the server.
 pub async fn ping(pool: &Pool) -> Result<(), String> {
-    let client = pool.get().await.map_err(|e| e.to_string())?;
+    let client = pool.get().await.map_err(|e| describe(&e))?;
     client
         .simple_query("SELECT 1")
         .await
         .map(|_| ())
-        .map_err(|e| e.to_string())
+        .map_err(|e| describe(&e))
 }
 
 #[cfg(test)]
@@ -488,6 +510,13 @@ mod tests {
             .get()
             .await
             .expect_err("nothing listens on port 1");
+        // Its text names the cause, not only the kind ("error connecting
+        // to server", all tokio-postgres's own Display says).
+        let text = describe(&error);
+        assert!(
+            text.contains("error connecting to server") && text.contains("refused"),
+            "{text}"
+        );
         let error = anyhow::Error::new(error).context("mark published");
         assert!(unavailable(error.as_ref()), "{error:#}");
         assert!(unavailable(&std::io::Error::other("not a database error")));

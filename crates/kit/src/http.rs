@@ -124,6 +124,43 @@ pub struct Health {
     pub registry: Registry,
     pub database: Option<Pool>,
     pub broker: Option<Connected>,
+    /// The last database check, shared by every clone (each HTTP worker's,
+    /// the readiness watch's): see [`DatabaseCheck`].
+    checked: std::sync::Arc<tokio::sync::Mutex<Option<(std::time::Instant, DatabaseCheck)>>>,
+}
+
+impl Health {
+    pub fn new(
+        service: &'static str,
+        registry: Registry,
+        database: Option<Pool>,
+        broker: Option<Connected>,
+    ) -> Self {
+        Self {
+            service,
+            registry,
+            database,
+            broker,
+            checked: Default::default(),
+        }
+    }
+}
+
+/// How long a database check answers `/readyz` (and the readiness watch)
+/// before the next is made. `/readyz` answers anyone who reaches the port
+/// (order-api's is public), and a check takes a connection of the pool it
+/// shares (order-api: two, with the key cleanup): a check per request
+/// would let a flood of them queue the pool past the check's 2 s and fail
+/// every probe. One check at a time, its answer reused for this long; the
+/// requests arriving during a check wait for it.
+const CHECK_REUSE: Duration = Duration::from_secs(1);
+
+/// A database check's outcome: the error's text is kept for the log.
+#[derive(Clone)]
+enum DatabaseCheck {
+    Ok,
+    Unavailable(String),
+    TimedOut,
 }
 
 /// A route for GET and HEAD (RFC 9110 section 9.1: a HEAD is answered with
@@ -252,19 +289,35 @@ async fn readiness(health: &Health) -> (bool, serde_json::Value, Option<String>)
     let mut failure = None;
     let database = match &health.database {
         None => None,
-        Some(pool) => Some(
+        Some(pool) => {
+            let mut checked = health.checked.lock().await;
+            let check = match checked.as_ref() {
+                Some((at, check)) if at.elapsed() < CHECK_REUSE => check.clone(),
+                _ => {
+                    let check =
+                        match tokio::time::timeout(Duration::from_secs(2), crate::db::ping(pool))
+                            .await
+                        {
+                            Ok(Ok(())) => DatabaseCheck::Ok,
+                            Ok(Err(error)) => DatabaseCheck::Unavailable(error),
+                            Err(_) => DatabaseCheck::TimedOut,
+                        };
+                    *checked = Some((std::time::Instant::now(), check.clone()));
+                    check
+                }
+            };
             // The body names the state in a fixed word: the error's text
             // (a server's FATAL message, a host name) is for the log, not
             // for whoever can reach the port (order-api's is public).
-            match tokio::time::timeout(Duration::from_secs(2), crate::db::ping(pool)).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(error)) => {
+            Some(match check {
+                DatabaseCheck::Ok => Ok(()),
+                DatabaseCheck::Unavailable(error) => {
                     failure = Some(error);
                     Err("unavailable")
                 }
-                Err(_) => Err("timed out"),
-            },
-        ),
+                DatabaseCheck::TimedOut => Err("timed out"),
+            })
+        }
     };
     let broker = health.broker.as_ref().map(Connected::state);
     let ready = database.as_ref().is_none_or(Result::is_ok) && broker.is_none_or(|b| b == "ok");
@@ -315,12 +368,12 @@ mod tests {
             url: "postgres://app:secret@127.0.0.1:1/orders".to_owned(),
             ..crate::settings::DatabaseSettings::local("orders")
         };
-        let health = Health {
-            service: "test",
-            registry: Registry::new(),
-            database: Some(crate::db::pool(&settings).expect("a pool")),
-            broker: None,
-        };
+        let health = Health::new(
+            "test",
+            Registry::new(),
+            Some(crate::db::pool(&settings).expect("a pool")),
+            None,
+        );
         let (ready, body, error) = readiness(&health).await;
         assert!(!ready);
         // The whole body: nothing of the error in any field.
@@ -335,6 +388,50 @@ mod tests {
         );
         let error = error.expect("the error, for the log");
         assert!(!error.is_empty());
+    }
+
+    /// Requests at once share one database check: against a server that
+    /// accepts connections and never answers (each check times out after
+    /// 2 s), twenty concurrent `/readyz` make one connection attempt, not
+    /// one each (a flood of them queued the shared pool past every probe's
+    /// timeout).
+    #[tokio::test]
+    async fn concurrent_readiness_checks_share_one_database_check() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("listen");
+        let port = listener.local_addr().expect("address").port();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = accepted.clone();
+        let silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(socket);
+            }
+        });
+        let settings = crate::settings::DatabaseSettings {
+            url: format!("postgres://app:secret@127.0.0.1:{port}/orders"),
+            pool_size: 16,
+            ..crate::settings::DatabaseSettings::local("orders")
+        };
+        let health = Health::new(
+            "test",
+            Registry::new(),
+            Some(crate::db::pool(&settings).expect("a pool")),
+            None,
+        );
+        let checks = futures_util::future::join_all((0..20).map(|_| readiness(&health))).await;
+        for (ready, body, _) in &checks {
+            assert!(!ready);
+            assert_eq!(body["database"], "timed out", "{body}");
+        }
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "one check for all"
+        );
+        silent.abort();
     }
 
     fn token_of(header: Option<&str>) -> Option<String> {

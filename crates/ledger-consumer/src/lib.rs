@@ -17,7 +17,7 @@
 
 use actix_web::{web, HttpResponse};
 use consumer_runtime::{
-    auth::{bad_request, database_problem, next_after, PageQuery},
+    auth::{bad_request, database_error, database_problem, next_after, PageQuery},
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, Money, RawEnvelope};
@@ -484,7 +484,7 @@ async fn get_journal(
     };
     let limit = query.page.limit()?;
     let after: Option<Uuid> = query.page.after("an entry_id (a UUID)")?;
-    let client = pool.get().await.map_err(database_problem)?;
+    let client = pool.get().await.map_err(database_error)?;
     if let Some(after) = after {
         consumer_runtime::auth::known_cursor(
             &client,
@@ -524,7 +524,7 @@ async fn get_journal(
             &[&scope.tenant, &order_id, &after, &limit],
         )
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     let mut entries: Vec<(EntryView, i128, i128)> = Vec::new();
     for row in &rows {
         let entry_id: Uuid = row.get(0);
@@ -586,7 +586,7 @@ async fn get_trial_balance(
     scope: TenantScope,
     pool: web::Data<kit::db::PgPool>,
 ) -> Result<HttpResponse, Problem> {
-    let client = pool.get().await.map_err(database_problem)?;
+    let client = pool.get().await.map_err(database_error)?;
     let rows = client
         .query(
             "SELECT e.currency, l.account_code, a.name, a.kind, \
@@ -600,7 +600,7 @@ async fn get_trial_balance(
             &[&scope.tenant],
         )
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     let mut currencies: Vec<serde_json::Value> = Vec::new();
     let mut current: Option<(String, Vec<serde_json::Value>, i128, i128)> = None;
     let flush = |c: (String, Vec<serde_json::Value>, i128, i128)| {

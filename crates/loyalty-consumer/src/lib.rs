@@ -13,7 +13,7 @@
 
 use actix_web::{web, HttpResponse};
 use consumer_runtime::{
-    auth::{database_problem, next_after, PageQuery},
+    auth::{database_error, next_after, PageQuery},
     HandlerError, TenantScope, Transaction,
 };
 use events::{Event, Money, RawEnvelope};
@@ -208,7 +208,7 @@ async fn get_loyalty(
     consumer_runtime::auth::no_control_characters("customer_id", &customer)?;
     let limit = page.limit()?;
     let after: Option<i64> = page.after("an entry_id (an integer)")?;
-    let client = pool.get().await.map_err(database_problem)?;
+    let client = pool.get().await.map_err(database_error)?;
     if let Some(after) = after {
         consumer_runtime::auth::known_cursor(
             &client,
@@ -238,7 +238,7 @@ async fn get_loyalty(
             &[&scope.tenant, &customer, &after, &limit],
         )
         .await
-        .map_err(database_problem)?;
+        .map_err(database_error)?;
     let entries: Vec<EntryView> = rows
         .iter()
         .map(|row| EntryView {
@@ -263,9 +263,9 @@ async fn get_loyalty(
             &[&scope.tenant, &customer],
         )
         .await
-        .map_err(database_problem)?
+        .map_err(database_error)?
         .get(0);
-    let balance: i128 = total.parse().map_err(database_problem)?;
+    let balance: i128 = total.parse().map_err(database_error)?;
     let next_after = next_after(entries.len(), limit, entries.last().map(|e| e.entry_id));
     Ok(HttpResponse::Ok().json(LoyaltyView {
         tenant: scope.tenant,

@@ -66,6 +66,11 @@ pub async fn tenant(
         Duration::from_millis(state.settings.auth.key_cache_ms),
     );
     let key = kit::http::bearer_token(request).ok_or(ApiError::Unauthorized)?;
+    // A token no key could be is refused without a lookup: any client could
+    // otherwise spend a pooled connection and a round trip per request.
+    if !key_shaped(key) {
+        return Err(ApiError::Unauthorized);
+    }
     let hash = hash(key);
     if let Some(tenant) = cache.get(&hash, ttl) {
         return Ok(tenant);
@@ -91,6 +96,20 @@ pub async fn tenant(
     Ok(tenant)
 }
 
+/// Whether `token` has the shape of the keys [`create_key`] makes: the
+/// prefix and 48 lower-case hex digits.
+fn key_shaped(token: &str) -> bool {
+    token.strip_prefix(KEY_PREFIX).is_some_and(|secret| {
+        secret.len() == 2 * SECRET_BYTES
+            && secret
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
+/// The random bytes of a key (48 hex digits).
+const SECRET_BYTES: usize = 24;
+
 /// Create the tenant if needed and a new key for it; returns the key (shown once).
 pub async fn create_key(pool: &Pool, tenant: &str) -> anyhow::Result<String> {
     let valid = !tenant.is_empty()
@@ -103,7 +122,7 @@ pub async fn create_key(pool: &Pool, tenant: &str) -> anyhow::Result<String> {
         valid,
         "tenant ids are 1-63 characters of a-z, 0-9, '-' and '_', starting with a letter or digit"
     );
-    let mut secret = [0_u8; 24];
+    let mut secret = [0_u8; SECRET_BYTES];
     rand::rng().fill_bytes(&mut secret);
     let key = format!(
         "{KEY_PREFIX}{}",
@@ -139,6 +158,23 @@ mod tests {
     /// An entry serves for `auth.key_cache_ms` after its lookup began, and
     /// not a moment longer (on a clock of the test's own: no stall of the
     /// machine between two lines can age an entry).
+    #[test]
+    fn only_a_token_shaped_like_a_key_is_looked_up() {
+        let key = format!("{KEY_PREFIX}{}", "0123456789abcdef".repeat(3));
+        assert!(key_shaped(&key));
+        for other in [
+            "x".to_owned(),
+            KEY_PREFIX.to_owned(),
+            key[..key.len() - 1].to_owned(),
+            format!("{key}0"),
+            key.to_uppercase(),
+            key.replace("oek_", "oek-"),
+            format!("{KEY_PREFIX}{}", "g".repeat(48)),
+        ] {
+            assert!(!key_shaped(&other), "{other}");
+        }
+    }
+
     #[test]
     fn a_cached_key_serves_for_the_configured_window_only() {
         let cache = KeyCache::default();

@@ -220,17 +220,17 @@ pub enum ApiError {
     DeadlineExceeded { budget_ms: u64 },
     #[error(transparent)]
     Rejected(#[from] RejectedError),
-    #[error("database: {0}")]
+    #[error("database: {}", kit::db::describe(.0))]
     Database(#[from] tokio_postgres::Error),
     /// COMMIT got no answer (the connection dropped): the transaction may
     /// or may not have committed.
-    #[error("commit: {0}")]
+    #[error("commit: {}", kit::db::describe(.0))]
     Commit(tokio_postgres::Error),
     /// COMMIT was sent but not answered within the request's budget and its
     /// backstop: the transaction may or may not have committed.
     #[error("commit: no answer within the request budget of {budget_ms} ms")]
     CommitUnanswered { budget_ms: u64 },
-    #[error("database pool: {0}")]
+    #[error("database pool: {}", kit::db::describe(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("internal: {0}")]
     Internal(String),
@@ -395,6 +395,12 @@ impl ResponseError for ApiError {
             | Self::Pool(_)
             | Self::Internal(_) => {
                 tracing::error!(error = %self, "request failed")
+            }
+            // Not the client's doing (its budget ran out waiting for a
+            // connection or a lock, the database or its session unusable,
+            // the order busy): an operator's signal, never a quiet one.
+            _ if self.status_code() == StatusCode::SERVICE_UNAVAILABLE => {
+                tracing::warn!(error = %self, "request not served")
             }
             _ => tracing::debug!(error = %self, "request rejected"),
         }

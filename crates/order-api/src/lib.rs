@@ -105,12 +105,12 @@ impl Application {
         kit::db::wait_until_ready(&shared_pool, shutdown).await?;
         kit::migrations::run_until(&shared_pool, Database::Orders, shutdown).await?;
         let metrics = metrics::Metrics::new(SERVICE);
-        let health = Health {
-            service: SERVICE,
-            registry: metrics.registry.clone(),
-            database: Some(shared_pool.clone()),
-            broker: None,
-        };
+        let health = Health::new(
+            SERVICE,
+            metrics.registry.clone(),
+            Some(shared_pool.clone()),
+            None,
+        );
         kit::http::watch_readiness(
             health.clone(),
             std::time::Duration::from_secs(5),

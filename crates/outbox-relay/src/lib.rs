@@ -92,12 +92,12 @@ impl Application {
         let connected = Connected::default();
         let registry = kit::metrics::registry(SERVICE);
         let metrics = Metrics::new(&registry);
-        let health = Health {
-            service: SERVICE,
+        let health = Health::new(
+            SERVICE,
             registry,
-            database: Some(pool.clone()),
-            broker: Some(connected.clone()),
-        };
+            Some(pool.clone()),
+            Some(connected.clone()),
+        );
         kit::http::watch_readiness(
             health.clone(),
             std::time::Duration::from_secs(5),

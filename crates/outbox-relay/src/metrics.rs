@@ -9,8 +9,13 @@ use prometheus::{
 
 #[derive(Clone)]
 pub struct Metrics {
-    /// Unpublished, not quarantined rows (blocked successors included).
+    /// Unpublished, not quarantined rows, but those held behind a
+    /// quarantined event of their order (waiting for a predecessor
+    /// otherwise included).
     pub pending: IntGauge,
+    /// Unpublished rows held behind a quarantined earlier event of their
+    /// order (released with it by `requeue`).
+    pub held: IntGauge,
     /// Age of the oldest pending row (seconds since `occurred_at`).
     pub oldest_pending_age: Gauge,
     /// How long the oldest quarantined row has been held (0: none).
@@ -59,8 +64,9 @@ fn opts(name: &str, help: &str) -> Opts {
     Opts::new(name, help)
 }
 
-/// The gauges' query: pending (not quarantined) rows, the oldest one's age
-/// in seconds, quarantined rows, the table's size. `$1` only this tenant
+/// The gauges' query: pending (not quarantined, not held behind a
+/// quarantined row) rows, the oldest one's age in seconds, quarantined
+/// rows, the table's size, held rows. `$1` only this tenant
 /// (empty: all). Run with sequential scans off (see [`Metrics::refresh`]).
 pub const GAUGES_SQL: &str = include_str!("gauges.sql");
 
@@ -145,7 +151,11 @@ impl Metrics {
         Self {
             pending: int_gauge(
                 "outbox_pending_events",
-                "Unpublished, not quarantined outbox rows",
+                "Unpublished outbox rows, not quarantined nor held behind a quarantined event of their order",
+            ),
+            held: int_gauge(
+                "outbox_held_events",
+                "Unpublished rows held behind a quarantined earlier event of their order (released with it by requeue)",
             ),
             oldest_pending_age,
             oldest_quarantined_age,
@@ -243,8 +253,9 @@ impl Metrics {
         self.table_bytes.set(row.get(3));
         self.retrying.set(row.get(4));
         self.max_attempts.set(i64::from(row.get::<_, i32>(5)));
-        let held: f64 = row.get(6);
-        self.oldest_quarantined_age.set(held.max(0.0));
+        let quarantined_for: f64 = row.get(6);
+        self.oldest_quarantined_age.set(quarantined_for.max(0.0));
+        self.held.set(row.get(7));
         Ok(())
     }
 
