@@ -26,7 +26,17 @@ mkdir -p .run
 # Local demo credentials (git-ignored): an API key of tenant `demo` for
 # order-api, and the bearer token of the consumers' internal read endpoints.
 CREDENTIALS=.run/credentials.env
-if [ ! -s "$CREDENTIALS" ]; then
+# Whether the file's key is still the database's: after the cluster was
+# purged (scripts/infra-down.sh --purge) or the database made again, it is
+# unknown there and every request with it would be 401. Made again then.
+key_known() {
+    local prefix
+    prefix=$(sed -n 's/^ORDER_API_KEY=\(oek_[0-9a-f]\{6\}\).*/\1/p' "$CREDENTIALS")
+    [ -n "$prefix" ] && [ "$("$PG_BIN/psql" -X -q -At "$PG_URL_ORDERS" -c \
+        "SELECT 1 FROM api_keys WHERE tenant_id = 'demo' AND key_prefix = '$prefix' AND revoked_at IS NULL LIMIT 1" \
+        2>/dev/null)" = 1 ]
+}
+if [ ! -s "$CREDENTIALS" ] || ! key_known; then
     api_key=$("$BIN/order-api" api-key create --tenant demo)
     token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
     printf 'TENANT=demo\nORDER_API_KEY=%s\nSERVICE_TOKEN=%s\n' "$api_key" "$token" > "$CREDENTIALS"
