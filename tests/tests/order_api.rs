@@ -2824,6 +2824,56 @@ async fn a_revoked_key_stops_working_within_the_key_cache_window() {
     }
 }
 
+/// `order-api api-key revoke`: a leaked key by itself (`--key`), or every
+/// key of a tenant (`--tenant`); refused from the next lookup on (the cache
+/// off here); revoking again revokes nothing and says so (status 1).
+#[tokio::test]
+async fn api_key_revoke_refuses_a_key_or_a_tenant_s_keys() {
+    let api = OrderApi::start(&[("ORDER_API__AUTH__KEY_CACHE_MS", "0".to_owned())]).await;
+    let revoke = |args: &[&str]| {
+        let mut command = std::process::Command::new(system_tests::bin("order-api"));
+        command.args(["api-key", "revoke"]).args(args);
+        let output = command.output_within().expect("api-key revoke");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned()
+                + &String::from_utf8_lossy(&output.stderr),
+        )
+    };
+    let leaked = Caller::new("revoke-cli");
+    let kept = Caller::new("revoke-cli");
+    let url = api.url(&format!("/orders/{}", uuid::Uuid::now_v7()));
+    assert_eq!(leaked.get(&url).await.status(), StatusCode::NOT_FOUND);
+    let (code, output) = revoke(&["--key", &leaked.key]);
+    assert_eq!(code, Some(0), "{output}");
+    assert!(output.contains("1 key(s) revoked"), "{output}");
+    assert_eq!(leaked.get(&url).await.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        kept.get(&url).await.status(),
+        StatusCode::NOT_FOUND,
+        "another tenant's key"
+    );
+    let (code, output) = revoke(&["--key", &leaked.key]);
+    assert_eq!(code, Some(1), "{output}");
+    assert!(output.contains("no key revoked"), "{output}");
+    // A tenant's every key: a second one of the same tenant too.
+    let second = system_tests::api_key(&kept.tenant);
+    let (code, output) = revoke(&["--tenant", &kept.tenant]);
+    assert_eq!(code, Some(0), "{output}");
+    assert!(output.contains("2 key(s) revoked"), "{output}");
+    assert_eq!(kept.get(&url).await.status(), StatusCode::UNAUTHORIZED);
+    let with_second = Client::new()
+        .get(&url)
+        .bearer_auth(&second)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(with_second.status(), StatusCode::UNAUTHORIZED);
+    // One of the two: a usage error.
+    let (code, output) = revoke(&[]);
+    assert_eq!(code, Some(2), "{output}");
+}
+
 /// The other side of the key cache: within the window a verified key is
 /// served from memory (revoking it in the database does not refuse the next
 /// request), while a refusal is never remembered (a key refused once works as

@@ -110,6 +110,41 @@ fn key_shaped(token: &str) -> bool {
 /// The random bytes of a key (48 hex digits).
 const SECRET_BYTES: usize = 24;
 
+/// Which keys [`revoke`] revokes.
+pub enum Revoke<'a> {
+    /// The key itself (found by its hash).
+    Key(&'a str),
+    /// Every key of the tenant.
+    Tenant(&'a str),
+}
+
+/// Revoke keys not revoked yet; how many. One statement: nothing else to
+/// keep consistent (a key is refused once its lookup sees `revoked_at`).
+pub async fn revoke(pool: &Pool, which: Revoke<'_>) -> anyhow::Result<u64> {
+    let client = pool.get().await?;
+    let revoked = match which {
+        Revoke::Key(key) => {
+            client
+                .execute(
+                    "UPDATE api_keys SET revoked_at = now() \
+                     WHERE key_hash = $1 AND revoked_at IS NULL",
+                    &[&hash(key.trim())],
+                )
+                .await?
+        }
+        Revoke::Tenant(tenant) => {
+            client
+                .execute(
+                    "UPDATE api_keys SET revoked_at = now() \
+                     WHERE tenant_id = $1 AND revoked_at IS NULL",
+                    &[&tenant],
+                )
+                .await?
+        }
+    };
+    Ok(revoked)
+}
+
 /// Create the tenant if needed and a new key for it; returns the key (shown once).
 pub async fn create_key(pool: &Pool, tenant: &str) -> anyhow::Result<String> {
     let valid = !tenant.is_empty()

@@ -36,6 +36,18 @@ enum ApiKeyCommand {
         #[arg(long)]
         tenant: String,
     },
+    /// Revoke a key (a leaked one: `--key`), or every key of a tenant
+    /// (`--tenant`). Refused from the next lookup on: each order-api holds
+    /// a key it verified for `auth.key_cache_ms` (1 s by default).
+    #[command(group = clap::ArgGroup::new("which").required(true).multiple(false))]
+    Revoke {
+        /// The key itself.
+        #[arg(long, group = "which")]
+        key: Option<String>,
+        /// Every key of this tenant.
+        #[arg(long, group = "which")]
+        tenant: Option<String>,
+    },
 }
 
 pub async fn main() -> anyhow::Result<()> {
@@ -63,6 +75,23 @@ pub async fn main() -> anyhow::Result<()> {
                 let key = crate::auth::create_key(&pool, &tenant).await?;
                 eprintln!("API key for tenant {tenant} (shown once; only its hash is stored):");
                 println!("{key}");
+                Ok(())
+            }
+            Command::ApiKey(ApiKeyCommand::Revoke { key, tenant }) => {
+                let pool = crate::pool(&settings)?;
+                let which = match (&key, &tenant) {
+                    (Some(key), _) => crate::auth::Revoke::Key(key),
+                    (None, Some(tenant)) => crate::auth::Revoke::Tenant(tenant),
+                    (None, None) => anyhow::bail!("--key or --tenant"),
+                };
+                let revoked = crate::auth::revoke(&pool, which).await?;
+                println!(
+                    "{revoked} key(s) revoked (refused by every order-api within auth.key_cache_ms)"
+                );
+                anyhow::ensure!(
+                    revoked > 0,
+                    "no key revoked: none matches that is not revoked already"
+                );
                 Ok(())
             }
             Command::CleanupKeys => {
