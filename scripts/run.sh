@@ -32,7 +32,7 @@ CREDENTIALS=.run/credentials.env
 key_known() {
     local prefix
     prefix=$(sed -n 's/^ORDER_API_KEY=\(oek_[0-9a-f]\{6\}\).*/\1/p' "$CREDENTIALS")
-    [ -n "$prefix" ] && [ "$("$PG_BIN/psql" -X -q -At "$PG_URL_ORDERS" -c \
+    [ -n "$prefix" ] && [ "$("$PG_BIN/psql" -X -q -At "$ORDER_API__DATABASE__URL" -c \
         "SELECT 1 FROM api_keys WHERE tenant_id = 'demo' AND key_prefix = '$prefix' AND revoked_at IS NULL LIMIT 1" \
         2>/dev/null)" = 1 ]
 }

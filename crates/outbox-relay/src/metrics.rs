@@ -64,10 +64,23 @@ fn opts(name: &str, help: &str) -> Opts {
     Opts::new(name, help)
 }
 
-/// The gauges' query: pending (not quarantined, not held behind a
-/// quarantined row) rows, the oldest one's age in seconds, quarantined
-/// rows, the table's size, held rows. `$1` only this tenant
+/// The gauges' query: pending rows, the oldest one's age in seconds,
+/// quarantined rows, the table's size, pending rows that failed before and
+/// their highest attempt count, how long the oldest quarantine has held
+/// its order, held rows. `$1` only this tenant
 /// (empty: all). Run with sequential scans off (see [`Metrics::refresh`]).
+///
+/// A row behind an unpublished quarantined event of its order is "held",
+/// not pending (the claim takes none while an earlier event is
+/// unpublished): counted apart, out of the pending count and age, which
+/// would otherwise grow for as long as the quarantine lasts and keep the
+/// pending-age alerts firing over it (OutboxEventsQuarantined pages for
+/// it), hiding a real outage behind them. One pass over the pending rows,
+/// in the order of `outbox_pending_sequence_idx` (a window over each
+/// order's earlier rows). `isfinite`: an 'infinity' `occurred_at` (a row
+/// the relay cannot read, soon quarantined) would make the subtraction
+/// fail. Comments stay out of the text: `pg_stat_activity` shows a
+/// statement's first 1,024 bytes, and the stop test finds it there.
 pub const GAUGES_SQL: &str = include_str!("gauges.sql");
 
 /// The settings of the gauges' transaction (see [`Metrics::refresh`]):
