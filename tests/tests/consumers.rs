@@ -1406,6 +1406,42 @@ async fn events_dead_lettered_during_a_redrive_are_moved_by_it() {
     assert_eq!(fixed.metric("consumer_events_applied_total", "").await, 3.0);
 }
 
+/// One redrive of a consumer at a time: a second run while the first holds
+/// the DLQ's letters (after its drain: `consumer.redrive.after_drain`)
+/// refuses, status 1, and changes nothing (it un-parked the order whose
+/// letter the first held, with nothing moved, and kept letters as never
+/// dead-lettered); the first then moves the letter and un-parks the order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_redrive_of_a_consumer_refuses_while_one_runs() {
+    let tenant = unique("t5-redrive-twice");
+    let bad = story(&tenant);
+    let name = unique("t5-redrive-twice-loy");
+    let (_fixed, _publisher, _stopped) =
+        parked_at_its_first_event(&name, &bad, Options::default()).await;
+    let held = held_redrive(&name, "consumer.redrive.after_drain=1*sleep(20000)").await;
+    let output = run_redrive(
+        Kind::Loyalty,
+        &name,
+        &["--order", &bad.order.to_string()],
+        &Options::default(),
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("another redrive of {name} is running")),
+        "{stderr}"
+    );
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((0, true)),
+        "still parked: the second run did nothing"
+    );
+    let stdout = held_redrive_output(held).await;
+    assert_moved_in_order(&stdout, &[&bad.placed]);
+    wait_sequence(Database::Loyalty, &name, bad.order, 1).await;
+}
+
 /// A redrive killed between its passes (fail point
 /// `consumer.redrive.after_first_pass`, after its un-park and moves): the
 /// letter dead-lettered behind the park during its first pass (held there
@@ -2338,7 +2374,7 @@ async fn a_malformed_body_parks_its_order_and_a_replay_and_redrive_repair_it() {
     let args = ["--order", order_id.as_str()];
     let redrive_order = || redrive_with(Kind::Inventory, &name, &args, Options::one_partition());
 
-    let early = redrive_order().await;
+    let early = redrive_one_partition_left_parked(&name, order).await;
     assert!(
         early.contains("the body is not an event and never applies"),
         "{early}"
@@ -5484,7 +5520,13 @@ async fn a_redrive_of_one_order_does_not_unpark_it_without_its_letters() {
     )
     .await;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(output.status.success(), "{stdout}");
+    // The order asked for still parked: not done, status 1.
+    assert_eq!(output.status.code(), Some(1), "{stdout}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr)
+            .contains(&format!("order {second_id} is still parked")),
+        "{stdout}"
+    );
     assert!(stdout.contains("not un-parked"), "{stdout}");
     assert_eq!(
         progress(Database::Inventory, &name, second).await,
@@ -5608,7 +5650,7 @@ async fn a_redrive_keeps_letters_that_do_not_continue_their_order() {
         Some((1, true))
     );
 
-    let stdout = redrive_one_partition(&name, order).await;
+    let stdout = redrive_one_partition_left_parked(&name, order).await;
     assert!(
         stdout.contains("no letter read holds sequence 2"),
         "{stdout}"
@@ -5836,6 +5878,24 @@ async fn redrive_one_partition(name: &str, order: Uuid) -> String {
     .await;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(output.status.success(), "redrive: {stdout}");
+    stdout
+}
+
+/// [`redrive_one_partition`] that leaves `order` parked: status 1, saying so.
+async fn redrive_one_partition_left_parked(name: &str, order: Uuid) -> String {
+    let output = run_redrive(
+        Kind::Inventory,
+        name,
+        &["--order", &order.to_string()],
+        &Options::one_partition(),
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert_eq!(output.status.code(), Some(1), "redrive: {stdout}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains(&format!("order {order} is still parked")),
+        "{stdout}"
+    );
     stdout
 }
 

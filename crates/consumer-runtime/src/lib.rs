@@ -550,8 +550,32 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                 kit::db::wait_until_ready(&pool, &shutdown).await?;
                 kit::migrations::run(&pool, D::DATABASE).await?;
                 let topology = topology_of(&settings)?;
+                // One redrive of a consumer at a time: two drain its DLQ
+                // between them, each deciding gaps and un-parks on the part
+                // it holds (one kept letters as "never dead-lettered" that
+                // the other held; one un-parked an order whose letters the
+                // other held). A session-level advisory lock on a connection
+                // of its own, for the whole run; its end (a crash too)
+                // releases it.
+                let (lock, connection) = kit::db::connect(&settings.database.url).await?;
+                let driver = tokio::spawn(connection);
+                let locked: bool = lock
+                    .query_one(
+                        "SELECT pg_try_advisory_lock($1, hashtext($2))",
+                        &[&redrive::LOCK_CLASS, &settings.consumer.name],
+                    )
+                    .await?
+                    .get(0);
+                anyhow::ensure!(
+                    locked,
+                    "another redrive of {} is running (its session holds the lock): let it \
+                     finish, then run this again",
+                    settings.consumer.name
+                );
                 let (report, result) =
                     redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref(), max).await;
+                drop(lock);
+                let _ = driver.await;
                 for moved in &report.moved {
                     println!(
                         "moved {} {} order {} seq {} (was: {})",
@@ -574,7 +598,17 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                     topology.exchange(),
                     report.unparked.len()
                 );
-                result
+                result?;
+                // `--order X` asks for X to flow again: a run that leaves it
+                // parked (its letters past --max, a gap, a malformed letter:
+                // the lines above say which) did not do that.
+                if let Some(order) = &order {
+                    anyhow::ensure!(
+                        !redrive::parked(&pool, &settings.consumer.name, order).await?,
+                        "order {order} is still parked (see the lines above)"
+                    );
+                }
+                Ok(())
             }
             Command::Migrate => {
                 let pool = kit::db::pool(&settings.database)?;

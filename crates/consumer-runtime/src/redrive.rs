@@ -20,6 +20,28 @@ use crate::{
     topology::{self, headers, Topology},
 };
 
+/// The first key of the advisory lock one redrive of a consumer holds
+/// (the second: the consumer's name, hashed): "rd".
+pub const LOCK_CLASS: i32 = 0x7264;
+
+/// Whether `order` is parked for `consumer` (no progress row: not parked).
+pub async fn parked(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
+    let client = pool.get().await?;
+    let row = client
+        .query_opt(
+            "SELECT parked_at IS NOT NULL FROM order_progress \
+             WHERE consumer_name = $1 AND aggregate_id = $2",
+            &[&consumer, &order],
+        )
+        .await;
+    match row {
+        Ok(row) => Ok(row.is_some_and(|row| row.get(0))),
+        // An id the database cannot store has no progress row.
+        Err(error) if the_event_s_own(&error).is_some() => Ok(false),
+        Err(error) => Err(error.into()),
+    }
+}
+
 /// One dead letter moved back.
 #[derive(Debug, Clone)]
 pub struct Moved {
