@@ -48,6 +48,10 @@ pub enum Rejection {
     DeliveredBeforePlaced {
         placed_at: time::OffsetDateTime,
     },
+    /// A delivery's `delivered_at` further ahead of the database's clock
+    /// than `request::MAX_CLOCK_SKEW`: answered like a validation failure,
+    /// not stored (the same request is valid once the time has come).
+    DeliveredInTheFuture,
 }
 
 impl Rejection {
@@ -59,7 +63,10 @@ impl Rejection {
     /// changes (before, it was not stored, and the same key with another
     /// time ran as a new request instead of 409 `idempotency_key_reused`).
     pub fn is_final(&self) -> bool {
-        !matches!(self, Rejection::OrderNotPaid)
+        !matches!(
+            self,
+            Rejection::OrderNotPaid | Rejection::DeliveredInTheFuture
+        )
     }
 
     pub fn problem(&self) -> Problem {
@@ -152,6 +159,14 @@ impl Rejection {
                     placed_at
                         .format(&time::format_description::well_known::Rfc3339)
                         .unwrap_or_default()
+                ),
+            )
+            .problem(),
+            DeliveredInTheFuture => ApiError::validation(
+                "delivered_at",
+                format!(
+                    "must not be in the future (more than {} s ahead of the server's clock)",
+                    crate::request::MAX_CLOCK_SKEW.whole_seconds()
                 ),
             )
             .problem(),

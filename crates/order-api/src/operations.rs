@@ -497,6 +497,16 @@ async fn deliver(
     delivery: DeliveryRequest,
     trace: &TraceContext,
 ) -> Result<Result<Stored, Rejection>, ApiError> {
+    // Not in the future, on the database's clock (the one the event's own
+    // time comes from), first as when the API host's clock judged it before
+    // anything else: a refusal not stored (`is_final`), the key left free.
+    if let Some(at) = delivery.delivered_at {
+        let clock = tx.prepare_cached("SELECT clock_timestamp()").await?;
+        let now: time::OffsetDateTime = tx.query_one(&clock, &[]).await?.get(0);
+        if crate::request::in_the_future(at, now) {
+            return Ok(Err(Rejection::DeliveredInTheFuture));
+        }
+    }
     let Some(order) = lock_order(tx, tenant, order_id).await? else {
         return Ok(Err(Rejection::OrderNotFound));
     };
