@@ -3058,6 +3058,73 @@ async fn a_row_committed_below_the_claim_floor_is_published_after_the_next_refre
     finish(connection, &channel, &tenant).await;
 }
 
+/// A cleanup run while a snapshot older than its deletes is open (a long
+/// report, a drift check): its batches read the published-at index from
+/// where the last one stopped. From the start, each re-read every entry the
+/// run had deleted (still in the index, visible to that snapshot): 20,000
+/// rows in batches of 100 read about 2,000,000 index entries; now about
+/// the rows themselves. On a database of its own (the index's counters are
+/// the run's alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_under_an_old_snapshot_reads_each_deleted_row_once() {
+    let (database, url) = system_tests::create_database(Database::Orders).await;
+    let env = [
+        ("OUTBOX_RELAY__DATABASE__URL", url.clone()),
+        ("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", "100".to_owned()),
+        ("OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS", "0".to_owned()),
+    ];
+    let (ok, output) = admin(&["migrate"], &env).await;
+    assert!(ok, "{output}");
+    let db = system_tests::connect_url(&url).await;
+    db.batch_execute(
+        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+             aggregate_sequence, event_type, schema_version, payload, occurred_at, published_at)
+         SELECT gen_random_uuid(), 'aged', 'order', gen_random_uuid()::text, 1, 'Aged', 1, '{}',
+                timestamptz '2000-01-01 00:00Z', timestamptz '2000-01-02 00:00Z' + g * interval '1 ms'
+         FROM generate_series(1, 20000) g;
+         ANALYZE outbox_events;",
+    )
+    .await
+    .expect("20,000 aged published rows");
+    // The old snapshot: a repeatable-read transaction that has read once.
+    let mut holder = system_tests::connect_url(&url).await;
+    let snapshot = holder.transaction().await.expect("begin");
+    snapshot
+        .batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .await
+        .expect("snapshot");
+    let reads = || async {
+        db.batch_execute("SELECT pg_stat_clear_snapshot()")
+            .await
+            .expect("fresh counters");
+        db.query_one(
+            "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_published_at_idx'",
+            &[],
+        )
+        .await
+        .expect("index counters")
+        .get::<_, i64>(0)
+    };
+    let before = reads().await;
+    let (ok, output) = admin(&["cleanup"], &env).await;
+    assert!(ok, "{output}");
+    let left: i64 = db
+        .query_one("SELECT count(*) FROM outbox_events", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(left, 0, "{output}");
+    // The cleanup's session has ended: its counters are flushed.
+    let read = reads().await - before;
+    assert!(
+        read <= 3 * 20_000,
+        "{read} index entries read to delete 20,000 rows (quadratic: ~2,000,000)"
+    );
+    snapshot.rollback().await.expect("rollback");
+    drop((holder, db));
+    system_tests::drop_database(Database::Orders, &database).await;
+}
+
 /// Issue 4, test 6: cleanup deletes only published rows past the horizon
 /// (default 7 days), in bounded batches, one instance at a time, never an
 /// unpublished or quarantined row; a crash inside a batch rolls that batch

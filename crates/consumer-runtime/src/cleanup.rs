@@ -24,18 +24,34 @@ pub async fn clean_inbox(
     let hours = i32::try_from(retention_hours).unwrap_or(i32::MAX);
     let mut client = pool.get().await?;
     let mut total = 0;
+    // Each batch starts its index walk where the last one stopped (its
+    // newest `processed_at`): from the start, it walked past every row the
+    // run had deleted, which stay in the index while a snapshot older than
+    // their deletion is open in the database, so that a batch cost grew
+    // with the run. Rows a batch skipped (`SKIP LOCKED`) below it are left
+    // to the next run.
+    let mut from: Option<time::OffsetDateTime> = None;
     loop {
         let tx = client.transaction().await?;
-        let deleted = tx
-            .execute(
-                "DELETE FROM processed_events p USING ( \
-                     SELECT consumer_name, event_id FROM processed_events \
-                     WHERE consumer_name = $1 AND processed_at < now() - make_interval(hours => $2) \
-                     ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED) old \
-                 WHERE p.consumer_name = old.consumer_name AND p.event_id = old.event_id",
-                &[&consumer, &hours, &batch],
+        let row = tx
+            .query_one(
+                "WITH gone AS ( \
+                     DELETE FROM processed_events p USING ( \
+                         SELECT consumer_name, event_id FROM processed_events \
+                         WHERE consumer_name = $1 \
+                           AND processed_at >= COALESCE($4::timestamptz, '-infinity') \
+                           AND processed_at < now() - make_interval(hours => $2) \
+                         ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED) old \
+                     WHERE p.consumer_name = old.consumer_name AND p.event_id = old.event_id \
+                     RETURNING p.processed_at) \
+                 SELECT count(*), max(processed_at) FROM gone",
+                &[&consumer, &hours, &batch, &from],
             )
             .await?;
+        let deleted = u64::try_from(row.get::<_, i64>(0)).unwrap_or_default();
+        if let Some(newest) = row.get::<_, Option<time::OffsetDateTime>>(1) {
+            from = Some(newest);
+        }
         // Crash window: the batch is deleted, not committed. A crash rolls
         // it back (the earlier batches stay deleted); the next run deletes
         // it. Only rows past the horizon are ever deleted, and the progress

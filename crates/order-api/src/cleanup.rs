@@ -10,11 +10,23 @@ use kit::CancellationToken;
 
 use crate::{idempotency::InFlight, metrics::Metrics};
 
+/// One batch: the expired keys from `$2` on (the last batch's latest
+/// `expires_at`; none: from the start), oldest first, and the batch's count
+/// and latest `expires_at`. Each batch starts its index walk where the last
+/// stopped: from the start, it walked past every key the run had deleted,
+/// which stay in the index while a snapshot older than their deletion is
+/// open in the database, so that a batch cost grew with the run. Keys a
+/// batch skipped (`SKIP LOCKED`) below it are left to the next run.
 const DELETE_EXPIRED: &str = "\
-DELETE FROM idempotency_requests
- WHERE ctid IN (SELECT ctid FROM idempotency_requests
-                 WHERE expires_at <= now()
-                 LIMIT $1 FOR UPDATE SKIP LOCKED)";
+WITH gone AS (
+    DELETE FROM idempotency_requests
+     WHERE ctid IN (SELECT ctid FROM idempotency_requests
+                     WHERE expires_at >= COALESCE($2::timestamptz, '-infinity')
+                       AND expires_at <= now()
+                     ORDER BY expires_at
+                     LIMIT $1 FOR UPDATE SKIP LOCKED)
+    RETURNING expires_at)
+SELECT count(*), max(expires_at) FROM gone";
 
 /// Delete every expired key now, batch by batch, until none is left or
 /// `stop` is cancelled (checked between batches: a large backlog of expired
@@ -28,6 +40,7 @@ pub async fn delete_expired(
     mut deleted_batch: impl FnMut(u64),
 ) -> Result<u64, crate::error::ApiError> {
     let mut total = 0;
+    let mut from: Option<time::OffsetDateTime> = None;
     loop {
         if stop.is_cancelled() {
             return Ok(total);
@@ -39,11 +52,16 @@ pub async fn delete_expired(
         // to the next run, nothing half done.
         let deleted = match async {
             let statement = client.prepare_cached(DELETE_EXPIRED).await?;
-            client.execute(&statement, &[&batch]).await
+            client.query_one(&statement, &[&batch, &from]).await
         }
         .await
         {
-            Ok(deleted) => deleted,
+            Ok(row) => {
+                if let Some(latest) = row.get::<_, Option<time::OffsetDateTime>>(1) {
+                    from = Some(latest);
+                }
+                u64::try_from(row.get::<_, i64>(0)).unwrap_or_default()
+            }
             Err(error) => {
                 if kit::db::session_fault(&error) {
                     // Closed, not pooled: the session cannot do this for

@@ -29,14 +29,27 @@ use crate::settings::CleanupSettings;
 /// The advisory lock key of the cleanup ("outbox_c").
 pub const CLEANUP_LOCK_KEY: i64 = 0x6f75_7462_6f78_5f63;
 
+/// One batch: the oldest published rows past the horizon, from `$3` on
+/// (the last batch's newest `published_at`; none: from the start), and the
+/// batch's count and newest `published_at`. Each batch starts its index
+/// walk where the last one stopped: from the start, it walked past every
+/// row the run had deleted, which stay in the index while a snapshot older
+/// than their deletion is open anywhere in the database (a long report, a
+/// drift check), so that a batch cost grew with the run (quadratic; a run
+/// outgrew its interval, then its statement timeout). Rows a batch skipped
+/// (`SKIP LOCKED`) below the cursor are left to the next run.
 pub const DELETE_SQL: &str = "
-DELETE FROM outbox_events
-WHERE event_id IN (
-    SELECT event_id FROM outbox_events
-    WHERE published_at < now() - $1::bigint * interval '1 second'
-    ORDER BY published_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED)";
+WITH gone AS (
+    DELETE FROM outbox_events
+    WHERE event_id IN (
+        SELECT event_id FROM outbox_events
+        WHERE published_at >= COALESCE($3::timestamptz, '-infinity')
+          AND published_at < now() - $1::bigint * interval '1 second'
+        ORDER BY published_at
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED)
+    RETURNING published_at)
+SELECT count(*), max(published_at) FROM gone";
 
 /// The `application_name` of the cleanup connection of `instance` (in
 /// `pg_stat_activity`).
@@ -87,11 +100,16 @@ pub async fn run_once(
         // Validated (at most a century): no overflow here, nor in the SQL interval.
         let horizon = i64::try_from(settings.horizon_secs()).unwrap_or(i64::MAX);
         let mut report = CleanupReport::default();
+        let mut from: Option<time::OffsetDateTime> = None;
         loop {
             let tx = client.transaction().await?;
-            let count = tx
-                .execute(DELETE_SQL, &[&horizon, &settings.batch_size])
+            let row = tx
+                .query_one(DELETE_SQL, &[&horizon, &settings.batch_size, &from])
                 .await?;
+            let count = u64::try_from(row.get::<_, i64>(0)).unwrap_or_default();
+            if let Some(newest) = row.get::<_, Option<time::OffsetDateTime>>(1) {
+                from = Some(newest);
+            }
             kit::failpoint::crash_point("relay.cleanup");
             tx.commit().await?;
             if count > 0 {
