@@ -111,6 +111,22 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
                 db.name()
             );
         }
+        // Indexes the contract steps dropped (nothing reads them; every
+        // insert paid for them): ledger V6, loyalty V4.
+        let dropped = match db {
+            Database::Ledger => Some("journal_entries_tenant_posted_idx"),
+            Database::Loyalty => Some("loyalty_entries_customer_idx"),
+            _ => None,
+        };
+        if let Some(index) = dropped {
+            let present: bool = pg(db)
+                .await
+                .query_one("SELECT to_regclass('public.' || $1) IS NOT NULL", &[&index])
+                .await
+                .expect("to_regclass")
+                .get(0);
+            assert!(!present, "{}: {index} still there", db.name());
+        }
         // The queue-like tables are vacuumed as queues (orders V4, runtime V4).
         let queue = match db {
             Database::Orders => "outbox_events",
