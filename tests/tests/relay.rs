@@ -3058,6 +3058,74 @@ async fn a_row_committed_below_the_claim_floor_is_published_after_the_next_refre
     finish(connection, &channel, &tenant).await;
 }
 
+/// `outbox-relay cleanup` stopped by a signal between its batches says so
+/// and exits 1 (rows past the horizon remain: it exited 0 with the count
+/// of a partial run, as if done). On a database of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_stopped_by_a_signal_says_so_and_exits_1() {
+    let (database, url) = system_tests::create_database(Database::Orders).await;
+    let env = [
+        ("OUTBOX_RELAY__DATABASE__URL", url.clone()),
+        ("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", "1".to_owned()),
+        ("OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS", "2000".to_owned()),
+    ];
+    let (ok, output) = admin(&["migrate"], &env).await;
+    assert!(ok, "{output}");
+    let db = system_tests::connect_url(&url).await;
+    db.batch_execute(
+        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+             aggregate_sequence, event_type, schema_version, payload, occurred_at, published_at)
+         SELECT gen_random_uuid(), 'aged', 'order', gen_random_uuid()::text, 1, 'Aged', 1, '{}',
+                timestamptz '2000-01-01 00:00Z', timestamptz '2000-01-02 00:00Z' + g * interval '1 ms'
+         FROM generate_series(1, 5) g",
+    )
+    .await
+    .expect("5 aged published rows");
+    let left = || async {
+        db.query_one("SELECT count(*) FROM outbox_events", &[])
+            .await
+            .expect("count")
+            .get::<_, i64>(0)
+    };
+    let cleanup = tokio::process::Command::new(system_tests::bin("outbox-relay"))
+        .arg("cleanup")
+        .env("OUTBOX_RELAY__AMQP__URL", amqp_url())
+        .env("RUST_LOG", "warn,lapin=error")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn cleanup");
+    let pid = cleanup.id().expect("pid").to_string();
+    system_tests::consumers::eventually("its first batch", Duration::from_secs(60), || async {
+        (left().await < 5).then_some(())
+    })
+    .await;
+    let signalled = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .expect("kill");
+    assert!(signalled.success());
+    let output = tokio::time::timeout(Duration::from_secs(60), cleanup.wait_with_output())
+        .await
+        .expect("it stops")
+        .expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("stopped by a signal before the end"),
+        "{text}"
+    );
+    assert!(left().await > 0, "rows remain: {text}");
+    drop(db);
+    system_tests::drop_database(Database::Orders, &database).await;
+}
+
 /// A cleanup run while a snapshot older than its deletes is open (a long
 /// report, a drift check): its batches read the published-at index from
 /// where the last one stopped. From the start, each re-read every entry the

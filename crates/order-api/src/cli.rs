@@ -104,6 +104,12 @@ pub async fn main() -> anyhow::Result<()> {
                 )
                 .await?;
                 println!("{deleted} expired idempotency key(s) deleted");
+                // A signal ends the run between batches: expired keys may
+                // remain (status 1; run it again).
+                anyhow::ensure!(
+                    !shutdown.is_cancelled(),
+                    "stopped by a signal before the end: run it again for the rest"
+                );
                 Ok(())
             }
         }

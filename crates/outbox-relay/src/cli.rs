@@ -173,6 +173,12 @@ pub async fn main() -> anyhow::Result<()> {
                         settings.cleanup.batch_size
                     );
                 }
+                // A signal ends the run between batches: what is past the
+                // horizon is not all deleted (status 1; run it again).
+                anyhow::ensure!(
+                    !shutdown.is_cancelled(),
+                    "stopped by a signal before the end: run it again for the rest"
+                );
                 Ok(())
             }
             Command::Replay(args) => {
