@@ -5869,20 +5869,14 @@ async fn into_the_dlq(
 
 /// `inventory-consumer redrive --order <order>` of a one-partition consumer.
 async fn redrive_one_partition(name: &str, order: Uuid) -> String {
-    let output = run_redrive(
-        Kind::Inventory,
-        name,
-        &["--order", &order.to_string()],
-        &Options::one_partition(),
-    )
-    .await;
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let (output, stdout) = redrive_one_partition_run(name, order).await;
     assert!(output.status.success(), "redrive: {stdout}");
     stdout
 }
 
-/// [`redrive_one_partition`] that leaves `order` parked: status 1, saying so.
-async fn redrive_one_partition_left_parked(name: &str, order: Uuid) -> String {
+/// `redrive --order <order>` of inventory consumer `name` (one partition):
+/// its output, and its stdout.
+async fn redrive_one_partition_run(name: &str, order: Uuid) -> (std::process::Output, String) {
     let output = run_redrive(
         Kind::Inventory,
         name,
@@ -5891,6 +5885,12 @@ async fn redrive_one_partition_left_parked(name: &str, order: Uuid) -> String {
     )
     .await;
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    (output, stdout)
+}
+
+/// [`redrive_one_partition`] that leaves `order` parked: status 1, saying so.
+async fn redrive_one_partition_left_parked(name: &str, order: Uuid) -> String {
+    let (output, stdout) = redrive_one_partition_run(name, order).await;
     assert_eq!(output.status.code(), Some(1), "redrive: {stdout}");
     assert!(
         String::from_utf8_lossy(&output.stderr).contains(&format!("order {order} is still parked")),

@@ -3058,29 +3058,54 @@ async fn a_row_committed_below_the_claim_floor_is_published_after_the_next_refre
     finish(connection, &channel, &tenant).await;
 }
 
+/// An orders database of its own, migrated, holding `rows` published rows
+/// long past the horizon (one per order, a millisecond apart); the
+/// relay's environment for it, with the cleanup's `batch` size and pause
+/// (ms); a session on it.
+async fn aged_outbox(
+    rows: i32,
+    batch: i64,
+    pause_ms: u64,
+) -> (
+    String,
+    String,
+    [(&'static str, String); 3],
+    tokio_postgres::Client,
+) {
+    let (database, url) = system_tests::create_database(Database::Orders).await;
+    let env = [
+        ("OUTBOX_RELAY__DATABASE__URL", url.clone()),
+        ("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", batch.to_string()),
+        (
+            "OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS",
+            pause_ms.to_string(),
+        ),
+    ];
+    let (ok, output) = admin(&["migrate"], &env).await;
+    assert!(ok, "{output}");
+    let db = system_tests::connect_url(&url).await;
+    db.execute(
+        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
+             aggregate_sequence, event_type, schema_version, payload, occurred_at, published_at)
+         SELECT gen_random_uuid(), 'aged', 'order', gen_random_uuid()::text, 1, 'Aged', 1, '{}',
+                timestamptz '2000-01-01 00:00Z', timestamptz '2000-01-02 00:00Z' + g * interval '1 ms'
+         FROM generate_series(1, $1) g",
+        &[&rows],
+    )
+    .await
+    .expect("aged published rows");
+    db.batch_execute("ANALYZE outbox_events")
+        .await
+        .expect("analyze");
+    (database, url, env, db)
+}
+
 /// `outbox-relay cleanup` stopped by a signal between its batches says so
 /// and exits 1 (rows past the horizon remain: it exited 0 with the count
 /// of a partial run, as if done). On a database of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_stopped_by_a_signal_says_so_and_exits_1() {
-    let (database, url) = system_tests::create_database(Database::Orders).await;
-    let env = [
-        ("OUTBOX_RELAY__DATABASE__URL", url.clone()),
-        ("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", "1".to_owned()),
-        ("OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS", "2000".to_owned()),
-    ];
-    let (ok, output) = admin(&["migrate"], &env).await;
-    assert!(ok, "{output}");
-    let db = system_tests::connect_url(&url).await;
-    db.batch_execute(
-        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
-             aggregate_sequence, event_type, schema_version, payload, occurred_at, published_at)
-         SELECT gen_random_uuid(), 'aged', 'order', gen_random_uuid()::text, 1, 'Aged', 1, '{}',
-                timestamptz '2000-01-01 00:00Z', timestamptz '2000-01-02 00:00Z' + g * interval '1 ms'
-         FROM generate_series(1, 5) g",
-    )
-    .await
-    .expect("5 aged published rows");
+    let (database, _, env, db) = aged_outbox(5, 1, 2000).await;
     let left = || async {
         db.query_one("SELECT count(*) FROM outbox_events", &[])
             .await
@@ -3135,25 +3160,7 @@ async fn a_cleanup_stopped_by_a_signal_says_so_and_exits_1() {
 /// the run's alone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_under_an_old_snapshot_reads_each_deleted_row_once() {
-    let (database, url) = system_tests::create_database(Database::Orders).await;
-    let env = [
-        ("OUTBOX_RELAY__DATABASE__URL", url.clone()),
-        ("OUTBOX_RELAY__CLEANUP__BATCH_SIZE", "100".to_owned()),
-        ("OUTBOX_RELAY__CLEANUP__BATCH_PAUSE_MS", "0".to_owned()),
-    ];
-    let (ok, output) = admin(&["migrate"], &env).await;
-    assert!(ok, "{output}");
-    let db = system_tests::connect_url(&url).await;
-    db.batch_execute(
-        "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id,
-             aggregate_sequence, event_type, schema_version, payload, occurred_at, published_at)
-         SELECT gen_random_uuid(), 'aged', 'order', gen_random_uuid()::text, 1, 'Aged', 1, '{}',
-                timestamptz '2000-01-01 00:00Z', timestamptz '2000-01-02 00:00Z' + g * interval '1 ms'
-         FROM generate_series(1, 20000) g;
-         ANALYZE outbox_events;",
-    )
-    .await
-    .expect("20,000 aged published rows");
+    let (database, url, env, db) = aged_outbox(20_000, 100, 0).await;
     // The old snapshot: a repeatable-read transaction that has read once.
     let mut holder = system_tests::connect_url(&url).await;
     let snapshot = holder.transaction().await.expect("begin");

@@ -358,22 +358,29 @@ mod tests {
 
     use super::*;
 
+    /// The health of a service whose database is on local `port` (a pool of
+    /// 16: as many connections as checks may ask for), without a broker.
+    fn health_of_database_on(port: u16) -> Health {
+        let settings = crate::settings::DatabaseSettings {
+            url: format!("postgres://app:secret@127.0.0.1:{port}/orders"),
+            pool_size: 16,
+            ..crate::settings::DatabaseSettings::local("orders")
+        };
+        Health::new(
+            "test",
+            Registry::new(),
+            Some(crate::db::pool(&settings).expect("a pool")),
+            None,
+        )
+    }
+
     /// A database that refuses the connection: not ready, `/readyz` says
     /// `unavailable` and nothing of the error (a host, a server's FATAL
     /// message), which the caller gets for the log.
     #[tokio::test]
     async fn readiness_names_the_database_s_state_in_a_word_and_keeps_its_error_for_the_log() {
-        let settings = crate::settings::DatabaseSettings {
-            // Port 1: nothing listens there.
-            url: "postgres://app:secret@127.0.0.1:1/orders".to_owned(),
-            ..crate::settings::DatabaseSettings::local("orders")
-        };
-        let health = Health::new(
-            "test",
-            Registry::new(),
-            Some(crate::db::pool(&settings).expect("a pool")),
-            None,
-        );
+        // Port 1: nothing listens there.
+        let health = health_of_database_on(1);
         let (ready, body, error) = readiness(&health).await;
         assert!(!ready);
         // The whole body: nothing of the error in any field.
@@ -410,17 +417,7 @@ mod tests {
                 held.push(socket);
             }
         });
-        let settings = crate::settings::DatabaseSettings {
-            url: format!("postgres://app:secret@127.0.0.1:{port}/orders"),
-            pool_size: 16,
-            ..crate::settings::DatabaseSettings::local("orders")
-        };
-        let health = Health::new(
-            "test",
-            Registry::new(),
-            Some(crate::db::pool(&settings).expect("a pool")),
-            None,
-        );
+        let health = health_of_database_on(port);
         let checks = futures_util::future::join_all((0..20).map(|_| readiness(&health))).await;
         for (ready, body, _) in &checks {
             assert!(!ready);
