@@ -1429,7 +1429,9 @@ async fn a_second_redrive_of_a_consumer_refuses_while_one_runs() {
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains(&format!("another redrive of {name} is running")),
+        stderr.contains(&format!(
+            "another redrive of {name} is running (session pid "
+        )),
         "{stderr}"
     );
     assert_eq!(

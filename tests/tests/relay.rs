@@ -3189,7 +3189,25 @@ async fn a_cleanup_under_an_old_snapshot_reads_each_deleted_row_once() {
         .expect("count")
         .get(0);
     assert_eq!(left, 0, "{output}");
-    // The cleanup's session has ended: its counters are flushed.
+    // Once the cleanup's session has ended, its counters are flushed (a
+    // backend saves them as it exits, which may come after the client).
+    system_tests::consumers::eventually(
+        "the cleanup's session ended",
+        Duration::from_secs(30),
+        || async {
+            let sessions: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND application_name LIKE 'outbox-relay cleanup%'",
+                    &[],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            (sessions == 0).then_some(())
+        },
+    )
+    .await;
     let read = reads().await - before;
     assert!(
         read <= 3 * 20_000,

@@ -557,8 +557,21 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                 // other held). A session-level advisory lock on a connection
                 // of its own, for the whole run; its end (a crash too)
                 // releases it.
-                let (lock, connection) = kit::db::connect(&settings.database.url).await?;
+                // Named, so that an operator finds it in pg_stat_activity;
+                // the server's own keepalives end it within about 30 s of
+                // its host dropping off the network (the default: two hours
+                // of every redrive refused).
+                let application = format!("{} redrive", settings.consumer.name);
+                let mut config: tokio_postgres::Config = settings.database.url.parse()?;
+                config.application_name(&application);
+                kit::db::bound_network_waits(&mut config);
+                let (lock, connection) = kit::db::connect_with(&config).await?;
                 let driver = tokio::spawn(connection);
+                lock.batch_execute(
+                    "SET tcp_keepalives_idle = 15; SET tcp_keepalives_interval = 5; \
+                     SET tcp_keepalives_count = 3",
+                )
+                .await?;
                 let locked: bool = lock
                     .query_one(
                         "SELECT pg_try_advisory_lock($1, hashtext($2))",
@@ -566,12 +579,23 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                     )
                     .await?
                     .get(0);
-                anyhow::ensure!(
-                    locked,
-                    "another redrive of {} is running (its session holds the lock): let it \
-                     finish, then run this again",
-                    settings.consumer.name
-                );
+                if !locked {
+                    let holder: Option<i32> = lock
+                        .query_opt(
+                            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
+                             AND pid <> pg_backend_pid() LIMIT 1",
+                            &[&application],
+                        )
+                        .await?
+                        .map(|row| row.get(0));
+                    anyhow::bail!(
+                        "another redrive of {} is running (session {}, application_name {application:?}, \
+                         holds the lock): let it finish, then run this again (a redrive whose \
+                         host is gone: SELECT pg_terminate_backend(<pid>))",
+                        settings.consumer.name,
+                        holder.map_or("not found".to_owned(), |pid| format!("pid {pid}"))
+                    );
+                }
                 let (report, result) =
                     redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref(), max).await;
                 drop(lock);

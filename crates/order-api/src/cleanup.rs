@@ -32,18 +32,19 @@ SELECT count(*), max(expires_at) FROM gone";
 /// `stop` is cancelled (checked between batches: a large backlog of expired
 /// keys does not hold up a shutdown); `deleted_batch` is told each batch's
 /// count as it commits (a long run shows as rows deleted, not as a stall;
-/// also when a later batch fails). Returns how many.
+/// also when a later batch fails). Returns how many, and whether `stop`
+/// ended the run before the end (expired keys may remain).
 pub async fn delete_expired(
     pool: &Pool,
     batch: i64,
     stop: &CancellationToken,
     mut deleted_batch: impl FnMut(u64),
-) -> Result<u64, crate::error::ApiError> {
+) -> Result<(u64, bool), crate::error::ApiError> {
     let mut total = 0;
     let mut from: Option<time::OffsetDateTime> = None;
     loop {
         if stop.is_cancelled() {
-            return Ok(total);
+            return Ok((total, true));
         }
         let client = pool.get().await?;
         // Crash window: each batch is one autocommit DELETE of rows already
@@ -74,7 +75,7 @@ pub async fn delete_expired(
         deleted_batch(deleted);
         total += deleted;
         if deleted < u64::try_from(batch).unwrap_or(u64::MAX) {
-            return Ok(total);
+            return Ok((total, false));
         }
     }
 }
@@ -116,7 +117,9 @@ pub async fn run(
                 )
                 .await
                 {
-                    Ok(deleted) => {
+                    // Stopped by the shutdown: not a completed run.
+                    Ok((_, true)) => {}
+                    Ok((deleted, false)) => {
                         metrics.cleanup_last_success.set(kit::metrics::unix_now());
                         if deleted > 0 {
                             tracing::info!(deleted, "expired idempotency keys deleted");

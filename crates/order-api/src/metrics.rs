@@ -122,7 +122,7 @@ impl Metrics {
             rejections: counter_vec(
                 &registry,
                 "order_business_rejections_total",
-                "Business rejections (final ones stored and replayed; order_not_paid not stored)",
+                "Business rejections (final ones stored and replayed; order_not_paid and a delivered_at in the future, counted as validation_failed, not stored)",
                 "code",
             ),
             expired_deleted,

@@ -420,7 +420,7 @@ pub struct DeliveryRequest {
 pub const MAX_CLOCK_SKEW: time::Duration = time::Duration::minutes(2);
 
 /// Whether `delivered_at` is further ahead of `now`, the database's clock
-/// under the order's lock, than [`MAX_CLOCK_SKEW`]. Judged there, in the
+/// in the request's transaction, than [`MAX_CLOCK_SKEW`]. Judged there, in the
 /// request's transaction, never on the API host's clock before the key is
 /// looked at: a retry of a recorded delivery (reaching a replica whose
 /// clock is behind, or after the clock stepped back) is answered from its
@@ -472,7 +472,7 @@ impl DeliveryRequest {
     }
 
     /// The request's own rules. (That `delivered_at` is neither before the
-    /// order was placed nor in the future is judged under the order's lock,
+    /// order was placed nor in the future is judged in its transaction,
     /// on the database's clock: [`in_the_future`].)
     pub fn validate(&self) -> Result<(), ApiError> {
         if let Some(at) = self.delivered_at {

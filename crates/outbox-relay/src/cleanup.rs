@@ -62,6 +62,9 @@ pub fn application_name(instance: &str) -> String {
 pub struct CleanupReport {
     /// Another instance held the lock: nothing was done.
     pub locked_out: bool,
+    /// A shutdown ended the run after a full batch: rows past the horizon
+    /// may remain.
+    pub stopped_early: bool,
     pub deleted: u64,
     /// Batches that deleted at least one row.
     pub batches: u64,
@@ -118,9 +121,11 @@ pub async fn run_once(
                 report.batches += 1;
                 tracing::debug!(deleted = count, total = report.deleted, "cleanup batch");
             }
-            if count < u64::try_from(settings.batch_size).unwrap_or(u64::MAX)
-                || shutdown.is_cancelled()
-            {
+            if count < u64::try_from(settings.batch_size).unwrap_or(u64::MAX) {
+                break;
+            }
+            if shutdown.is_cancelled() {
+                report.stopped_early = true;
                 break;
             }
             tokio::time::sleep(Duration::from_millis(settings.batch_pause_ms)).await;

@@ -176,7 +176,7 @@ pub async fn main() -> anyhow::Result<()> {
                 // A signal ends the run between batches: what is past the
                 // horizon is not all deleted (status 1; run it again).
                 anyhow::ensure!(
-                    !shutdown.is_cancelled(),
+                    !report.stopped_early,
                     "stopped by a signal before the end: run it again for the rest"
                 );
                 Ok(())
