@@ -2874,6 +2874,94 @@ async fn api_key_revoke_refuses_a_key_or_a_tenant_s_keys() {
     assert_eq!(code, Some(2), "{output}");
 }
 
+/// `order-api cleanup-keys` while a snapshot older than its deletes is open
+/// (a long report, a drift check): its batches read the expiry index from
+/// where the last one stopped. From the start, each re-read every key the
+/// run had deleted (still in the index, visible to that snapshot), a cost
+/// growing with the run. 20,000 expired keys in batches of 100; on a
+/// database of its own (the index's counters are the run's alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_cleanup_under_an_old_snapshot_reads_each_deleted_key_once() {
+    let database = OwnOrdersDatabase::create().await;
+    let run = |args: &[&str]| {
+        let mut command = std::process::Command::new(system_tests::bin("order-api"));
+        command
+            .args(args)
+            .env("ORDER_API__DATABASE__URL", &database.url)
+            .env("ORDER_API__IDEMPOTENCY__CLEANUP_BATCH", "100");
+        let output = command.output_within().expect("order-api");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned()
+                + &String::from_utf8_lossy(&output.stderr),
+        )
+    };
+    let (ok, output) = run(&["migrate"]);
+    assert!(ok, "{output}");
+    let db = database.connect().await;
+    db.batch_execute(
+        "INSERT INTO idempotency_requests (tenant_id, endpoint, idempotency_key,
+             request_fingerprint, expires_at)
+         SELECT 'aged', 'POST /orders', 'k-' || g, 'f', now() - interval '1 day' + g * interval '1 ms'
+         FROM generate_series(1, 20000) g;
+         ANALYZE idempotency_requests;",
+    )
+    .await
+    .expect("20,000 expired keys");
+    let mut holder = database.connect().await;
+    let snapshot = holder.transaction().await.expect("begin");
+    snapshot
+        .batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .await
+        .expect("snapshot");
+    let reads = || async {
+        db.batch_execute("SELECT pg_stat_clear_snapshot()")
+            .await
+            .expect("fresh counters");
+        db.query_one(
+            "SELECT idx_tup_read FROM pg_stat_user_indexes \
+              WHERE indexrelname = 'idempotency_requests_expires_idx'",
+            &[],
+        )
+        .await
+        .expect("index counters")
+        .get::<_, i64>(0)
+    };
+    let before = reads().await;
+    let (ok, output) = run(&["cleanup-keys"]);
+    assert!(ok, "{output}");
+    assert!(
+        output.contains("20000 expired idempotency key(s) deleted"),
+        "{output}"
+    );
+    // Once the command's backend has exited, its counters are saved.
+    let holder_pid = system_tests::backend_pid(&snapshot).await;
+    eventually(
+        "the cleanup's session ended",
+        Duration::from_secs(30),
+        || async {
+            let sessions: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = current_database() AND backend_type = 'client backend' \
+                    AND pid <> pg_backend_pid() AND pid <> $1",
+                    &[&holder_pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            (sessions == 0).then_some(())
+        },
+    )
+    .await;
+    let read = reads().await - before;
+    assert!(
+        read <= 3 * 20_000,
+        "{read} index entries read to delete 20,000 keys (quadratic: ~2,000,000)"
+    );
+    snapshot.rollback().await.expect("rollback");
+}
+
 /// The other side of the key cache: within the window a verified key is
 /// served from memory (revoking it in the database does not refuse the next
 /// request), while a refusal is never remembered (a key refused once works as
