@@ -877,3 +877,64 @@ async fn pipe(
     }
     let _ = to.shutdown().await;
 }
+
+/// Index entries `work` read from `index` (`pg_stat_user_indexes`), run
+/// while a repeatable-read snapshot older than it is open on another
+/// session of the database at `url` (a long report, a drift check: deleted
+/// rows stay in the index for it). Counted once every other client session
+/// of the database has ended: a backend saves its counters as it exits,
+/// which may come after its client's.
+pub async fn index_reads_under_an_old_snapshot(
+    url: &str,
+    index: &str,
+    work: impl std::future::Future<Output = ()>,
+) -> i64 {
+    let db = connect_url(url).await;
+    let mut holder = connect_url(url).await;
+    let snapshot = holder.transaction().await.expect("begin");
+    snapshot
+        .batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .await
+        .expect("snapshot");
+    // The sessions open before the work (the caller's too) stay.
+    let sessions = "SELECT pid FROM pg_stat_activity \
+                    WHERE datname = current_database() AND backend_type = 'client backend'";
+    let present: Vec<i32> = db
+        .query(sessions, &[])
+        .await
+        .expect("pg_stat_activity")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let reads = || async {
+        db.batch_execute("SELECT pg_stat_clear_snapshot()")
+            .await
+            .expect("fresh counters");
+        db.query_one(
+            "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = $1",
+            &[&index],
+        )
+        .await
+        .expect("index counters")
+        .get::<_, i64>(0)
+    };
+    let before = reads().await;
+    work.await;
+    consumers::eventually(
+        "the work's sessions ended",
+        Duration::from_secs(30),
+        || async {
+            let left = db
+                .query(sessions, &[])
+                .await
+                .expect("pg_stat_activity")
+                .iter()
+                .any(|row| !present.contains(&row.get(0)));
+            (!left).then_some(())
+        },
+    )
+    .await;
+    let read = reads().await - before;
+    snapshot.rollback().await.expect("rollback");
+    read
+}
