@@ -2848,6 +2848,21 @@ async fn api_key_revoke_refuses_a_key_or_a_tenant_s_keys() {
     assert_eq!(code, Some(0), "{output}");
     assert!(output.contains("1 key(s) revoked"), "{output}");
     assert_eq!(leaked.get(&url).await.status(), StatusCode::UNAUTHORIZED);
+    // The rows: (revoked, keys) of each tenant.
+    let keys = |tenant: String| async move {
+        let row = pg(Database::Orders)
+            .await
+            .query_one(
+                "SELECT count(*) FILTER (WHERE revoked_at IS NOT NULL), count(*) \
+                   FROM api_keys WHERE tenant_id = $1",
+                &[&tenant],
+            )
+            .await
+            .expect("api_keys");
+        (row.get::<_, i64>(0), row.get::<_, i64>(1))
+    };
+    assert_eq!(keys(leaked.tenant.clone()).await, (1, 1));
+    assert_eq!(keys(kept.tenant.clone()).await, (0, 1));
     assert_eq!(
         kept.get(&url).await.status(),
         StatusCode::NOT_FOUND,
@@ -2861,6 +2876,8 @@ async fn api_key_revoke_refuses_a_key_or_a_tenant_s_keys() {
     let (code, output) = revoke(&["--tenant", &kept.tenant]);
     assert_eq!(code, Some(0), "{output}");
     assert!(output.contains("2 key(s) revoked"), "{output}");
+    assert_eq!(keys(kept.tenant.clone()).await, (2, 2));
+    assert_eq!(keys(leaked.tenant.clone()).await, (1, 1), "untouched");
     assert_eq!(kept.get(&url).await.status(), StatusCode::UNAUTHORIZED);
     let with_second = Client::new()
         .get(&url)
