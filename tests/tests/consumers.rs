@@ -3521,6 +3521,73 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
     );
 }
 
+/// The inbox cleanup under an old snapshot (a drift check's, say) reads
+/// each row it deletes about once: every batch resumes the index walk where
+/// the last one stopped. From the start, each batch walked past every row
+/// the run had deleted (kept in the index while the older snapshot is
+/// open): 20,000 rows in batches of 100 read ~2,000,000 index entries. On a
+/// database of its own (nothing else reads the index).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_cleanup_under_an_old_snapshot_reads_each_deleted_row_once() {
+    let name = unique("t5-clean-snapshot");
+    let (database, url) = system_tests::create_database(Database::Loyalty).await;
+    let mut settings = kit::settings::DatabaseSettings::local(Database::Loyalty.name());
+    settings.url = url.clone();
+    settings.pool_size = 1;
+    kit::migrations::run(&kit::db::pool(&settings).expect("pool"), Database::Loyalty)
+        .await
+        .expect("migrate");
+    let db = system_tests::connect_url(&url).await;
+    db.execute(
+        "INSERT INTO processed_events (consumer_name, event_id, tenant_id, processed_at) \
+         SELECT $1, gen_random_uuid(), 'cleanup', \
+                now() - interval '30 days' + g * interval '1 ms' \
+         FROM generate_series(1, 20000) g",
+        &[&name],
+    )
+    .await
+    .expect("aged inbox rows");
+    db.batch_execute("ANALYZE processed_events")
+        .await
+        .expect("analyze");
+    let read = system_tests::index_reads_under_an_old_snapshot(
+        &url,
+        "processed_events_processed_at_idx",
+        async {
+            let consumer = Consumer::start(
+                Kind::Loyalty,
+                &name,
+                Options {
+                    extra: vec![
+                        ("LOYALTY_CONSUMER__DATABASE__URL".into(), url.clone()),
+                        ("LOYALTY_CONSUMER__CLEANUP__BATCH_SIZE".into(), "100".into()),
+                    ],
+                    ..Options::default()
+                },
+            )
+            .await;
+            consumer
+                .wait_metric("consumer_inbox_cleaned_total", "", 20_000.0)
+                .await;
+            // Its sessions end with it (the measure waits for that).
+            drop(consumer);
+        },
+    )
+    .await;
+    let left: i64 = db
+        .query_one("SELECT count(*) FROM processed_events", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(left, 0);
+    assert!(
+        read <= 3 * 20_000,
+        "{read} index entries read to delete 20,000 rows (quadratic: ~2,000,000)"
+    );
+    drop(db);
+    system_tests::drop_database(Database::Loyalty, &database).await;
+}
+
 /// A panic in the inbox cleanup (a bug: `consumer.cleanup=panic` makes one)
 /// stops the consumer with an error, so that it is restarted and seen; its
 /// batch rolls back. The task was not watched: the consumer went on
