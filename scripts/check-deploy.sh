@@ -188,7 +188,7 @@ for name in apps:
           f"compose: {name}: health check start_period {period!r} shorter than 2m (it migrates at start-up)")
 
 plugins = open("deploy/rabbitmq/enabled_plugins").read()
-for plugin in ("rabbitmq_management", "rabbitmq_consistent_hash_exchange"):
+for plugin in ("rabbitmq_management", "rabbitmq_consistent_hash_exchange", "rabbitmq_prometheus"):
     check(plugin in plugins, f"rabbitmq: plugin {plugin} not enabled")
 
 prometheus = yaml.safe_load(open("deploy/prometheus/prometheus.yml"))
@@ -197,6 +197,14 @@ jobs = {job["job_name"]: [t for c in job.get("static_configs", []) for t in c["t
         for job in prometheus["scrape_configs"]}
 for name, (_, port) in apps.items():
     check(f"{name}:{port}" in jobs.get(name, []), f"prometheus: job {name} scrapes {name}:{port}")
+# The broker alerts read its metrics: the totals and alarms, and each queue's
+# depth (the detailed endpoint's queue family).
+for name in ("rabbitmq", "rabbitmq-queues"):
+    check("rabbitmq:15692" in jobs.get(name, []), f"prometheus: job {name} scrapes rabbitmq:15692")
+queues = next((j for j in prometheus["scrape_configs"] if j["job_name"] == "rabbitmq-queues"), {})
+check(queues.get("metrics_path") == "/metrics/detailed"
+      and "queue_coarse_metrics" in queues.get("params", {}).get("family", []),
+      "prometheus: job rabbitmq-queues scrapes /metrics/detailed?family=queue_coarse_metrics")
 
 rules = yaml.safe_load(open("deploy/prometheus/alerts.yml"))
 alerts = [r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r]
@@ -214,7 +222,8 @@ for group in rules["groups"]:
         anchor = runbook.partition("#")[2]
         check(runbook.startswith("deploy/README.md#") and anchor in anchors,
               f"alerts: {rule.get('alert')}: runbook {runbook!r} is not a heading of deploy/README.md")
-for needle in ("OutboxOldestPending", "OutboxEventsQuarantined", "consumer_dlq_messages", "consumer_lag_seconds", "up{job"):
+for needle in ("OutboxOldestPending", "OutboxEventsQuarantined", "consumer_dlq_messages", "consumer_lag_seconds", "up{job",
+               "rabbitmq_alarms_", "rabbitmq_detailed_queue_messages_ready"):
     check(needle in open("deploy/prometheus/alerts.yml").read(), f"alerts: nothing on {needle}")
 
 if errors:
