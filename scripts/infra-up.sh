@@ -204,8 +204,10 @@ if [ -n "$node_dir" ] && ! rabbitmq-diagnostics -q check_running >/dev/null 2>&1
     fi
 fi
 
-# plugins: consistent-hash is mandatory, management optional
-want_plugins="rabbitmq_consistent_hash_exchange rabbitmq_management"
+# plugins: consistent-hash (the partitions) and prometheus (the metrics
+# the broker alerts read; tests/tests/tracing.rs checks their names) are
+# mandatory, management optional
+want_plugins="rabbitmq_consistent_hash_exchange rabbitmq_prometheus rabbitmq_management"
 plugins_ok() { grep -qw "$1" "$RABBITMQ_ENABLED_PLUGINS_FILE" 2>/dev/null; }
 offline=--offline; [ -n "$node_dir" ] && offline=
 for p in $want_plugins; do
@@ -227,6 +229,8 @@ rmq_conf_changed=0
     else echo "listeners.tcp.default = $AMQP_PORT"; fi
     echo "log.file.level = info"
     echo "log.console = false"
+    echo "prometheus.tcp.port = 15692"
+    if [ -n "$bind_ip" ]; then echo "prometheus.tcp.ip = $bind_ip"; fi
     if [ "$mgmt" = 1 ]; then
         echo "management.tcp.port = $RABBITMQ_MGMT_PORT"
         if [ -n "$bind_ip" ]; then echo "management.tcp.ip = $bind_ip"; fi
@@ -306,6 +310,8 @@ chmod 600 "$RUN_DIR/infra.env"
     for v in AMQP_HOST AMQP_PORT AMQP_USER AMQP_PASSWORD AMQP_VHOST AMQP_URL RABBITMQ_NODENAME; do
         emit "$v" "${!v}"
     done
+    echo "prometheus.tcp.port = 15692"
+    if [ -n "$bind_ip" ]; then echo "prometheus.tcp.ip = $bind_ip"; fi
     if [ "$mgmt" = 1 ]; then emit RABBITMQ_MGMT_URL "http://$AMQP_HOST:$RABBITMQ_MGMT_PORT"; fi
 } >"$RUN_DIR/infra.env"
 

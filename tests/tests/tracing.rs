@@ -454,9 +454,19 @@ async fn every_service_exposes_lint_clean_prometheus_metrics() {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    // Every metric an alert rule reads is exported by some service: a
-    // renamed metric would leave its alert unable to fire, and promtool's
-    // rule tests (scripts/check-deploy.sh) feed the rules their own series.
+    // And the broker's, as deploy/prometheus/prometheus.yml scrapes them
+    // (jobs rabbitmq and rabbitmq-queues; the plugin infra-up.sh enables).
+    for path in ["/metrics", "/metrics/detailed?family=queue_coarse_metrics"] {
+        let url = format!("http://127.0.0.1:15692{path}");
+        let body = system_tests::wait_for_ok(&url, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("RabbitMQ's {url} (rabbitmq_prometheus): {e}"));
+        exported.push_str(&body);
+    }
+    // Every metric an alert rule reads is exported by some service or the
+    // broker: a renamed metric would leave its alert unable to fire, and
+    // promtool's rule tests (scripts/check-deploy.sh) feed the rules their
+    // own series.
     let read = alert_metric_names();
     assert!(read.len() >= 20, "alerts.yml read: {read:?}");
     let missing: Vec<&String> = read
@@ -508,14 +518,23 @@ fn alert_metric_names() -> BTreeSet<String> {
     exprs
         .iter()
         .flat_map(|expr| {
-            expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                .filter(|token| {
-                    token.contains('_')
-                        && token.starts_with(|c: char| c.is_ascii_lowercase())
-                        && *token != "histogram_quantile"
-                })
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
+            // Outside quoted strings (label values and regular expressions).
+            let code: String = expr.split('"').step_by(2).collect::<Vec<_>>().join(" ");
+            let mut names = Vec::new();
+            let mut rest = code.as_str();
+            while let Some(start) = rest.find(|c: char| c.is_ascii_lowercase()) {
+                let token = &rest[start..];
+                let end = token
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(token.len());
+                let (name, after) = token.split_at(end);
+                // Not a function (`label_replace(`, `histogram_quantile(`).
+                if name.contains('_') && !after.trim_start().starts_with('(') {
+                    names.push(name.to_owned());
+                }
+                rest = after;
+            }
+            names
         })
         .collect()
 }
