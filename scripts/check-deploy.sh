@@ -179,13 +179,13 @@ def seconds(duration):
 # Every app migrates its database at start-up (order-api and the relay the
 # orders database, each consumer its own; `<service> migrate` runs the same)
 # and answers /readyz only after: its start period must cover a migration
-# that waits for table locks (retried for up to two minutes) or builds an
+# that waits for table locks (retried for up to two and a half minutes) or builds an
 # index, or a migrating consumer turns unhealthy and `up` never starts the
 # relay, which waits for the consumers to be healthy.
 for name in apps:
     period = services.get(name, {}).get("healthcheck", {}).get("start_period")
-    check((seconds(period) or 0) >= 120,
-          f"compose: {name}: health check start_period {period!r} shorter than 2m (it migrates at start-up)")
+    check((seconds(period) or 0) >= 150,
+          f"compose: {name}: health check start_period {period!r} shorter than 2m30s (it migrates at start-up)")
 
 plugins = open("deploy/rabbitmq/enabled_plugins").read()
 for plugin in ("rabbitmq_management", "rabbitmq_consistent_hash_exchange", "rabbitmq_prometheus"):

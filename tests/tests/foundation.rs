@@ -16,7 +16,7 @@ use lapin::{
     types::FieldTable,
     BasicProperties,
 };
-use system_tests::{amqp_url, free_port, pg, pool, wait_for_ok, Database, Service};
+use system_tests::{amqp_url, free_port, pg, pg_url, pool, wait_for_ok, Database, Service};
 use tokio_postgres::error::SqlState;
 
 async fn tables(db: Database) -> Vec<String> {
@@ -216,6 +216,56 @@ async fn an_older_binary_starts_on_a_newer_schema_without_error_lines() {
         .expect("drop the database");
 }
 
+/// A migration's DDL waiting on an autovacuum's lock gets it: the server
+/// cancels the autovacuum when `deadlock_timeout` runs out, before the
+/// migration's lock timeout (`kit::migrations::bound_ddl_lock_waits`). With
+/// both at 1 s the lock timeout came first and the cancel was never sent:
+/// every attempt failed for as long as the vacuum ran (a large table's,
+/// throttled), and the start-up after them. On a database of its own,
+/// whose table's autovacuum is throttled to a crawl.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_s_ddl_cancels_an_autovacuum_in_its_way() {
+    let (database, url) = system_tests::create_database(Database::Orders).await;
+    let client = system_tests::connect_url(&url).await;
+    client
+        .batch_execute(
+            "CREATE TABLE crawl (id int, pad text) WITH ( \
+                 autovacuum_vacuum_cost_delay = 100, autovacuum_vacuum_cost_limit = 1, \
+                 autovacuum_vacuum_threshold = 0, autovacuum_vacuum_scale_factor = 0, \
+                 autovacuum_analyze_threshold = 1000000000); \
+             INSERT INTO crawl SELECT g, repeat('x', 100) FROM generate_series(1, 50000) g; \
+             DELETE FROM crawl",
+        )
+        .await
+        .expect("a table for autovacuum");
+    // The launcher visits each database every autovacuum_naptime (10 s
+    // here: infra-up.sh), shared between the databases.
+    system_tests::consumers::eventually(
+        "autovacuum on the table",
+        Duration::from_secs(120),
+        || async {
+            client
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_progress_vacuum WHERE relid = 'crawl'::regclass",
+                    &[],
+                )
+                .await
+                .expect("pg_stat_progress_vacuum")
+                .map(|_| ())
+        },
+    )
+    .await;
+    kit::migrations::bound_ddl_lock_waits(&client)
+        .await
+        .expect("lock timeout");
+    client
+        .batch_execute("ALTER TABLE crawl ADD COLUMN added int")
+        .await
+        .expect("the DDL gets its lock: the autovacuum is cancelled");
+    drop(client);
+    system_tests::drop_database(Database::Orders, &database).await;
+}
+
 /// An operator command's session (`kit::db::pool`: migrate, requeue,
 /// replay, redrive) ends a transaction left idle for 60 s (suspended, or its
 /// network lost between a write and its COMMIT: its row locks released);
@@ -235,6 +285,50 @@ async fn an_operator_command_s_session_cannot_hold_a_transaction_open() {
         (row.get::<_, String>(0), row.get::<_, String>(1)),
         ("1min".to_owned(), "0".to_owned())
     );
+}
+
+/// Every session the services open asks the server to probe its client
+/// (TCP keepalive after 15 s idle, 3 probes 5 s apart): a session whose
+/// host vanished between statements ends within about 30 s, with the
+/// session-level advisory lock it may hold (the relay's cleanup run, a
+/// redrive), not after the kernel's two hours of every other instance
+/// locked out. Pools (a service's and an operator command's) and the
+/// sessions opened outside a pool (`bound_session`, `bound_command_session`).
+#[tokio::test]
+async fn every_session_asks_the_server_to_probe_its_client() {
+    let keepalives = "SELECT current_setting('tcp_keepalives_idle'), \
+                      current_setting('tcp_keepalives_interval'), \
+                      current_setting('tcp_keepalives_count')";
+    let expected = ("15".to_owned(), "5".to_owned(), "3".to_owned());
+    let of = |row: tokio_postgres::Row| {
+        (
+            row.get::<_, String>(0),
+            row.get::<_, String>(1),
+            row.get::<_, String>(2),
+        )
+    };
+    // Over TCP: on a Unix socket the server has no keepalive to set.
+    assert!(pg_url(Database::Orders).contains("127.0.0.1"));
+    let command = pool(Database::Orders).get().await.expect("connection");
+    let row = command.query_one(keepalives, &[]).await.expect("settings");
+    assert_eq!(of(row), expected, "an operator command's pool");
+    let mut settings = kit::settings::DatabaseSettings::local(Database::Orders.name());
+    settings.url = pg_url(Database::Orders);
+    let service =
+        kit::db::pool_with_options(&settings, Some(kit::db::SESSION_LIMITS)).expect("pool");
+    let service = service.get().await.expect("connection");
+    let row = service.query_one(keepalives, &[]).await.expect("settings");
+    assert_eq!(of(row), expected, "a service's pool");
+    for bound in [kit::db::bound_session, kit::db::bound_command_session] {
+        let mut config: tokio_postgres::Config = pg_url(Database::Orders).parse().expect("url");
+        bound(&mut config);
+        let (client, connection) = kit::db::connect_with(&config).await.expect("connect");
+        let driver = tokio::spawn(connection);
+        let row = client.query_one(keepalives, &[]).await.expect("settings");
+        assert_eq!(of(row), expected, "a session of its own");
+        drop(client);
+        let _ = driver.await;
+    }
 }
 
 #[tokio::test]
@@ -307,6 +401,148 @@ async fn the_outbox_keeps_no_statistics_of_its_payload() {
         assert_eq!(*target, expected, "{column}: {targets:?}");
     }
     assert_eq!(targets.len(), 20, "{targets:?}");
+}
+
+/// The runbook's replacement of a quarantined row that could not be encoded
+/// (deploy/README.md, "OutboxEventsQuarantined"), run as written there: the
+/// corrective event takes the row's position, its `occurred_at` (the
+/// ledger's effective date; a replay's `--since`) and trace context, and
+/// commits (V14). A row that may not be replaced (it was sent) changes
+/// nothing. On a database of its own: no relay sees the rows.
+#[tokio::test]
+async fn the_runbook_s_replacement_keeps_the_event_s_position_time_and_trace() {
+    let runbook =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/README.md"))
+            .expect("the runbook");
+    let (_, after) = runbook
+        .split_once("The replacement (for a row that could not be encoded")
+        .expect("the replacement's paragraph");
+    let (_, block) = after.split_once("```sql\n").expect("its SQL");
+    let (sql, _) = block.split_once("```").expect("its end");
+    let (database, url) = system_tests::create_database(Database::Orders).await;
+    let mut settings = kit::settings::DatabaseSettings::local(Database::Orders.name());
+    settings.url = url.clone();
+    kit::migrations::run(&kit::db::pool(&settings).expect("pool"), Database::Orders)
+        .await
+        .expect("migrate");
+    let client = system_tests::connect_url(&url).await;
+    let order = uuid::Uuid::now_v7().to_string();
+    let row = |event_id: uuid::Uuid, set: &'static str| {
+        let (client, order) = (&client, order.clone());
+        async move {
+            client
+                .execute(
+                    "INSERT INTO outbox_events (event_id, tenant_id, aggregate_type, aggregate_id, \
+                     aggregate_sequence, event_type, schema_version, payload, occurred_at, \
+                     traceparent, tracestate) \
+                     VALUES ($1, 'acme', 'order', $2, 2, 'PaymentReceived', 1, '{}', \
+                             timestamptz '2026-11-02 10:00:00.123456Z', \
+                             '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01', 'acme=1')",
+                    &[&event_id, &order],
+                )
+                .await
+                .expect("the row");
+            client
+                .execute(
+                    &format!("UPDATE outbox_events SET {set} WHERE event_id = $1"),
+                    &[&event_id],
+                )
+                .await
+                .expect("its state");
+        }
+    };
+    let replace = |event_id: uuid::Uuid| {
+        sql.replace("'<event_id>'", &format!("'{event_id}'"))
+            .replace("'<event type>'", "'PaymentReceived'")
+            .replace("<version>", "1")
+            .replace("'<corrected payload>'", "'{\"corrected\": true}'")
+    };
+    let outbox = || async {
+        client
+            .query(
+                "SELECT event_id, aggregate_sequence, payload::text, occurred_at::text, \
+                        traceparent, tracestate, published_at IS NULL AND quarantined_at IS NULL \
+                 FROM outbox_events WHERE aggregate_id = $1",
+                &[&order],
+            )
+            .await
+            .expect("outbox")
+            .iter()
+            .map(|r| {
+                (
+                    r.get::<_, uuid::Uuid>(0),
+                    r.get::<_, i64>(1),
+                    r.get::<_, String>(2),
+                    r.get::<_, String>(3),
+                    r.get::<_, String>(4),
+                    r.get::<_, String>(5),
+                    r.get::<_, bool>(6),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    client
+        .batch_execute("SET TIME ZONE 'UTC'")
+        .await
+        .expect("time zone");
+    // Sent once (unroutable): not replaced, nothing changes.
+    let sent = uuid::Uuid::now_v7();
+    row(
+        sent,
+        "attempt_count = 5, own_failure_count = 5, quarantined_at = now(), \
+               last_error = 'unroutable: returned by the broker (312 NO_ROUTE)'",
+    )
+    .await;
+    let before = outbox().await;
+    client
+        .batch_execute(&replace(sent))
+        .await
+        .expect("the runbook's statement");
+    assert_eq!(outbox().await, before);
+    client
+        .batch_execute(
+            "BEGIN; SET LOCAL outbox.allow_unpublished_delete = on; \
+             DELETE FROM outbox_events; COMMIT",
+        )
+        .await
+        .expect("clear");
+    // Never sendable: replaced.
+    let never_sent = uuid::Uuid::now_v7();
+    row(
+        never_sent,
+        "attempt_count = 5, own_failure_count = 5, quarantined_at = now(), \
+                     last_error = 'not sendable: the event type is 256 bytes long'",
+    )
+    .await;
+    client
+        .batch_execute(&replace(never_sent))
+        .await
+        .expect("the runbook's statement");
+    let after = outbox().await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    let (event_id, sequence, payload, occurred_at, traceparent, tracestate, pending) =
+        after[0].clone();
+    assert_ne!(event_id, never_sent, "a new event id");
+    assert_eq!(
+        (
+            sequence,
+            payload.as_str(),
+            occurred_at.as_str(),
+            traceparent.as_str(),
+            tracestate.as_str(),
+            pending
+        ),
+        (
+            2,
+            r#"{"corrected": true}"#,
+            "2026-11-02 10:00:00.123456+00",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "acme=1",
+            true
+        )
+    );
+    drop(client);
+    system_tests::drop_database(Database::Orders, &database).await;
 }
 
 /// A new outbox row of tenant acme, then `SET <set>` on it (none if empty).

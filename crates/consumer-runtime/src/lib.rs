@@ -564,14 +564,10 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                 let application = format!("{} redrive", settings.consumer.name);
                 let mut config: tokio_postgres::Config = settings.database.url.parse()?;
                 config.application_name(&application);
+                kit::db::bound_command_session(&mut config);
                 kit::db::bound_network_waits(&mut config);
                 let (lock, connection) = kit::db::connect_with(&config).await?;
                 let driver = tokio::spawn(connection);
-                lock.batch_execute(
-                    "SET tcp_keepalives_idle = 15; SET tcp_keepalives_interval = 5; \
-                     SET tcp_keepalives_count = 3",
-                )
-                .await?;
                 let locked: bool = lock
                     .query_one(
                         "SELECT pg_try_advisory_lock($1, hashtext($2))",

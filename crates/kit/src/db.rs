@@ -29,9 +29,14 @@ pub enum DbError {
 /// than 30 s, and a transaction left idle for 60 s (a client that hangs or
 /// lost its network mid-transaction) is ended by the server, releasing its
 /// row locks (claimed outbox rows, an order's progress row, stock levels)
-/// for the other instances.
+/// for the other instances. The server probes an idle session's client
+/// (TCP keepalive after 15 s, 3 probes 5 s apart, as the client does:
+/// [`bound_network_waits`]): a session whose host vanished between
+/// statements, holding a session-level advisory lock (the relay's cleanup, a
+/// redrive) or not, ends within about 30 s, not the kernel's two hours.
 pub const SESSION_LIMITS: &str =
-    "-c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000";
+    "-c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000 \
+     -c tcp_keepalives_idle=15 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3";
 
 /// Bound how long a session can wait on a server it can no longer reach
 /// (a network partition, a host that vanished without a reset): the
@@ -131,6 +136,13 @@ pub fn bound_session(config: &mut tokio_postgres::Config) {
     config.options(&merged);
 }
 
+/// [`bound_session`] for an operator command's own session
+/// ([`COMMAND_SESSION_LIMITS`]: no statement bound).
+pub fn bound_command_session(config: &mut tokio_postgres::Config) {
+    let merged = merged_options(COMMAND_SESSION_LIMITS, config.get_options());
+    config.options(&merged);
+}
+
 /// The service's session options followed by the URL's own (`options=-c
 /// search_path=...`): both apply, and a setting the URL names again wins
 /// (PostgreSQL takes the last `-c` of a name), as URL values do in
@@ -148,7 +160,9 @@ fn merged_options(ours: &str, url: Option<&str>) -> String {
 /// the server, its row locks released. No statement bound: a replay's page
 /// over a long retained history, a migration, may take longer than a
 /// service's statement.
-pub const COMMAND_SESSION_LIMITS: &str = "-c idle_in_transaction_session_timeout=60000";
+/// The server's keepalive probes as in [`SESSION_LIMITS`].
+pub const COMMAND_SESSION_LIMITS: &str = "-c idle_in_transaction_session_timeout=60000 \
+     -c tcp_keepalives_idle=15 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3";
 
 /// Build a pool for an operator command ([`COMMAND_SESSION_LIMITS`]).
 /// Connections are opened lazily, so this never touches the network; use

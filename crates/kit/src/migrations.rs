@@ -100,8 +100,31 @@ pub enum MigrationError {
 
 /// The longest a migration's statement waits for a table lock: shorter than
 /// order-api's requests wait for theirs (2 s), so the writers queued behind a
-/// waiting DDL statement are served, not failed.
-pub const DDL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+/// waiting DDL statement are served, not failed. Unless the server's
+/// `deadlock_timeout` is as long: see [`bound_ddl_lock_waits`].
+pub const DDL_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(1500);
+
+/// Bound the session's table-lock waits for DDL: [`DDL_LOCK_TIMEOUT`], and
+/// at least 500 ms past the server's `deadlock_timeout`. A statement waiting
+/// on an autovacuum's lock has the server cancel that autovacuum when
+/// `deadlock_timeout` runs out; with both timeouts equal (1 s and the
+/// default 1 s) the lock timeout's error came first, the cancel was never
+/// sent, and every attempt failed while a long vacuum ran (a large table's,
+/// throttled): start-up failed after two minutes of attempts.
+pub async fn bound_ddl_lock_waits(
+    client: &tokio_postgres::Client,
+) -> Result<(), tokio_postgres::Error> {
+    let floor = i64::try_from(DDL_LOCK_TIMEOUT.as_millis()).unwrap_or(i64::MAX);
+    client
+        .query_one(
+            "SELECT set_config('lock_timeout', greatest($1::bigint, \
+                 (SELECT setting::bigint FROM pg_settings WHERE name = 'deadlock_timeout') + 500)::text, \
+                 false)",
+            &[&floor],
+        )
+        .await?;
+    Ok(())
+}
 /// Attempts of a migration set whose statement found its table lock busy
 /// (a second apart).
 const DDL_LOCK_ATTEMPTS: u32 = 60;
@@ -158,7 +181,7 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
 /// a table lock at most [`DDL_LOCK_TIMEOUT`]: every write to that table
 /// queues behind a waiting DDL statement, so behind a long transaction
 /// elsewhere the migration gives way and tries again (`DDL_LOCK_ATTEMPTS`, 60
-/// attempts a second apart: up to two minutes with their lock waits, then
+/// attempts a second apart: up to two and a half minutes with their lock waits, then
 /// the start-up fails) instead of stalling the table's writers. Migrations are written to take their
 /// exclusive locks only for instants (expand in one, backfill and validate
 /// in the next: orders V6 and V7).
@@ -227,12 +250,7 @@ async fn migrate(
             });
         }
     }
-    client
-        .batch_execute(&format!(
-            "SET lock_timeout = {}",
-            DDL_LOCK_TIMEOUT.as_millis()
-        ))
-        .await?;
+    bound_ddl_lock_waits(client).await?;
     let mut applied = Vec::new();
     let mut result = Ok(());
     'sets: for runner in database.runners() {
