@@ -1020,6 +1020,65 @@ async fn an_event_whose_predecessor_never_comes_is_deferred_a_bounded_number_of_
     );
 }
 
+/// (3c) An event that waited out a gap past its deferrals still has its
+/// own attempts once in order: the gap's failures and the handler's are
+/// counted apart. (They shared one count: three gap failures, then two of
+/// the handler's, dead-lettered the event and parked its order at five.)
+/// The delivery waits for the missing payment: one deferral, then gap
+/// failures through tiers 0, 1 and 2 (held 15 s there); the payment comes;
+/// the delivery, in order, fails twice in the handler and is applied at
+/// its third try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_that_waited_out_a_gap_keeps_its_own_attempts() {
+    let tenant = unique("t5-gap-attempts");
+    let name = unique("t5-gap-attempts-loy");
+    let s = story(&tenant);
+    let loyalty_c = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            max_deferrals: 1,
+            tiers_ms: "100,100,15000,15000,15000".to_owned(),
+            // Evaluated for each event the handler runs for (a count each,
+            // whether it names that event or not): the placed event's
+            // evaluation, then two failures of the delivery's.
+            failpoints: Some(format!(
+                "consumer.handler_error=3*return({})",
+                s.delivered.event_id
+            )),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Loyalty, &name, s.order, 1).await;
+    publisher.to_consumer(&name, &s.delivered).await;
+    // Its third gap failure: held 15 s in tier 2.
+    loyalty_c
+        .wait_metric("consumer_retried_total", "tier=\"2\"", 1.0)
+        .await;
+    publisher.to_consumer(&name, &s.paid).await;
+    wait_sequence(Database::Loyalty, &name, s.order, 3).await;
+    assert_eq!(
+        loyalty(&tenant).await,
+        vec![("77".to_owned(), 80, s.order, s.delivered.event_id)]
+    );
+    assert_eq!(
+        progress(Database::Loyalty, &name, s.order).await,
+        Some((3, false)),
+        "applied in order, not parked"
+    );
+    assert_eq!(
+        loyalty_c.metric("consumer_dead_lettered_total", "").await,
+        0.0
+    );
+    // One deferral; three gap failures (tiers 0, 1, 2) and two of the
+    // handler's (tiers 0, 1).
+    assert_eq!(loyalty_c.metric("consumer_deferred_total", "").await, 1.0);
+    assert_eq!(loyalty_c.metric("consumer_retried_total", "").await, 5.0);
+}
+
 /// (4a) A handler that fails twice then succeeds: applied once, after two
 /// retry tiers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1440,6 +1499,58 @@ async fn a_second_redrive_of_a_consumer_refuses_while_one_runs() {
         "still parked: the second run did nothing"
     );
     let stdout = held_redrive_output(held).await;
+    assert_moved_in_order(&stdout, &[&bad.placed]);
+    wait_sequence(Database::Loyalty, &name, bad.order, 1).await;
+}
+
+/// A redrive whose lock session ends under it (a database restart, an
+/// administrator's `pg_terminate_backend`: the lock goes with it, and
+/// another run may take it) stops before it un-parks or moves anything,
+/// status 1: the letters it held go back to the DLQ, the order stays
+/// parked, and the next run moves them. (It went on, un-parking and moving
+/// on its pool's new sessions beside any run that took the lock.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_that_loses_its_lock_stops_before_it_changes_anything() {
+    let tenant = unique("t5-redrive-lost");
+    let bad = story(&tenant);
+    let name = unique("t5-redrive-lost-loy");
+    let (_fixed, _publisher, _stopped) =
+        parked_at_its_first_event(&name, &bad, Options::default()).await;
+    let held = held_redrive(&name, "consumer.redrive.after_drain=1*sleep(10000)").await;
+    let ended: i64 = pg(Database::Loyalty)
+        .await
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = $1",
+            &[&format!("{name} redrive")],
+        )
+        .await
+        .expect("terminate the lock session")
+        .get(0);
+    assert_eq!(ended, 1, "the redrive's lock session");
+    let output = tokio::time::timeout(Duration::from_secs(120), held.wait_with_output())
+        .await
+        .expect("the redrive ends")
+        .expect("redrive output");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert_eq!(output.status.code(), Some(1), "{stdout}");
+    assert!(
+        !stdout
+            .lines()
+            .any(|l| l.starts_with("moved ") || l.starts_with("unparked ")),
+        "{stdout}"
+    );
+    assert_eq!(
+        progress(Database::Loyalty, &name, bad.order).await,
+        Some((0, true)),
+        "still parked"
+    );
+    let dlq = format!("{name}.dlq");
+    eventually("the letter back in the DLQ", WAIT, || async {
+        (queue_depth(&dlq).await == 1).then_some(())
+    })
+    .await;
+    let stdout = redrive(Kind::Loyalty, &name, &[]).await;
     assert_moved_in_order(&stdout, &[&bad.placed]);
     wait_sequence(Database::Loyalty, &name, bad.order, 1).await;
 }

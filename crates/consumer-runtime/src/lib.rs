@@ -576,11 +576,15 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                     .await?
                     .get(0);
                 if !locked {
+                    // The lock's holder (not another refused run of the
+                    // same name).
                     let holder: Option<i32> = lock
                         .query_opt(
-                            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
-                             AND pid <> pg_backend_pid() LIMIT 1",
-                            &[&application],
+                            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' \
+                             AND classid = $1::int4::oid AND objid = hashtext($2)::oid \
+                             AND objsubid = 2 AND granted AND database = \
+                             (SELECT oid FROM pg_database WHERE datname = current_database())",
+                            &[&redrive::LOCK_CLASS, &settings.consumer.name],
                         )
                         .await?
                         .map(|row| row.get(0));
@@ -593,7 +597,7 @@ pub async fn main<D: Domain>() -> anyhow::Result<()> {
                     );
                 }
                 let (report, result) =
-                    redrive::redrive(&pool, &settings.amqp, &topology, order.as_deref(), max).await;
+                    redrive::redrive(&pool, &lock, &settings.amqp, &topology, order.as_deref(), max).await;
                 drop(lock);
                 let _ = driver.await;
                 for moved in &report.moved {

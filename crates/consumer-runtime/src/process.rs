@@ -105,6 +105,14 @@ struct Incoming<'a> {
     deferrals: u32,
 }
 
+/// What failed: the domain handler, or the wait for an earlier event of the
+/// order past `max_deferrals` (each counted on its own).
+#[derive(Clone, Copy)]
+enum Failure {
+    Handler,
+    Gap,
+}
+
 enum Decoded {
     /// A valid envelope; `None` event = an event type this build does not know.
     Ok(RawEnvelope, Option<Event>),
@@ -446,7 +454,9 @@ impl<D: Domain> Processor<D> {
                 };
                 rollback(tx).await;
                 drop(client);
-                return self.failed(publisher, incoming, raw, &reason).await;
+                return self
+                    .failed(publisher, incoming, raw, &reason, Failure::Handler)
+                    .await;
             }
         };
         if !opened.new {
@@ -531,9 +541,11 @@ impl<D: Domain> Processor<D> {
             }
             let error = format!(
                 "sequence {sequence} still ahead of the last applied {last} after {} deferrals",
-                incoming.deferrals
+                self.max_deferrals
             );
-            return self.failed(publisher, incoming, raw, &error).await;
+            return self
+                .failed(publisher, incoming, raw, &error, Failure::Gap)
+                .await;
         }
 
         // In order: the progress was advanced with the inbox row (a handler
@@ -588,7 +600,13 @@ impl<D: Domain> Processor<D> {
                     return Err(Infra::Database(error.to_string()));
                 }
                 return self
-                    .failed(publisher, incoming, raw, &error.to_string())
+                    .failed(
+                        publisher,
+                        incoming,
+                        raw,
+                        &error.to_string(),
+                        Failure::Handler,
+                    )
                     .await;
             }
         };
@@ -612,7 +630,9 @@ impl<D: Domain> Processor<D> {
             // here, at COMMIT, for this event's rows.
             let reason = the_event_s_own(&error).ok_or_else(|| Infra::from(error))?;
             drop(client);
-            return self.failed(publisher, incoming, raw, &reason).await;
+            return self
+                .failed(publisher, incoming, raw, &reason, Failure::Handler)
+                .await;
         }
         if kit::failpoint::error_point("consumer.commit_reply_lost") {
             // The fault of a COMMIT that reached the server, its reply lost
@@ -688,23 +708,48 @@ impl<D: Domain> Processor<D> {
         }
     }
 
-    /// A failed attempt: the next retry tier, or the DLQ (and park) after the last.
+    /// A failed attempt: the next retry tier, or the DLQ (and park) after the
+    /// last. The handler's failures and a gap's past its deferrals are
+    /// counted apart (the attempts header; the deferrals header past
+    /// `max_deferrals`), each up to `max_attempts`: an event that waited
+    /// out a gap still has its five attempts once in order (the gap's
+    /// failures spent them: one handler failure then parked it).
     async fn failed(
         &self,
         publisher: &Channel,
         incoming: &Incoming<'_>,
         raw: &RawEnvelope,
         error: &str,
+        failure: Failure,
     ) -> Result<Outcome, Infra> {
-        let attempts = incoming.attempts.saturating_add(1);
-        if attempts >= self.max_attempts {
-            let reason = format!("failed {attempts} times: {error}");
-            // The letter's attempts header counts this failure too, as its
-            // reason does.
-            let counted = Incoming {
-                attempts,
-                ..*incoming
-            };
+        // This failure's count (1 for the first), and the message's counts
+        // with it.
+        let (failures, counted) = match failure {
+            Failure::Handler => {
+                let attempts = incoming.attempts.saturating_add(1);
+                (
+                    attempts,
+                    Incoming {
+                        attempts,
+                        ..*incoming
+                    },
+                )
+            }
+            Failure::Gap => {
+                let deferrals = incoming.deferrals.saturating_add(1);
+                (
+                    deferrals.saturating_sub(self.max_deferrals),
+                    Incoming {
+                        deferrals,
+                        ..*incoming
+                    },
+                )
+            }
+        };
+        if failures >= self.max_attempts {
+            let reason = format!("failed {failures} times: {error}");
+            // The letter's headers count this failure too, as its reason
+            // does.
             if self
                 .dead_letter_and_park(publisher, &counted, raw.into(), &reason)
                 .await?
@@ -719,16 +764,29 @@ impl<D: Domain> Processor<D> {
             return Ok(Outcome::DeadLettered { reason });
         }
         let last_tier = self.topology.tiers.len().saturating_sub(1);
-        let tier = usize::try_from(attempts - 1)
+        let tier = usize::try_from(failures.saturating_sub(1))
             .unwrap_or(last_tier)
             .min(last_tier);
-        self.republish(publisher, incoming, tier, attempts, incoming.deferrals)
-            .await?;
+        self.republish(
+            publisher,
+            incoming,
+            tier,
+            counted.attempts,
+            counted.deferrals,
+        )
+        .await?;
         self.metrics
             .retried
             .with_label_values(&[&tier.to_string()])
             .inc();
-        tracing::warn!(event_id = %raw.event_id, order = %raw.aggregate_id, attempts, tier, %error, "handler failed: retrying later");
+        match failure {
+            Failure::Handler => {
+                tracing::warn!(event_id = %raw.event_id, order = %raw.aggregate_id, attempts = failures, tier, %error, "handler failed: retrying later");
+            }
+            Failure::Gap => {
+                tracing::warn!(event_id = %raw.event_id, order = %raw.aggregate_id, gap_failures = failures, tier, %error, "gap not closed: retrying later");
+            }
+        }
         Ok(Outcome::Retried { tier })
     }
 

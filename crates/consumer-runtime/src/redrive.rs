@@ -373,9 +373,15 @@ async fn keep(
     Ok(())
 }
 
-async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bool> {
-    let client = pool.get().await?;
-    let updated = match client
+/// Un-park `order`, on the run's lock session (`lock`): a run whose lock
+/// session ended (a database restart: the lock with it, and another run may
+/// hold it now) fails here instead of un-parking beside that run.
+async fn unpark(
+    lock: &tokio_postgres::Client,
+    consumer: &str,
+    order: &str,
+) -> anyhow::Result<bool> {
+    let updated = match lock
         .execute(
             "UPDATE order_progress SET parked_at = NULL, parked_event_id = NULL, parked_sequence = NULL, \
              parked_reason = NULL, updated_at = now() \
@@ -387,7 +393,10 @@ async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bo
         Ok(updated) => updated,
         // An id the database cannot store has no progress row to un-park.
         Err(error) if the_event_s_own(&error).is_some() => 0,
-        Err(error) => return Err(error.into()),
+        Err(error) => {
+            return Err(anyhow::Error::new(error)
+                .context("un-parking on the redrive's lock session (the run stops)"))
+        }
     };
     Ok(updated > 0)
 }
@@ -398,6 +407,7 @@ async fn unpark(pool: &PgPool, consumer: &str, order: &str) -> anyhow::Result<bo
 /// letters not yet settled return to the DLQ when the connection closes).
 pub async fn redrive(
     pool: &PgPool,
+    lock: &tokio_postgres::Client,
     amqp: &kit::settings::AmqpSettings,
     topology: &Topology,
     only_order: Option<&str>,
@@ -417,7 +427,7 @@ pub async fn redrive(
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        move_in_passes(pool, channel, topology, only_order, max, &mut report).await
+        move_in_passes(pool, lock, channel, topology, only_order, max, &mut report).await
     }
     .await;
     // Closed before the connection (dropped open, it made lapin log an ERROR
@@ -448,13 +458,14 @@ type FollowUp = HashMap<String, i64>;
 /// them).
 async fn move_in_passes(
     pool: &PgPool,
+    lock: &tokio_postgres::Client,
     channel: &Channel,
     topology: &Topology,
     only_order: Option<&str>,
     max: usize,
     report: &mut Report,
 ) -> anyhow::Result<()> {
-    move_letters(pool, channel, topology, only_order, max, None, report).await?;
+    move_letters(pool, lock, channel, topology, only_order, max, None, report).await?;
     if report.unparked.is_empty() {
         return Ok(());
     }
@@ -480,7 +491,17 @@ async fn move_in_passes(
     // Where a test holds the run between its passes, for an order it
     // un-parked to be parked again.
     kit::failpoint::hold_point("consumer.redrive.before_follow_up");
-    let result = move_letters(pool, channel, topology, None, max, Some(&follow_up), report).await;
+    let result = move_letters(
+        pool,
+        lock,
+        channel,
+        topology,
+        None,
+        max,
+        Some(&follow_up),
+        report,
+    )
+    .await;
     // A letter of these orders that the first pass kept is read again and
     // may be kept for the same reason: said once.
     let mut said = HashSet::new();
@@ -494,8 +515,10 @@ async fn move_in_passes(
 /// order's letters continue from its last applied sequence or from the
 /// highest one the first pass moved (in its partition ahead of them, maybe
 /// not applied yet), whichever is higher.
+#[allow(clippy::too_many_arguments)]
 async fn move_letters(
     pool: &PgPool,
+    lock: &tokio_postgres::Client,
     channel: &Channel,
     topology: &Topology,
     only_order: Option<&str>,
@@ -571,7 +594,7 @@ async fn move_letters(
             for letters in std::mem::take(&mut selected).into_values() {
                 others.extend(letters);
             }
-        } else if !selected.contains_key(order) && unpark(pool, &topology.name, order).await? {
+        } else if !selected.contains_key(order) && unpark(lock, &topology.name, order).await? {
             // Crash window: the order is un-parked (the DLQ holds none of its
             // letters: nothing to move); the letters read stay in the DLQ,
             // and only this run's report is lost.
@@ -586,6 +609,12 @@ async fn move_letters(
             others.extend(letters);
             continue;
         }
+        // The lock session ended (the database restarted, say): another
+        // run may hold the lock now. Stop; the letters not settled go back.
+        anyhow::ensure!(
+            !lock.is_closed(),
+            "the redrive's lock session ended: stopped (run it again)"
+        );
         let Progress {
             last,
             owner,
@@ -681,7 +710,7 @@ async fn move_letters(
         // Un-park first, or the moved events would go straight back to the
         // DLQ. (A follow-up's orders are un-parked already; one parked again
         // since stays parked.)
-        if follow_up.is_none() && unpark(pool, &topology.name, &order).await? {
+        if follow_up.is_none() && unpark(lock, &topology.name, &order).await? {
             report.unparked.push(order.clone());
         }
         // Crash window: the order is un-parked, its letters unacknowledged
