@@ -545,6 +545,100 @@ async fn the_runbook_s_replacement_keeps_the_event_s_position_time_and_trace() {
     system_tests::drop_database(Database::Orders, &database).await;
 }
 
+/// The runbook's ledger V5 by hand (deploy/README.md, "Ledger V5 and
+/// loyalty V3 by hand"), run as written there on a ledger database at V4:
+/// the release then starts past it (V5 not run again: its `ADD COLUMN`
+/// would fail on the column), and the column, its default and the index are
+/// those of a database the release migrated itself. On a database of its own.
+#[tokio::test]
+async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
+    let file = |path: &str| {
+        std::fs::read_to_string(format!("{}/../{path}", env!("CARGO_MANIFEST_DIR")))
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    let runbook = file("deploy/README.md");
+    let (_, after) = runbook
+        .split_once("### Ledger V5 and loyalty V3 by hand")
+        .expect("the runbook's section");
+    let (_, block) = after.split_once("```sql\n").expect("its SQL");
+    let (sql, _) = block.split_once("```").expect("its end");
+    let checksums = file("migrations/CHECKSUMS");
+    let (database, url) = system_tests::create_database(Database::Ledger).await;
+    let client = system_tests::connect_url(&url).await;
+    // At V4, as an earlier release left it.
+    client
+        .batch_execute(
+            "CREATE TABLE refinery_schema_history (version int4 PRIMARY KEY, \
+             name VARCHAR(255), applied_on VARCHAR(255), checksum VARCHAR(255))",
+        )
+        .await
+        .expect("history");
+    for (version, name) in [
+        (1, "journal"),
+        (2, "journal_by_tenant_and_time"),
+        (3, "journal_effective_at"),
+        (4, "journal_lines_only_with_their_entry"),
+    ] {
+        client
+            .batch_execute(&file(&format!("migrations/ledger/V{version}__{name}.sql")))
+            .await
+            .unwrap_or_else(|e| panic!("V{version}: {e}"));
+        let line = format!("ledger V{version} {name} ");
+        let hex = checksums
+            .lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .unwrap_or_else(|| panic!("no checksum of {line}"));
+        let checksum = u64::from_str_radix(hex.trim(), 16).expect("hexadecimal");
+        client
+            .execute(
+                "INSERT INTO refinery_schema_history VALUES ($1, $2, '2026-12-01T00:00:00Z', $3)",
+                &[&version, &name, &checksum.to_string()],
+            )
+            .await
+            .expect("history row");
+    }
+    for statement in sql.split(";\n").map(str::trim).filter(|s| !s.is_empty()) {
+        if statement.starts_with("SELECT indisvalid") {
+            let valid: bool = client
+                .query_one(statement, &[])
+                .await
+                .expect(statement)
+                .get(0);
+            assert!(valid, "the index built by hand is valid");
+        } else {
+            client.batch_execute(statement).await.expect(statement);
+        }
+    }
+    let mut settings = kit::settings::DatabaseSettings::local(Database::Ledger.name());
+    settings.url = url.clone();
+    let applied = kit::migrations::run(&kit::db::pool(&settings).expect("pool"), Database::Ledger)
+        .await
+        .expect("the release migrates past the V5 applied by hand");
+    let ledger: Vec<&String> = applied.iter().filter(|m| m.contains("journal")).collect();
+    assert_eq!(
+        ledger,
+        [
+            "V6__drop_journal_by_tenant_and_time",
+            "V7__journal_lines_only_with_their_entry_by_written_by"
+        ],
+        "{applied:?}"
+    );
+    let shape = "SELECT pg_get_indexdef('journal_entries_tenant_written_idx'::regclass), \
+                 (SELECT pg_get_expr(adbin, adrelid) FROM pg_attrdef d JOIN pg_attribute a \
+                    ON a.attrelid = d.adrelid AND a.attnum = d.adnum \
+                  WHERE d.adrelid = 'journal_entries'::regclass AND a.attname = 'written_by')";
+    let of = |row: tokio_postgres::Row| (row.get::<_, String>(0), row.get::<_, String>(1));
+    let by_hand = of(client.query_one(shape, &[]).await.expect("by hand"));
+    let released = of(pg(Database::Ledger)
+        .await
+        .query_one(shape, &[])
+        .await
+        .expect("as released"));
+    assert_eq!(by_hand, released);
+    drop(client);
+    system_tests::drop_database(Database::Ledger, &database).await;
+}
+
 /// A new outbox row of tenant acme, then `SET <set>` on it (none if empty).
 async fn outbox_row(tx: &tokio_postgres::Transaction<'_>, set: &str) -> uuid::Uuid {
     let event_id = uuid::Uuid::now_v7();
@@ -922,13 +1016,15 @@ async fn every_row_carries_its_tenant() {
         without.is_empty(),
         "tables whose rows may lack a tenant_id: {without:?}"
     );
+    // (V6's order_lines_tenant_fk, validated by V7, dropped by V19: the
+    // line's (order, tenant) must be an order's, whose tenant is a tenant.)
     assert_eq!(
         constraints_validated(
             &client,
-            &["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+            &["order_lines_order_tenant_fk", "order_lines_tenant_not_null"]
         )
         .await,
-        ["order_lines_tenant_fk", "order_lines_tenant_not_null"]
+        ["order_lines_order_tenant_fk", "order_lines_tenant_not_null"]
             .map(|name| (name.to_owned(), true))
     );
 
@@ -975,6 +1071,36 @@ async fn payments_deliveries_and_lines_are_one_per_order_and_in_its_tenant() {
         ]
         .map(|name| (name.to_owned(), true)),
         "V9 adds them, V10 validates them"
+    );
+    // Only those (V19 dropped the six they imply, each checked again on
+    // every write): a line's, payment's or delivery's one foreign key, and
+    // the order's to its tenant.
+    let foreign_keys: Vec<(String, String)> = client
+        .query(
+            "SELECT conrelid::regclass::text, pg_get_constraintdef(oid) FROM pg_constraint \
+             WHERE contype = 'f' AND pg_table_is_visible(conrelid) \
+               AND conrelid::regclass::text IN ('orders', 'order_lines', 'payments', 'deliveries') \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("foreign keys")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let to_order = "FOREIGN KEY (order_id, tenant_id) REFERENCES orders(order_id, tenant_id)";
+    assert_eq!(
+        foreign_keys,
+        [
+            ("deliveries", to_order),
+            ("order_lines", to_order),
+            (
+                "orders",
+                "FOREIGN KEY (tenant_id) REFERENCES tenants(tenant_id)"
+            ),
+            ("payments", to_order),
+        ]
+        .map(|(table, key)| (table.to_owned(), key.to_owned()))
     );
     let tenant = system_tests::unique_tenant("v9");
     let other = system_tests::unique_tenant("v9-other");

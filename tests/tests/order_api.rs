@@ -243,6 +243,74 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
     );
 }
 
+/// A committed order wakes the relay from order-api's wake-up session after
+/// its COMMIT, not from the request's transaction (orders V18): a NOTIFY in
+/// the transaction took PostgreSQL's notification-queue lock, one for the
+/// whole cluster, through the commit's WAL flush, so every order-api commit
+/// waited for the one before. Notifications arrive in commit order: one
+/// from the request's session would come before the wake-up's. The
+/// sessions are told apart by the `application_name` the database URL gives
+/// (the wake-up session's is `<it> wake-up`).
+#[tokio::test]
+async fn an_order_wakes_the_relay_after_its_commit_from_a_session_of_its_own() {
+    use futures_util::StreamExt;
+    let name = format!("wake-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let url = system_tests::pg_url(Database::Orders);
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let api = OrderApi::start(&[(
+        "ORDER_API__DATABASE__URL",
+        format!("{url}{separator}application_name={name}"),
+    )])
+    .await;
+    let (listener, mut connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let (senders, mut notified) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = senders.send(n.process_id());
+            }
+        }
+    });
+    listener
+        .batch_execute("LISTEN outbox_events")
+        .await
+        .expect("listen");
+    let caller = Caller::new("wake");
+    let response = caller.post(&api.url("/orders"), "wake-1", SEED_ORDER).await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let db = pg(Database::Orders).await;
+    let wake_up = format!("{name} wake-up");
+    // Every notification until the wake-up session's (other tests' among
+    // them), by the name of its sender's session (None: ended since).
+    let mut seen = Vec::new();
+    loop {
+        let pid = tokio::time::timeout(Duration::from_secs(30), notified.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no wake-up from {wake_up:?}; seen {seen:?}"))
+            .expect("listening");
+        let sender: Option<String> = db
+            .query_opt(
+                "SELECT application_name FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .map(|row| row.get(0));
+        let done = sender.as_deref() == Some(wake_up.as_str());
+        seen.push(sender);
+        if done {
+            break;
+        }
+    }
+    assert!(
+        !seen.contains(&Some(name.clone())),
+        "the request's transaction sent a NOTIFY: {seen:?}"
+    );
+}
+
 /// Fifty concurrent `POST {url}` of the seed order with the key `same-key`:
 /// their answers (status, replayed, Location, body). With `retry`, a client
 /// told to retry (an answer with Retry-After) does, up to 30 times.

@@ -367,6 +367,12 @@ async fn raw_connection(
 ) -> Result<(tokio_postgres::Client, [tokio_postgres::Statement; 5]), tokio_postgres::Error> {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
+    // As order-api's sessions: the outbox insert does not NOTIFY from the
+    // transaction (order-api wakes the relay after its COMMIT, from a
+    // session of its own: part of the API's cost, not of the transaction).
+    client
+        .batch_execute(&format!("SET {} = off", order_api::wake::SETTING))
+        .await?;
     let statements = [
         client.prepare(CLAIM).await?,
         client.prepare(INSERT_ORDER).await?,

@@ -767,10 +767,11 @@ pub async fn execute(
     // and discarded by the pool's check).
     held.released = true;
     committed.map_err(|e| {
-        // The one lock COMMIT waits for is the NOTIFY queue's (the outbox
-        // trigger's notification: each committing writer holds it through
-        // its WAL flush). Past lock_timeout the database is slow, not the
-        // order busy: a 503 unavailable, not order_busy.
+        // COMMIT takes no lock of its own since orders V18 (the outbox
+        // trigger's NOTIFY, whose queue lock each committing writer held
+        // through its WAL flush, is off in these sessions: `wake`); a lock
+        // timeout here would be an earlier release's trigger, the database
+        // slow, not the order busy: a 503 unavailable, not order_busy.
         // Unless the error says the transaction was rolled back, the server
         // may have committed (the connection dropped; the backend ended by
         // an administrator while it waited for a synchronous standby, after
@@ -786,6 +787,11 @@ pub async fn execute(
         error
     })?;
     crash_point("order_api.after_commit");
+    // A success wrote its event's outbox row: wake the relay now (the
+    // session's trigger does not: `wake`).
+    if (200..300).contains(&stored.status) {
+        state.relay_waker.wake();
+    }
     metrics.claims.with_label_values(&[endpoint]).inc();
     let status = stored.status;
     tracing::info!(

@@ -12,6 +12,7 @@ pub mod operations;
 pub mod request;
 pub mod routes;
 pub mod settings;
+pub mod wake;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,6 +34,8 @@ pub struct AppState {
     pub metrics: metrics::Metrics,
     pub in_flight: idempotency::InFlight,
     pub keys: Arc<auth::KeyCache>,
+    /// Wakes the relay after a COMMIT that wrote an outbox row.
+    pub relay_waker: wake::RelayWaker,
 }
 
 impl AppState {
@@ -44,17 +47,20 @@ impl AppState {
             metrics: self.metrics.clone(),
             in_flight: self.in_flight.clone(),
             keys: Arc::clone(&self.keys),
+            relay_waker: self.relay_waker.clone(),
         }
     }
 }
 
 /// The pool with the bounded lock wait on every session: a loser waits for
-/// the key's owner at most `lock_timeout_ms`; nothing waits unboundedly.
+/// the key's owner at most `lock_timeout_ms`; nothing waits unboundedly. Its
+/// outbox inserts do not NOTIFY from their transaction ([`wake`]).
 pub fn pool(settings: &Settings) -> anyhow::Result<Pool> {
     let options = format!(
-        "-c lock_timeout={} {}",
+        "-c lock_timeout={} {} {}",
         settings.idempotency.lock_timeout_ms,
-        kit::db::SESSION_LIMITS
+        kit::db::SESSION_LIMITS,
+        wake::SESSION_OPTION
     );
     Ok(kit::db::pool_with_options(
         &settings.database,
@@ -152,6 +158,7 @@ impl Application {
             metrics,
             in_flight: idempotency::InFlight::default(),
             keys: Arc::default(),
+            relay_waker: wake::RelayWaker::default(),
         });
         let app_state = state.clone();
         let server = HttpServer::new(move || {
@@ -203,8 +210,23 @@ impl Application {
             )),
             shutdown.clone(),
         ));
-        kit::http::run_until_stopped(self.server, shutdown).await?;
+        // Stopped once the server has drained (the requests it finished
+        // have their wake-ups sent), not at the signal.
+        let drained = CancellationToken::new();
+        let waker = tokio::spawn(kit::shutdown::essential(
+            "relay wake-up",
+            tokio::spawn(wake::run(
+                self.state.settings.database.url.clone(),
+                self.state.relay_waker.clone(),
+                drained.clone(),
+            )),
+            shutdown.clone(),
+        ));
+        let served = kit::http::run_until_stopped(self.server, shutdown).await;
+        drained.cancel();
+        served?;
         cleanup.await??;
+        waker.await??;
         Ok(())
     }
 }
