@@ -654,7 +654,23 @@ impl Publisher {
         routing_key: &str,
         message: &Message,
     ) -> Result<(), PublishRejected> {
+        self.publish_raw_with(exchange, routing_key, message, &[])
+            .await
+    }
+
+    /// [`Publisher::publish_raw`] with `extra` integer headers (a copy as
+    /// a consumer re-publishes it: its counts).
+    pub async fn publish_raw_with(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &Message,
+        extra: &[(&str, i64)],
+    ) -> Result<(), PublishRejected> {
         let mut headers = FieldTable::default();
+        for (name, value) in extra {
+            headers.insert((*name).into(), AMQPValue::LongLongInt(*value));
+        }
         headers.insert("aggregate_id".into(), long(&message.aggregate_id));
         headers.insert(
             "aggregate_sequence".into(),

@@ -1079,6 +1079,58 @@ async fn an_event_that_waited_out_a_gap_keeps_its_own_attempts() {
     assert_eq!(loyalty_c.metric("consumer_retried_total", "").await, 5.0);
 }
 
+/// (3d) A copy in flight keeps its counts whatever `max_deferrals` the
+/// instance reading it has: one deferred 20 times by an instance at the
+/// default (30), read by one at 1, fails its first gap attempt (tier 0),
+/// where the gap failures were derived from the deferrals past the reader's
+/// maximum (20 - 1 + 1 = 20 of 5: dead-lettered at once, its order parked).
+/// Tier 0 holds it a minute: nothing else happens meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_deferred_by_another_instance_keeps_its_gap_attempts() {
+    let tenant = unique("t5-gap-copy");
+    let name = unique("t5-gap-copy-loy");
+    let s = story(&tenant);
+    let loyalty_c = Consumer::start(
+        Kind::Loyalty,
+        &name,
+        Options {
+            max_deferrals: 1,
+            tiers_ms: "60000,60000,60000,60000,60000".to_owned(),
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(&name, &s.placed).await;
+    wait_sequence(Database::Loyalty, &name, s.order, 1).await;
+    publisher
+        .publish_raw_with(
+            &format!("{name}.events"),
+            &s.delivered.event_type,
+            &s.delivered,
+            &[("x-consumer-deferrals", 20)],
+        )
+        .await
+        .expect("the copy");
+    loyalty_c
+        .wait_metric("consumer_retried_total", "tier=\"0\"", 1.0)
+        .await;
+    assert_eq!(
+        loyalty_c.metric("consumer_dead_lettered_total", "").await,
+        0.0
+    );
+    assert_eq!(
+        progress(Database::Loyalty, &name, s.order).await,
+        Some((1, false)),
+        "not parked"
+    );
+    assert_eq!(
+        queue_depth(&format!("{name}.retry.0")).await,
+        1,
+        "waiting in tier 0"
+    );
+}
+
 /// (4a) A handler that fails twice then succeeds: applied once, after two
 /// retry tiers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -103,6 +103,7 @@ struct Incoming<'a> {
     delivery: &'a Delivery,
     attempts: u32,
     deferrals: u32,
+    gap_failures: u32,
 }
 
 /// What failed: the domain handler, or the wait for an earlier event of the
@@ -341,6 +342,9 @@ impl<D: Domain> Processor<D> {
             deferrals: topology::int_header(headers, headers::DEFERRALS)
                 .and_then(|v| u32::try_from(v).ok())
                 .unwrap_or(0),
+            gap_failures: topology::int_header(headers, headers::GAP_FAILURES)
+                .and_then(|v| u32::try_from(v).ok())
+                .unwrap_or(0),
         };
         let decoded = decode(&delivery.data, D::HANDLES);
         let metadata = match &decoded {
@@ -527,14 +531,11 @@ impl<D: Domain> Processor<D> {
             tx.rollback().await?;
             drop(client);
             if incoming.deferrals < self.max_deferrals {
-                self.republish(
-                    publisher,
-                    incoming,
-                    0,
-                    incoming.attempts,
-                    incoming.deferrals + 1,
-                )
-                .await?;
+                let deferred = Incoming {
+                    deferrals: incoming.deferrals + 1,
+                    ..*incoming
+                };
+                self.republish(publisher, &deferred, 0).await?;
                 self.metrics.deferred.inc();
                 tracing::info!(event_id = %raw.event_id, sequence, last, "gap: event deferred");
                 return Ok(Outcome::Deferred);
@@ -710,10 +711,11 @@ impl<D: Domain> Processor<D> {
 
     /// A failed attempt: the next retry tier, or the DLQ (and park) after the
     /// last. The handler's failures and a gap's past its deferrals are
-    /// counted apart (the attempts header; the deferrals header past
-    /// `max_deferrals`), each up to `max_attempts`: an event that waited
-    /// out a gap still has its five attempts once in order (the gap's
-    /// failures spent them: one handler failure then parked it).
+    /// counted apart (headers `ATTEMPTS`, `GAP_FAILURES`), each up to
+    /// `max_attempts`: an event that waited out a gap still has its five
+    /// attempts once in order (the gap's failures spent them: one handler
+    /// failure then parked it), and a message in flight keeps its counts
+    /// whatever `max_deferrals` the instance reading it has.
     async fn failed(
         &self,
         publisher: &Channel,
@@ -736,11 +738,11 @@ impl<D: Domain> Processor<D> {
                 )
             }
             Failure::Gap => {
-                let deferrals = incoming.deferrals.saturating_add(1);
+                let gap_failures = incoming.gap_failures.saturating_add(1);
                 (
-                    deferrals.saturating_sub(self.max_deferrals),
+                    gap_failures,
                     Incoming {
-                        deferrals,
+                        gap_failures,
                         ..*incoming
                     },
                 )
@@ -767,14 +769,7 @@ impl<D: Domain> Processor<D> {
         let tier = usize::try_from(failures.saturating_sub(1))
             .unwrap_or(last_tier)
             .min(last_tier);
-        self.republish(
-            publisher,
-            incoming,
-            tier,
-            counted.attempts,
-            counted.deferrals,
-        )
-        .await?;
+        self.republish(publisher, &counted, tier).await?;
         self.metrics
             .retried
             .with_label_values(&[&tier.to_string()])
@@ -790,18 +785,24 @@ impl<D: Domain> Processor<D> {
         Ok(Outcome::Retried { tier })
     }
 
-    /// To retry tier `tier` with the new counts.
+    /// To retry tier `tier` with `counted`'s counts.
     async fn republish(
         &self,
         publisher: &Channel,
-        incoming: &Incoming<'_>,
+        counted: &Incoming<'_>,
         tier: usize,
-        attempts: u32,
-        deferrals: u32,
     ) -> Result<(), Infra> {
+        let incoming = counted;
         let mut table = topology::clean_headers(incoming.delivery.properties.headers().as_ref());
-        topology::set_int(&mut table, headers::ATTEMPTS, i64::from(attempts));
-        topology::set_int(&mut table, headers::DEFERRALS, i64::from(deferrals));
+        topology::set_int(&mut table, headers::ATTEMPTS, i64::from(counted.attempts));
+        topology::set_int(&mut table, headers::DEFERRALS, i64::from(counted.deferrals));
+        if counted.gap_failures > 0 {
+            topology::set_int(
+                &mut table,
+                headers::GAP_FAILURES,
+                i64::from(counted.gap_failures),
+            );
+        }
         publish(
             publisher,
             "",
@@ -848,7 +849,7 @@ impl<D: Domain> Processor<D> {
             incoming.delivery.properties.headers().as_ref(),
             self.name(),
             reason,
-            incoming.attempts,
+            (incoming.attempts, incoming.gap_failures),
         );
         publish(
             publisher,
@@ -1059,11 +1060,13 @@ async fn rollback(tx: kit::db::Transaction<'_>) {
 /// ([`events::CONSUMER_HEADER_ROOM`]).
 const REASON_MAX_BYTES: usize = 1000;
 
+/// `counts`: the handler's failed attempts and the gap's (the latter
+/// written only when some).
 pub(crate) fn dead_letter_headers(
     existing: Option<&FieldTable>,
     consumer: &str,
     reason: &str,
-    attempts: u32,
+    (attempts, gap_failures): (u32, u32),
 ) -> FieldTable {
     let mut table = topology::clean_headers(existing);
     let mut end = reason.len().min(REASON_MAX_BYTES);
@@ -1073,6 +1076,9 @@ pub(crate) fn dead_letter_headers(
     topology::set_str(&mut table, headers::DEAD_LETTER_REASON, &reason[..end]);
     topology::set_str(&mut table, headers::DEAD_LETTERED_BY, consumer);
     topology::set_int(&mut table, headers::ATTEMPTS, i64::from(attempts));
+    if gap_failures > 0 {
+        topology::set_int(&mut table, headers::GAP_FAILURES, i64::from(gap_failures));
+    }
     table
 }
 
@@ -1197,7 +1203,7 @@ mod tests {
             Some(&delivered),
             &"n".repeat(200),
             &"é".repeat(5_000),
-            u32::MAX,
+            (u32::MAX, u32::MAX),
         );
         let letter_added = added(letter.clone());
         assert!(
@@ -1218,6 +1224,7 @@ mod tests {
         let mut retry = topology::clean_headers(Some(&delivered));
         topology::set_int(&mut retry, headers::ATTEMPTS, i64::MAX);
         topology::set_int(&mut retry, headers::DEFERRALS, i64::MAX);
+        topology::set_int(&mut retry, headers::GAP_FAILURES, i64::MAX);
         assert!(added(retry) <= events::CONSUMER_HEADER_ROOM);
 
         let mut redriven = topology::clean_headers(Some(&letter));

@@ -332,6 +332,9 @@ pub mod headers {
     pub const ATTEMPTS: &str = "x-consumer-attempts";
     /// Times the event was deferred because it arrived ahead of a predecessor.
     pub const DEFERRALS: &str = "x-consumer-deferrals";
+    /// Failed attempts of the event still ahead of a predecessor after its
+    /// deferrals (counted apart from the handler's `ATTEMPTS`).
+    pub const GAP_FAILURES: &str = "x-consumer-gap-failures";
     /// Why the event is in the dead-letter queue.
     pub const DEAD_LETTER_REASON: &str = "x-dead-letter-reason";
     /// Which consumer dead-lettered it.
@@ -359,6 +362,7 @@ pub(crate) fn clean_headers(existing: Option<&FieldTable>) -> FieldTable {
                 || k.starts_with("x-last-death")
                 || k == headers::ATTEMPTS
                 || k == headers::DEFERRALS
+                || k == headers::GAP_FAILURES
                 || k == headers::DEAD_LETTER_REASON
                 || k == headers::DEAD_LETTERED_BY;
             if !drop {
@@ -401,6 +405,7 @@ mod tests {
         let mut h = FieldTable::default();
         set_str(&mut h, "aggregate_id", "a");
         set_int(&mut h, headers::ATTEMPTS, 3);
+        set_int(&mut h, headers::GAP_FAILURES, 2);
         set_str(&mut h, "x-first-death-queue", "q");
         h.insert("x-death".into(), AMQPValue::Boolean(true));
         set_int(&mut h, headers::DELIVERY_COUNT, 2);
