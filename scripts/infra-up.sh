@@ -310,8 +310,6 @@ chmod 600 "$RUN_DIR/infra.env"
     for v in AMQP_HOST AMQP_PORT AMQP_USER AMQP_PASSWORD AMQP_VHOST AMQP_URL RABBITMQ_NODENAME; do
         emit "$v" "${!v}"
     done
-    echo "prometheus.tcp.port = 15692"
-    if [ -n "$bind_ip" ]; then echo "prometheus.tcp.ip = $bind_ip"; fi
     if [ "$mgmt" = 1 ]; then emit RABBITMQ_MGMT_URL "http://$AMQP_HOST:$RABBITMQ_MGMT_PORT"; fi
 } >"$RUN_DIR/infra.env"
 

@@ -1735,6 +1735,77 @@ impl Scratch {
     }
 }
 
+/// Orders V19 drops foreign keys under an order in flight without a
+/// deadlock: it takes `orders` before the tables whose keys reference it,
+/// as order-api's transactions do (the order, then its lines). Dropping
+/// order_lines' key first took order_lines, then waited for `orders`, held
+/// by the order's transaction, which then waited for order_lines: one of
+/// the two failed with 40P01. In a scratch schema built by V1-V18.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_v19_beside_an_order_in_flight_does_not_deadlock() {
+    let scratch = Scratch::new().await;
+    for version in 1..=18 {
+        scratch.run_ok(version).await;
+    }
+    let migrating: i32 = scratch
+        .client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let mut orders = pg(Database::Orders).await;
+    orders
+        .batch_execute(&format!("SET search_path TO {}", scratch.schema))
+        .await
+        .expect("the scratch schema");
+    orders
+        .execute("INSERT INTO tenants (tenant_id) VALUES ('acme')", &[])
+        .await
+        .expect("tenant");
+    let order = uuid::Uuid::now_v7();
+    let tx = orders.transaction().await.expect("begin");
+    tx.execute(
+        "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
+         merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence) \
+         VALUES ($1, 'acme', '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
+        &[&order],
+    )
+    .await
+    .expect("the order");
+    let migration = tokio::spawn(async move {
+        let result = scratch.run(19).await;
+        (scratch, result)
+    });
+    // V19 waits for the order's transaction.
+    let observer = pg(Database::Orders).await;
+    system_tests::consumers::eventually(
+        "V19 waiting for a lock",
+        Duration::from_secs(30),
+        || async {
+            observer
+                .query_opt(
+                    "SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted",
+                    &[&migrating],
+                )
+                .await
+                .expect("pg_locks")
+                .map(|_| ())
+        },
+    )
+    .await;
+    tx.execute(
+        "INSERT INTO order_lines (order_id, line_no, sku, qty, unit_price_minor, \
+         unit_cost_minor, tenant_id) VALUES ($1, 1, 'JKT-M', 2, 4000, 2200, 'acme')",
+        &[&order],
+    )
+    .await
+    .expect("the order's line, beside V19");
+    tx.commit().await.expect("the order commits");
+    let (scratch, result) = migration.await.expect("the migration's task");
+    result.expect("V19 applies once the order committed");
+    scratch.drop_schema().await;
+}
+
 /// Orders V9 finds the unique indexes built by hand before it (as its
 /// header advises on a large live database) only when they are what it
 /// would have built: an index of the same name that is not unique, on other

@@ -250,17 +250,23 @@ async fn fifty_concurrent_requests_with_one_key_and_the_defaults_still_make_one_
 /// waited for the one before. Notifications arrive in commit order: one
 /// from the request's session would come before the wake-up's. The
 /// sessions are told apart by the `application_name` the database URL gives
-/// (the wake-up session's is `<it> wake-up`).
+/// (the wake-up session's is `<it> wake-up`). When the wake-up arrives, the
+/// order's outbox row is visible.
 #[tokio::test]
 async fn an_order_wakes_the_relay_after_its_commit_from_a_session_of_its_own() {
     use futures_util::StreamExt;
     let name = format!("wake-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let url = system_tests::pg_url(Database::Orders);
     let separator = if url.contains('?') { '&' } else { '?' };
-    let api = OrderApi::start(&[(
-        "ORDER_API__DATABASE__URL",
-        format!("{url}{separator}application_name={name}"),
-    )])
+    // Each request held 1.5 s before its COMMIT: a wake-up sent before it
+    // would come while the row is not visible yet.
+    let api = OrderApi::start(&[
+        (
+            "ORDER_API__DATABASE__URL",
+            format!("{url}{separator}application_name={name}"),
+        ),
+        ("FAILPOINTS", "order_api.committing=return(1500)".to_owned()),
+    ])
     .await;
     let (listener, mut connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
@@ -309,6 +315,15 @@ async fn an_order_wakes_the_relay_after_its_commit_from_a_session_of_its_own() {
         !seen.contains(&Some(name.clone())),
         "the request's transaction sent a NOTIFY: {seen:?}"
     );
+    let rows: i64 = db
+        .query_one(
+            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1",
+            &[&caller.tenant],
+        )
+        .await
+        .expect("outbox")
+        .get(0);
+    assert_eq!(rows, 1, "the wake-up came after the COMMIT");
 }
 
 /// Fifty concurrent `POST {url}` of the seed order with the key `same-key`:

@@ -156,14 +156,18 @@ async fn say_if_newer(
     }
 }
 
-/// Whether refinery failed on a lock timeout (SQLSTATE 55P03).
+/// Whether refinery failed on a lock wait: a lock timeout (SQLSTATE 55P03)
+/// or a deadlock the server broke by failing the migration (40P01: a
+/// migration that locks tables in another order than the live
+/// transactions); either rolled the migration back, and it is tried again.
 fn lock_timeout(error: &refinery::Error) -> bool {
     match error.kind() {
         refinery::error::Kind::Connection(_, source) => {
-            source
+            let code = source
                 .downcast_ref::<tokio_postgres::Error>()
-                .and_then(tokio_postgres::Error::code)
-                == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
+                .and_then(tokio_postgres::Error::code);
+            code == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
+                || code == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED)
         }
         _ => false,
     }
@@ -262,9 +266,9 @@ async fn migrate(
                     say_if_newer(&runner, client, database).await;
                     break;
                 }
-                // A table lock not granted within DDL_LOCK_TIMEOUT: the
-                // migration's transaction rolled back; its writers went on.
-                // Again, still holding the advisory lock.
+                // A table lock not granted within DDL_LOCK_TIMEOUT (or a
+                // deadlock): the migration's transaction rolled back; its
+                // writers went on. Again, still holding the advisory lock.
                 Err(source) if lock_timeout(&source) && attempt < DDL_LOCK_ATTEMPTS => {
                     tracing::warn!(
                         database = database.name(),

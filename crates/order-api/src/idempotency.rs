@@ -744,6 +744,10 @@ pub async fn execute(
     // pending COMMIT. Released again once COMMIT returns (no cancel was
     // sent: a cancelled transaction returned above).
     held.released = false;
+    // A success wrote its event's outbox row: the relay is woken once its
+    // COMMIT is answered, or may have been applied (the session's trigger
+    // does not: `wake`).
+    let wrote_an_event = (200..300).contains(&stored.status);
     crash_point("order_api.before_commit");
     // Where a test holds the request to partition the database away before
     // COMMIT is sent (a no-op unless armed).
@@ -761,6 +765,10 @@ pub async fn execute(
         };
         metrics.commit_unknown.with_label_values(&[endpoint]).inc();
         tracing::warn!(endpoint, key_hash, %error, "no answer to COMMIT: given up (a retry under the same key replays it if it committed)");
+        // It may have committed: the wake-up costs nothing if it did not.
+        if wrote_an_event {
+            state.relay_waker.wake();
+        }
         return Err(error);
     };
     // COMMIT answered (a failure included: a dropped connection is closed
@@ -781,15 +789,17 @@ pub async fn execute(
             ApiError::from(e)
         } else {
             metrics.commit_unknown.with_label_values(&[endpoint]).inc();
+            // It may have committed (see `wrote_an_event`).
+            if wrote_an_event {
+                state.relay_waker.wake();
+            }
             ApiError::Commit(e)
         };
         tracing::warn!(endpoint, key_hash, %error, "commit failed (a retry under the same key replays it if it committed)");
         error
     })?;
     crash_point("order_api.after_commit");
-    // A success wrote its event's outbox row: wake the relay now (the
-    // session's trigger does not: `wake`).
-    if (200..300).contains(&stored.status) {
+    if wrote_an_event {
         state.relay_waker.wake();
     }
     metrics.claims.with_label_values(&[endpoint]).inc();

@@ -41,6 +41,9 @@ pub const APPLICATION_NAME: &str = "order-api wake-up";
 
 const WAKE: &str = "SELECT pg_notify('outbox_events', '')";
 
+/// The longest one wake-up (and the opening of its session) may take.
+const WAKE_LIMIT: Duration = Duration::from_secs(2);
+
 /// The least time between two wake-ups' starts (see the module's doc).
 const SPACING: Duration = Duration::from_millis(5);
 
@@ -58,7 +61,8 @@ impl RelayWaker {
 }
 
 /// Send the wake-ups [`RelayWaker::wake`] asks for, until `stop`; then one
-/// last, for the rows committed since the last one (bounded by 2 s).
+/// last, for the rows committed since the last one (each bounded by
+/// [`WAKE_LIMIT`]).
 pub async fn run(database_url: String, waker: RelayWaker, stop: CancellationToken) {
     let mut session = Session::new(database_url);
     loop {
@@ -71,7 +75,9 @@ pub async fn run(database_url: String, waker: RelayWaker, stop: CancellationToke
         // once after a pause.
         let sent = tokio::time::Instant::now() + SPACING;
         let mut backoff = Duration::from_millis(100);
-        while let Err(error) = session.wake().await {
+        // Each try bounded: a database that stopped answering must not hold
+        // the task (and a stop after the drain) for the session's 30 s.
+        while let Err(error) = session.wake_within(WAKE_LIMIT).await {
             tracing::warn!(
                 error,
                 retry_in_ms = backoff.as_millis(),
@@ -85,7 +91,7 @@ pub async fn run(database_url: String, waker: RelayWaker, stop: CancellationToke
         }
         tokio::time::sleep_until(sent).await;
     }
-    let _ = tokio::time::timeout(Duration::from_secs(2), session.wake()).await;
+    let _ = session.wake_within(WAKE_LIMIT).await;
 }
 
 /// The wake-up session, opened when first needed and again after a failure.
@@ -97,6 +103,17 @@ struct Session {
 impl Session {
     fn new(url: String) -> Self {
         Self { url, client: None }
+    }
+
+    /// [`Session::wake`] within `limit` (the session closed past it).
+    async fn wake_within(&mut self, limit: Duration) -> Result<(), String> {
+        match tokio::time::timeout(limit, self.wake()).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.client = None;
+                Err(format!("no answer within {} ms", limit.as_millis()))
+            }
+        }
     }
 
     async fn wake(&mut self) -> Result<(), String> {

@@ -1,7 +1,9 @@
 //! Wake-up by LISTEN/NOTIFY.
 //!
-//! The `orders` schema notifies channel `outbox_events` from a statement
-//! trigger on the outbox insert, delivered at commit. A pooled connection
+//! Channel `outbox_events` is notified after each commit that wrote outbox
+//! rows: by order-api's wake-up session (`order_api::wake`), or by the
+//! outbox insert's statement trigger for any other writer (orders V18),
+//! delivered at its commit. A pooled connection
 //! hides notifications, so this holds a dedicated tokio-postgres connection,
 //! polls its `Connection` for `AsyncMessage::Notification`, and bumps a
 //! watch counter that idle workers wait on. When the connection drops it
