@@ -284,9 +284,13 @@ async fn an_order_wakes_the_relay_after_its_commit_from_a_session_of_its_own() {
         .batch_execute("LISTEN outbox_events")
         .await
         .expect("listen");
-    let caller = Caller::new("wake");
-    let response = caller.post(&api.url("/orders"), "wake-1", SEED_ORDER).await;
-    assert_eq!(response.status(), StatusCode::CREATED);
+    let caller = std::sync::Arc::new(Caller::new("wake"));
+    // In flight while the notifications are read: the row is counted as
+    // the wake-up arrives, not once the answer is in.
+    let post = {
+        let (caller, url) = (caller.clone(), api.url("/orders"));
+        tokio::spawn(async move { caller.post(&url, "wake-1", SEED_ORDER).await.status() })
+    };
     let db = pg(Database::Orders).await;
     let wake_up = format!("{name} wake-up");
     // Every notification until the wake-up session's (other tests' among
@@ -305,25 +309,25 @@ async fn an_order_wakes_the_relay_after_its_commit_from_a_session_of_its_own() {
             .await
             .expect("pg_stat_activity")
             .map(|row| row.get(0));
-        let done = sender.as_deref() == Some(wake_up.as_str());
-        seen.push(sender);
-        if done {
+        if sender.as_deref() == Some(wake_up.as_str()) {
+            let rows: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM outbox_events WHERE tenant_id = $1",
+                    &[&caller.tenant],
+                )
+                .await
+                .expect("outbox")
+                .get(0);
+            assert_eq!(rows, 1, "the wake-up came after the COMMIT");
             break;
         }
+        seen.push(sender);
     }
+    assert_eq!(post.await.expect("the request"), StatusCode::CREATED);
     assert!(
         !seen.contains(&Some(name.clone())),
         "the request's transaction sent a NOTIFY: {seen:?}"
     );
-    let rows: i64 = db
-        .query_one(
-            "SELECT count(*) FROM outbox_events WHERE tenant_id = $1",
-            &[&caller.tenant],
-        )
-        .await
-        .expect("outbox")
-        .get(0);
-    assert_eq!(rows, 1, "the wake-up came after the COMMIT");
 }
 
 /// Fifty concurrent `POST {url}` of the seed order with the key `same-key`:

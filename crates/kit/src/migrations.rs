@@ -161,15 +161,21 @@ async fn say_if_newer(
 /// migration that locks tables in another order than the live
 /// transactions); either rolled the migration back, and it is tried again.
 fn lock_timeout(error: &refinery::Error) -> bool {
+    sqlstate(error) == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
+        || deadlocked(error)
+}
+
+fn deadlocked(error: &refinery::Error) -> bool {
+    sqlstate(error) == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED)
+}
+
+/// The SQLSTATE of the database error refinery failed on, if any.
+fn sqlstate(error: &refinery::Error) -> Option<&tokio_postgres::error::SqlState> {
     match error.kind() {
-        refinery::error::Kind::Connection(_, source) => {
-            let code = source
-                .downcast_ref::<tokio_postgres::Error>()
-                .and_then(tokio_postgres::Error::code);
-            code == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
-                || code == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED)
-        }
-        _ => false,
+        refinery::error::Kind::Connection(_, source) => source
+            .downcast_ref::<tokio_postgres::Error>()
+            .and_then(tokio_postgres::Error::code),
+        _ => None,
     }
 }
 
@@ -270,12 +276,33 @@ async fn migrate(
                 // deadlock): the migration's transaction rolled back; its
                 // writers went on. Again, still holding the advisory lock.
                 Err(source) if lock_timeout(&source) && attempt < DDL_LOCK_ATTEMPTS => {
-                    tracing::warn!(
-                        database = database.name(),
-                        attempt,
-                        error = %source,
-                        "a migration waited too long for a table lock: trying again"
-                    );
+                    let cause = match source.kind() {
+                        refinery::error::Kind::Connection(_, cause) => {
+                            crate::db::describe(cause.as_ref())
+                        }
+                        _ => source.to_string(),
+                    };
+                    if deadlocked(&source) {
+                        // Not a wait: its lock order crosses the live
+                        // transactions' (a migration to fix, though it
+                        // may win a later try).
+                        tracing::warn!(
+                            database = database.name(),
+                            attempt,
+                            migration = %source,
+                            error = %cause,
+                            "a migration deadlocked with a live transaction (it takes its \
+                             table locks in another order): trying again"
+                        );
+                    } else {
+                        tracing::warn!(
+                            database = database.name(),
+                            attempt,
+                            migration = %source,
+                            error = %cause,
+                            "a migration waited too long for a table lock: trying again"
+                        );
+                    }
                     attempt += 1;
                     tokio::time::sleep(std::time::Duration::from_secs(1)).await;
                 }

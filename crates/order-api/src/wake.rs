@@ -110,7 +110,19 @@ impl Session {
         match tokio::time::timeout(limit, self.wake()).await {
             Ok(result) => result,
             Err(_) => {
-                self.client = None;
+                // Its statement cancelled on the server (else the session
+                // would run on there, to its statement_timeout, beside the
+                // next try's), the session closed.
+                if let Some(client) = self.client.take() {
+                    let cancel = client.cancel_token();
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(
+                            WAKE_LIMIT,
+                            cancel.cancel_query(tokio_postgres::NoTls),
+                        )
+                        .await;
+                    });
+                }
                 Err(format!("no answer within {} ms", limit.as_millis()))
             }
         }
