@@ -5,11 +5,12 @@
 -- lookup and a row lock on the order or the tenant: two more per order
 -- line, per payment and per delivery) and guarded nothing more. A contract
 -- step: every running release is past V10. Refused unless the four that
--- imply them are in place and validated. The tables are locked first, the
--- referenced before the referencing, as order-api's transactions take them
--- (the order, then its lines): dropping a line's key takes order_lines, then
--- orders, and would deadlock with an order in flight that took orders and
--- then wants order_lines.
+-- imply them are in place and validated. The tables are locked first, in
+-- the order order-api's transactions take them (orders, then tenants by
+-- the order's foreign-key check, then the order's lines, payment or
+-- delivery): dropping a line's key takes order_lines, then orders, and
+-- would deadlock with an order in flight that took orders and then wants
+-- order_lines.
 LOCK TABLE orders, tenants, order_lines, payments, deliveries IN ACCESS EXCLUSIVE MODE;
 DO $$
 BEGIN

@@ -1033,26 +1033,19 @@ async fn an_event_that_waited_out_a_gap_keeps_its_own_attempts() {
     let tenant = unique("t5-gap-attempts");
     let name = unique("t5-gap-attempts-loy");
     let s = story(&tenant);
-    let loyalty_c = Consumer::start(
-        Kind::Loyalty,
+    let (loyalty_c, publisher) = placed_at_one_deferral(
         &name,
-        Options {
-            max_deferrals: 1,
-            tiers_ms: "100,100,15000,15000,15000".to_owned(),
-            // Evaluated for each event the handler runs for (a count each,
-            // whether it names that event or not): the placed event's
-            // evaluation, then two failures of the delivery's.
-            failpoints: Some(format!(
-                "consumer.handler_error=3*return({})",
-                s.delivered.event_id
-            )),
-            ..Options::default()
-        },
+        &s,
+        "100,100,15000,15000,15000",
+        // Evaluated for each event the handler runs for (a count each,
+        // whether it names that event or not): the placed event's
+        // evaluation, then two failures of the delivery's.
+        Some(format!(
+            "consumer.handler_error=3*return({})",
+            s.delivered.event_id
+        )),
     )
     .await;
-    let publisher = Publisher::connect().await;
-    publisher.to_consumer(&name, &s.placed).await;
-    wait_sequence(Database::Loyalty, &name, s.order, 1).await;
     publisher.to_consumer(&name, &s.delivered).await;
     // Its third gap failure: held 15 s in tier 2.
     loyalty_c
@@ -1090,19 +1083,8 @@ async fn a_copy_deferred_by_another_instance_keeps_its_gap_attempts() {
     let tenant = unique("t5-gap-copy");
     let name = unique("t5-gap-copy-loy");
     let s = story(&tenant);
-    let loyalty_c = Consumer::start(
-        Kind::Loyalty,
-        &name,
-        Options {
-            max_deferrals: 1,
-            tiers_ms: "60000,60000,60000,60000,60000".to_owned(),
-            ..Options::default()
-        },
-    )
-    .await;
-    let publisher = Publisher::connect().await;
-    publisher.to_consumer(&name, &s.placed).await;
-    wait_sequence(Database::Loyalty, &name, s.order, 1).await;
+    let (loyalty_c, publisher) =
+        placed_at_one_deferral(&name, &s, "60000,60000,60000,60000,60000", None).await;
     publisher
         .publish_raw_with(
             &format!("{name}.events"),
@@ -1129,6 +1111,32 @@ async fn a_copy_deferred_by_another_instance_keeps_its_gap_attempts() {
         1,
         "waiting in tier 0"
     );
+}
+
+/// A loyalty consumer `name` deferring a gap once (`max_deferrals` 1) on
+/// retry tiers `tiers_ms` (with `failpoints`), `s`'s order placed and
+/// applied there; and a publisher.
+async fn placed_at_one_deferral(
+    name: &str,
+    s: &Story,
+    tiers_ms: &str,
+    failpoints: Option<String>,
+) -> (Consumer, Publisher) {
+    let consumer = Consumer::start(
+        Kind::Loyalty,
+        name,
+        Options {
+            max_deferrals: 1,
+            tiers_ms: tiers_ms.to_owned(),
+            failpoints,
+            ..Options::default()
+        },
+    )
+    .await;
+    let publisher = Publisher::connect().await;
+    publisher.to_consumer(name, &s.placed).await;
+    wait_sequence(Database::Loyalty, name, s.order, 1).await;
+    (consumer, publisher)
 }
 
 /// (4a) A handler that fails twice then succeeds: applied once, after two

@@ -456,11 +456,30 @@ async fn every_service_exposes_lint_clean_prometheus_metrics() {
     }
     // And the broker's, as deploy/prometheus/prometheus.yml scrapes them
     // (jobs rabbitmq and rabbitmq-queues; the plugin infra-up.sh enables).
-    for path in ["/metrics", "/metrics/detailed?family=queue_coarse_metrics"] {
+    // A queue is in the per-queue metrics from the broker's first
+    // statistics emission after its declaration (every 5 s by default): on
+    // a fresh cluster this run's queues may not be there yet.
+    for (path, sample) in [
+        ("/metrics", "rabbitmq_"),
+        (
+            "/metrics/detailed?family=queue_coarse_metrics",
+            "rabbitmq_detailed_queue_",
+        ),
+    ] {
         let url = format!("http://127.0.0.1:15692{path}");
-        let body = system_tests::wait_for_ok(&url, Duration::from_secs(10))
-            .await
-            .unwrap_or_else(|e| panic!("RabbitMQ's {url} (rabbitmq_prometheus): {e}"));
+        let body = eventually(
+            &format!("RabbitMQ's {url} (rabbitmq_prometheus) with samples"),
+            Duration::from_secs(60),
+            || async {
+                let body = system_tests::wait_for_ok(&url, Duration::from_secs(10))
+                    .await
+                    .ok()?;
+                body.lines()
+                    .any(|line| line.starts_with(sample))
+                    .then_some(body)
+            },
+        )
+        .await;
         exported.push_str(&body);
     }
     // Every metric an alert rule reads is exported by some service or the

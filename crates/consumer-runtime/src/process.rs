@@ -6,7 +6,11 @@
 //! 2. The order's progress row, locked (`FOR UPDATE`): sequence <= last
 //!    applied = stale (ack); parked behind a dead letter = straight to the DLQ;
 //!    sequence > last + 1 = a gap: roll back, defer through retry tier 0 (not a
-//!    failed attempt; bounded).
+//!    failed attempt) up to `max_deferrals` times; past them each arrival
+//!    still at the gap is a gap failure (`x-consumer-gap-failures`, counted
+//!    apart from the handler's `x-consumer-attempts`) through the retry
+//!    tiers, the event dead-lettered and its order parked after
+//!    `max_attempts` of them.
 //! 3. Advance `last_sequence` and run the domain handler, in the same
 //!    transaction; commit; then ack.
 //!
@@ -542,7 +546,7 @@ impl<D: Domain> Processor<D> {
             }
             let error = format!(
                 "sequence {sequence} still ahead of the last applied {last} after {} deferrals",
-                self.max_deferrals
+                incoming.deferrals
             );
             return self
                 .failed(publisher, incoming, raw, &error, Failure::Gap)

@@ -57,9 +57,11 @@ pub struct ConsumerSettings {
     /// from a 6th attempt on; past the last tier, the last is used again.
     pub max_attempts: u32,
     /// How many times an event that arrives ahead of a missing predecessor is
-    /// deferred (through retry tier 0, not counted as a failure) before it
-    /// counts as a failed attempt. 30 x 10 s covers a predecessor that is
-    /// itself waiting in the early retry tiers; the attempts cover the rest.
+    /// deferred (through retry tier 0, not counted as a failure) before each
+    /// further wait counts as a gap failure (apart from the handler's
+    /// attempts, up to `max_attempts` of them). 30 x 10 s covers a
+    /// predecessor that is itself waiting in the early retry tiers; the gap
+    /// failures cover the rest.
     pub max_deferrals: u32,
     /// `x-delivery-limit` of the partition queues: a backstop against a
     /// message that crashes the process every time it is delivered (it is

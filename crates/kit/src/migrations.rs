@@ -188,10 +188,11 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f72_6465_725f_6d67; // "order_mg"
 /// migration (the advisory lock; the request pool's 2 s `lock_timeout` made
 /// a start-up fail, and the service restart in a loop, behind it), and runs
 /// without a statement timeout (a backfill may take long). Its DDL waits for
-/// a table lock at most [`DDL_LOCK_TIMEOUT`]: every write to that table
-/// queues behind a waiting DDL statement, so behind a long transaction
-/// elsewhere the migration gives way and tries again (`DDL_LOCK_ATTEMPTS`, 60
-/// attempts a second apart: up to two and a half minutes with their lock waits, then
+/// a table lock at most [`bound_ddl_lock_waits`]' bound: every write to that
+/// table queues behind a waiting DDL statement, so behind a long transaction
+/// elsewhere the migration gives way and tries again, as after a deadlock
+/// (`DDL_LOCK_ATTEMPTS`, 60 attempts a second apart: up to two and a half
+/// minutes with their lock waits at the default `deadlock_timeout`, then
 /// the start-up fails) instead of stalling the table's writers. Migrations are written to take their
 /// exclusive locks only for instants (expand in one, backfill and validate
 /// in the next: orders V6 and V7).

@@ -777,9 +777,10 @@ pub async fn execute(
     committed.map_err(|e| {
         // COMMIT takes no lock of its own since orders V18 (the outbox
         // trigger's NOTIFY, whose queue lock each committing writer held
-        // through its WAL flush, is off in these sessions: `wake`); a lock
-        // timeout here would be an earlier release's trigger, the database
-        // slow, not the order busy: a 503 unavailable, not order_busy.
+        // through its WAL flush, is off in these sessions: `wake`); should
+        // one time out here all the same (a trigger added by hand), it is
+        // the database's, not the order's: a 503 unavailable, not
+        // order_busy.
         // Unless the error says the transaction was rolled back, the server
         // may have committed (the connection dropped; the backend ended by
         // an administrator while it waited for a synchronous standby, after
@@ -827,7 +828,7 @@ fn waited_on_a_row(error: &tokio_postgres::Error) -> bool {
 /// transaction back: a transaction rollback (40001 serialization, 40002
 /// integrity, 40P01 deadlock; not 40003, "statement completion unknown"),
 /// an integrity check deferred to COMMIT (23), a lock not got in time
-/// (55P03: the NOTIFY queue's) or a statement cancelled (57014), all raised
+/// (55P03) or a statement cancelled (57014), all raised
 /// before the commit record is written. Anything else (no SQLSTATE: the
 /// connection dropped; 57P01: the backend terminated, possibly while
 /// waiting for a synchronous standby after committing locally; 08: the

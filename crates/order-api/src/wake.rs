@@ -6,7 +6,8 @@
 //! cluster, and hold it through its WAL flush, so every order-api
 //! transaction committed alone, one flush each (orders V18). The request
 //! sessions turn the outbox trigger's NOTIFY off ([`SESSION_OPTION`]); after
-//! a COMMIT that wrote an outbox row, the request calls [`RelayWaker::wake`],
+//! a COMMIT that wrote an outbox row (or may have: its outcome unknown), the
+//! request calls [`RelayWaker::wake`],
 //! and one task of the process sends `pg_notify` on a session of its own
 //! (its COMMIT not waiting for the WAL flush: nothing to make durable).
 //! Wakes that arrive while one is being sent, or within 5 ms of its start,
@@ -19,7 +20,7 @@
 //! Crash window: a process that dies between its COMMIT and the NOTIFY
 //! loses the wake-up, not the event: the relay's poll (1 s by default)
 //! claims the row. A NOTIFY that fails (the database restarting) is retried
-//! with a backoff until sent.
+//! with a backoff until sent or the process stops.
 
 use std::sync::Arc;
 use std::time::Duration;

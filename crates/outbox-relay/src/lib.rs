@@ -22,8 +22,8 @@
 //! expired lease is taken over. Sequence k+1 is never claimed while k is
 //! unpublished (leased elsewhere, in backoff or quarantined), so an order's
 //! events reach the broker one confirmed event at a time, in order. Idle
-//! workers sleep until a NOTIFY from the outbox insert, the earliest backoff
-//! expiry or the poll interval.
+//! workers sleep until a NOTIFY after an outbox commit (`listen`), the
+//! earliest backoff expiry or the poll interval.
 //!
 //! - [`claim`]: leased claims (short transaction, `FOR UPDATE SKIP LOCKED`,
 //!   only each order's lowest unpublished sequence), marking, failures.

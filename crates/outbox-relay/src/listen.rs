@@ -1,7 +1,8 @@
 //! Wake-up by LISTEN/NOTIFY.
 //!
-//! Channel `outbox_events` is notified after each commit that wrote outbox
-//! rows: by order-api's wake-up session (`order_api::wake`), or by the
+//! Channel `outbox_events` is notified after the commits that wrote outbox
+//! rows: by order-api's wake-up session (`order_api::wake`: coalesced, at
+//! most one per 5 ms), or by the
 //! outbox insert's statement trigger for any other writer (orders V18),
 //! delivered at its commit. A pooled connection
 //! hides notifications, so this holds a dedicated tokio-postgres connection,
