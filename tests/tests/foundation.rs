@@ -549,8 +549,10 @@ async fn the_runbook_s_replacement_keeps_the_event_s_position_time_and_trace() {
 /// loyalty V3 by hand"), run as written there on a ledger database at V4:
 /// the release then starts past it (V5 not run again: its `ADD COLUMN`
 /// would fail on the column), and the column, its default and the index are
-/// those of a database the release migrated itself. On a database of its own.
-#[tokio::test]
+/// those of a database the release migrated itself; the concurrent build
+/// waits out an older transaction longer than the `ALTER`s' lock bound. On
+/// a database of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
     let file = |path: &str| {
         std::fs::read_to_string(format!("{}/../{path}", env!("CARGO_MANIFEST_DIR")))
@@ -597,6 +599,19 @@ async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
             .await
             .expect("history row");
     }
+    // A transaction older than the build, open for 3 s (a drift check's
+    // snapshot, say): the concurrent build waits for it, past the 2 s the
+    // `ALTER`s are bounded by (the runbook resets the bound before it).
+    let mut holder = system_tests::connect_url(&url).await;
+    let held = tokio::spawn(async move {
+        let snapshot = holder.transaction().await.expect("begin");
+        snapshot
+            .batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+            .await
+            .expect("a snapshot");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        snapshot.commit().await.expect("commit");
+    });
     for statement in sql.split(";\n").map(str::trim).filter(|s| !s.is_empty()) {
         if statement.starts_with("SELECT indisvalid") {
             let valid: bool = client
@@ -609,6 +624,7 @@ async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
             client.batch_execute(statement).await.expect(statement);
         }
     }
+    held.await.expect("the older transaction");
     let mut settings = kit::settings::DatabaseSettings::local(Database::Ledger.name());
     settings.url = url.clone();
     let applied = kit::migrations::run(&kit::db::pool(&settings).expect("pool"), Database::Ledger)
