@@ -564,41 +564,10 @@ async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
         .expect("the runbook's section");
     let (_, block) = after.split_once("```sql\n").expect("its SQL");
     let (sql, _) = block.split_once("```").expect("its end");
-    let checksums = file("migrations/CHECKSUMS");
     let (database, url) = system_tests::create_database(Database::Ledger).await;
     let client = system_tests::connect_url(&url).await;
     // At V4, as an earlier release left it.
-    client
-        .batch_execute(
-            "CREATE TABLE refinery_schema_history (version int4 PRIMARY KEY, \
-             name VARCHAR(255), applied_on VARCHAR(255), checksum VARCHAR(255))",
-        )
-        .await
-        .expect("history");
-    for (version, name) in [
-        (1, "journal"),
-        (2, "journal_by_tenant_and_time"),
-        (3, "journal_effective_at"),
-        (4, "journal_lines_only_with_their_entry"),
-    ] {
-        client
-            .batch_execute(&file(&format!("migrations/ledger/V{version}__{name}.sql")))
-            .await
-            .unwrap_or_else(|e| panic!("V{version}: {e}"));
-        let line = format!("ledger V{version} {name} ");
-        let hex = checksums
-            .lines()
-            .find_map(|l| l.strip_prefix(line.as_str()))
-            .unwrap_or_else(|| panic!("no checksum of {line}"));
-        let checksum = u64::from_str_radix(hex.trim(), 16).expect("hexadecimal");
-        client
-            .execute(
-                "INSERT INTO refinery_schema_history VALUES ($1, $2, '2026-12-01T00:00:00Z', $3)",
-                &[&version, &name, &checksum.to_string()],
-            )
-            .await
-            .expect("history row");
-    }
+    migrated_by_hand(&client, "ledger", 4).await;
     // A transaction older than the build, open for 3 s (a drift check's
     // snapshot, say): the concurrent build waits for it, past the 2 s the
     // `ALTER`s are bounded by (the runbook resets the bound before it).
@@ -653,6 +622,141 @@ async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
     assert_eq!(by_hand, released);
     drop(client);
     system_tests::drop_database(Database::Ledger, &database).await;
+}
+
+/// Apply the migrations of set `set` (its directory under migrations/) up
+/// to version `upto` on `client`'s database by hand, each with the history
+/// row refinery would write (checksums from migrations/CHECKSUMS): the
+/// database as a release that stopped there left it.
+async fn migrated_by_hand(client: &tokio_postgres::Client, set: &str, upto: u32) {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let checksums = std::fs::read_to_string(format!("{root}/migrations/CHECKSUMS"))
+        .expect("migrations/CHECKSUMS");
+    client
+        .batch_execute(
+            "CREATE TABLE refinery_schema_history (version int4 PRIMARY KEY, \
+             name VARCHAR(255), applied_on VARCHAR(255), checksum VARCHAR(255))",
+        )
+        .await
+        .expect("history");
+    for line in checksums
+        .lines()
+        .filter(|l| l.starts_with(&format!("{set} V")))
+    {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [_, version, name, hex] = fields[..] else {
+            panic!("a CHECKSUMS line: {line}")
+        };
+        let version: i32 = version[1..].parse().expect("a version");
+        if version > i32::try_from(upto).expect("a version") {
+            continue;
+        }
+        let path = format!("{root}/migrations/{set}/V{version}__{name}.sql");
+        let sql = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        client
+            .batch_execute(&format!("BEGIN; {sql}; COMMIT"))
+            .await
+            .unwrap_or_else(|e| panic!("{set} V{version}: {e}"));
+        let checksum = u64::from_str_radix(hex, 16).expect("hexadecimal");
+        client
+            .execute(
+                "INSERT INTO refinery_schema_history VALUES ($1, $2, '2026-12-01T00:00:00Z', $3)",
+                &[&version, &name, &checksum.to_string()],
+            )
+            .await
+            .expect("history row");
+    }
+}
+
+/// A migration that deadlocks with a live transaction is rolled back and
+/// tried again by `kit::migrations::run` (as one that waited out its lock
+/// timeout), not a failed start-up: orders V19, pending on a database at
+/// V18, takes `orders` and waits for `tenants`, which a transaction holds
+/// that then writes an order (the order of a tenant created in the same
+/// transaction: the cycle). The server fails V19 (the transaction's
+/// deadlock check waits longer); the transaction commits; the next try
+/// applies V19. On a database of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_that_deadlocks_is_tried_again() {
+    let (database, url) = system_tests::create_database(Database::Orders).await;
+    let mut client = system_tests::connect_url(&url).await;
+    migrated_by_hand(&client, "orders", 18).await;
+    let deadlocks = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()";
+    let before: i64 = client
+        .query_one(deadlocks, &[])
+        .await
+        .expect("deadlocks")
+        .get(0);
+    let tx = client.transaction().await.expect("begin");
+    tx.batch_execute(
+        "SET LOCAL deadlock_timeout = '20s'; INSERT INTO tenants (tenant_id) VALUES ('acme')",
+    )
+    .await
+    .expect("a tenant");
+    // The migration's session checks for a deadlock 5 s into a wait (its
+    // lock bound follows: 5.5 s), time enough for the transaction's order
+    // below on a slow machine.
+    let mut settings = kit::settings::DatabaseSettings::local(Database::Orders.name());
+    let separator = if url.contains('?') { '&' } else { '?' };
+    settings.url = format!("{url}{separator}options=-c%20deadlock_timeout%3D5s");
+    settings.pool_size = 1;
+    let pool = kit::db::pool(&settings).expect("pool");
+    let migration =
+        tokio::spawn(async move { kit::migrations::run(&pool, Database::Orders).await });
+    // V19 holds `orders` and waits for `tenants`.
+    let observer = system_tests::connect_url(&url).await;
+    system_tests::consumers::eventually(
+        "V19 waiting for tenants",
+        Duration::from_secs(30),
+        || async {
+            observer
+                .query_opt(
+                    "SELECT 1 FROM pg_locks WHERE relation = 'tenants'::regclass \
+                   AND mode = 'AccessExclusiveLock' AND NOT granted",
+                    &[],
+                )
+                .await
+                .expect("pg_locks")
+                .map(|_| ())
+        },
+    )
+    .await;
+    tx.execute(
+        "INSERT INTO orders (order_id, tenant_id, customer_id, currency, location, \
+         merchandise_minor, shipping_minor, tax_minor, total_minor, last_event_sequence) \
+         VALUES ($1, 'acme', '77', 'USD', 'WH-1', 8000, 500, 800, 9300, 1)",
+        &[&uuid::Uuid::now_v7()],
+    )
+    .await
+    .expect("the order, once V19 gave way");
+    tx.commit().await.expect("commit");
+    let applied = migration
+        .await
+        .expect("the migration's task")
+        .expect("V19 applied at a later try");
+    assert_eq!(
+        applied.iter().filter(|m| m.starts_with("V19__")).count(),
+        1,
+        "{applied:?}"
+    );
+    // Counted once the migration's session reports its statistics (within
+    // about a second of going idle).
+    let broken = system_tests::consumers::eventually(
+        "the deadlock counted",
+        Duration::from_secs(30),
+        || async {
+            let after: i64 = observer
+                .query_one(deadlocks, &[])
+                .await
+                .expect("deadlocks")
+                .get(0);
+            (after > before).then_some(after - before)
+        },
+    )
+    .await;
+    assert_eq!(broken, 1, "the server broke one deadlock");
+    drop((client, observer));
+    system_tests::drop_database(Database::Orders, &database).await;
 }
 
 /// A new outbox row of tenant acme, then `SET <set>` on it (none if empty).
