@@ -938,3 +938,21 @@ pub async fn index_reads_under_an_old_snapshot(
     snapshot.rollback().await.expect("rollback");
     read
 }
+
+/// After a cleanup of `rows` rows of `table` measured by
+/// [`index_reads_under_an_old_snapshot`] (`read`): none of them is left,
+/// and about one index entry was read per row deleted (batches of 100 that
+/// each walked again from the start read about rows² / 200).
+pub async fn deleted_each_row_once(db: &tokio_postgres::Client, table: &str, rows: i64, read: i64) {
+    let left: i64 = db
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(left, 0, "{table}: rows left");
+    assert!(
+        read <= 3 * rows,
+        "{read} index entries read to delete {rows} rows of {table} (quadratic: ~{})",
+        rows * rows / 200
+    );
+}
