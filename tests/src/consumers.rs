@@ -741,6 +741,9 @@ pub struct DeadLetter {
     pub aggregate_id: Option<String>,
     /// `x-consumer-attempts`: the failed attempts it had.
     pub attempts: Option<i64>,
+    /// `x-consumer-gap-failures`: the failed waits for an earlier event of
+    /// its order, past its deferrals.
+    pub gap_failures: Option<i64>,
     /// `x-delivery-count`: how often the quorum queue delivered it before.
     pub delivery_count: Option<i64>,
 }
@@ -759,14 +762,7 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
         .await
         .expect("basic.get on the dlq")
     {
-        let headers = message.delivery.properties.headers().as_ref();
-        letters.push(DeadLetter {
-            body: message.delivery.data.clone(),
-            reason: str_header(headers, "x-dead-letter-reason").unwrap_or_default(),
-            aggregate_id: str_header(headers, "aggregate_id"),
-            attempts: int_header(headers, "x-consumer-attempts"),
-            delivery_count: int_header(headers, "x-delivery-count"),
-        });
+        letters.push(dead_letter(&message.delivery));
         message
             .delivery
             .acker
@@ -781,6 +777,52 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
 /// Read one message of `<consumer>.dlq` and return it to the queue (a nack
 /// with requeue, which the quorum queue counts): the `x-delivery-count` it
 /// was read with.
+fn dead_letter(delivery: &lapin::message::Delivery) -> DeadLetter {
+    let headers = delivery.properties.headers().as_ref();
+    DeadLetter {
+        body: delivery.data.clone(),
+        reason: str_header(headers, "x-dead-letter-reason").unwrap_or_default(),
+        aggregate_id: str_header(headers, "aggregate_id"),
+        attempts: int_header(headers, "x-consumer-attempts"),
+        gap_failures: int_header(headers, "x-consumer-gap-failures"),
+        delivery_count: int_header(headers, "x-delivery-count"),
+    }
+}
+
+/// The letter at the head of `<consumer>.dlq`, read and put back (as
+/// [`return_a_dead_letter`]: its delivery count goes up); back in the queue
+/// when this returns.
+pub async fn peek_a_dead_letter(consumer: &str) -> DeadLetter {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let dlq = format!("{consumer}.dlq");
+    let message = eventually("a dead letter", Duration::from_secs(30), || async {
+        channel
+            .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .expect("basic.get on the dlq")
+    })
+    .await;
+    let letter = dead_letter(&message.delivery);
+    message
+        .delivery
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            multiple: false,
+        })
+        .await
+        .expect("nack");
+    let _ = connection.close(200, "peeked".into()).await;
+    eventually(
+        "the letter back in the DLQ",
+        Duration::from_secs(30),
+        || async { (queue_depth(&dlq).await >= 1).then_some(()) },
+    )
+    .await;
+    letter
+}
+
 pub async fn return_a_dead_letter(consumer: &str) -> Option<i64> {
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");

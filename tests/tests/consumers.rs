@@ -12,9 +12,9 @@ use system_tests::{
     bin,
     consumers::{
         drain_dead_letters, eventually, has_letter, inbox_count, live_counts, management, message,
-        order_placed, parcel_delivered, payment_received, queue_consumers, queue_depth,
-        return_a_dead_letter, story, unique, Consumer, Kind, Message, Options, Publisher, Story,
-        TopologyGuard, TEST_TOKEN,
+        order_placed, parcel_delivered, payment_received, peek_a_dead_letter, queue_consumers,
+        queue_depth, return_a_dead_letter, story, unique, Consumer, Kind, Message, Options,
+        Publisher, Story, TopologyGuard, TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -990,6 +990,14 @@ async fn an_event_whose_predecessor_never_comes_is_deferred_a_bounded_number_of_
         (queue_depth(&format!("{name}.dlq")).await == 1).then_some(())
     })
     .await;
+    // Its five failures were the gap's, none the handler's (it never ran).
+    let letter = peek_a_dead_letter(&name).await;
+    assert_eq!(
+        (letter.attempts, letter.gap_failures),
+        (Some(0), Some(5)),
+        "{}",
+        letter.reason
+    );
     assert_eq!(ledger.metric("consumer_deferred_total", "").await, 2.0);
     // Attempts 1 to 4 retried through the tiers, the fifth dead-lettered.
     assert_eq!(ledger.metric("consumer_retried_total", "").await, 4.0);

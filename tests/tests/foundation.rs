@@ -568,21 +568,32 @@ async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
     let client = system_tests::connect_url(&url).await;
     // At V4, as an earlier release left it.
     migrated_by_hand(&client, "ledger", 4).await;
-    // A transaction older than the build, open for 3 s (a drift check's
+    // A transaction older than the build, open for 5 s (a drift check's
     // snapshot, say): the concurrent build waits for it, past the 2 s the
     // `ALTER`s are bounded by (the runbook resets the bound before it).
     let mut holder = system_tests::connect_url(&url).await;
+    let (taken, snapshot_taken) = tokio::sync::oneshot::channel();
     let held = tokio::spawn(async move {
         let snapshot = holder.transaction().await.expect("begin");
         snapshot
             .batch_execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT 1")
             .await
             .expect("a snapshot");
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        let _ = taken.send(());
+        tokio::time::sleep(Duration::from_secs(5)).await;
         snapshot.commit().await.expect("commit");
     });
+    snapshot_taken.await.expect("the older snapshot");
     for statement in sql.split(";\n").map(str::trim).filter(|s| !s.is_empty()) {
-        if statement.starts_with("SELECT indisvalid") {
+        if statement.starts_with("CREATE INDEX CONCURRENTLY") {
+            let started = std::time::Instant::now();
+            client.batch_execute(statement).await.expect(statement);
+            assert!(
+                started.elapsed() >= Duration::from_secs(2),
+                "the build waited for the older transaction, past 2 s: {:?}",
+                started.elapsed()
+            );
+        } else if statement.starts_with("SELECT indisvalid") {
             let valid: bool = client
                 .query_one(statement, &[])
                 .await
