@@ -774,9 +774,7 @@ pub async fn drain_dead_letters(consumer: &str) -> Vec<DeadLetter> {
     letters
 }
 
-/// Read one message of `<consumer>.dlq` and return it to the queue (a nack
-/// with requeue, which the quorum queue counts): the `x-delivery-count` it
-/// was read with.
+/// A dead letter's body and the runtime's headers on it.
 fn dead_letter(delivery: &lapin::message::Delivery) -> DeadLetter {
     let headers = delivery.properties.headers().as_ref();
     DeadLetter {
@@ -789,9 +787,11 @@ fn dead_letter(delivery: &lapin::message::Delivery) -> DeadLetter {
     }
 }
 
-/// The letter at the head of `<consumer>.dlq`, read and put back (as
-/// [`return_a_dead_letter`]: its delivery count goes up); back in the queue
-/// when this returns.
+/// Read one message of `<consumer>.dlq` (waiting for one: a letter
+/// returned a moment ago is requeued by the quorum queue asynchronously)
+/// and return it to the queue (a nack with requeue, which the quorum queue
+/// counts in `x-delivery-count`): the letter as read, back in the queue when
+/// this returns.
 pub async fn peek_a_dead_letter(consumer: &str) -> DeadLetter {
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
@@ -821,38 +821,6 @@ pub async fn peek_a_dead_letter(consumer: &str) -> DeadLetter {
     )
     .await;
     letter
-}
-
-pub async fn return_a_dead_letter(consumer: &str) -> Option<i64> {
-    let connection = connect().await;
-    let channel = connection.create_channel().await.expect("channel");
-    // A letter returned a moment ago is requeued by the quorum queue
-    // asynchronously: wait for it.
-    let message = eventually("a dead letter", Duration::from_secs(30), || async {
-        channel
-            .basic_get(
-                format!("{consumer}.dlq").as_str().into(),
-                BasicGetOptions { no_ack: false },
-            )
-            .await
-            .expect("basic.get on the dlq")
-    })
-    .await;
-    let count = int_header(
-        message.delivery.properties.headers().as_ref(),
-        "x-delivery-count",
-    );
-    message
-        .delivery
-        .acker
-        .nack(BasicNackOptions {
-            requeue: true,
-            multiple: false,
-        })
-        .await
-        .expect("nack");
-    let _ = connection.close(200, "ok".into()).await;
-    count
 }
 
 /// Rows in the inbox (`processed_events`) of consumer `name` in `db`.

@@ -273,8 +273,14 @@ pub async fn ensure_migrated(db: Database) {
 /// settings; the consumers' message sessions add
 /// `consumer_runtime::session_options`).
 pub fn pool(db: Database) -> kit::db::PgPool {
+    pool_of_url(db, &pg_url(db))
+}
+
+/// [`pool`] to the database at `url` (one [`create_database`] made, or
+/// `db`'s with other options), `db`'s other settings.
+pub fn pool_of_url(db: Database, url: &str) -> kit::db::PgPool {
     let mut settings = kit::settings::DatabaseSettings::local(db.name());
-    settings.url = pg_url(db);
+    settings.url = url.to_owned();
     settings.pool_size = 4;
     kit::db::pool(&settings).expect("pool")
 }
@@ -911,7 +917,8 @@ pub async fn index_reads_under_an_old_snapshot(
             .await
             .expect("fresh counters");
         db.query_one(
-            "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = $1",
+            "SELECT idx_tup_read FROM pg_stat_user_indexes \
+             WHERE schemaname = 'public' AND indexrelname = $1",
             &[&index],
         )
         .await

@@ -13,8 +13,8 @@ use system_tests::{
     consumers::{
         drain_dead_letters, eventually, has_letter, inbox_count, live_counts, management, message,
         order_placed, parcel_delivered, payment_received, peek_a_dead_letter, queue_consumers,
-        queue_depth, return_a_dead_letter, story, unique, Consumer, Kind, Message, Options,
-        Publisher, Story, TopologyGuard, TEST_TOKEN,
+        queue_depth, story, unique, Consumer, Kind, Message, Options, Publisher, Story,
+        TopologyGuard, TEST_TOKEN,
     },
     pg, pool, Database,
 };
@@ -3111,7 +3111,7 @@ async fn keyed_statements_use_their_indexes_on_tables_vacuumed_while_empty() {
         let row = own
             .query_one(
                 "SELECT seq_scan, COALESCE(idx_scan, 0) FROM pg_stat_user_tables
-                  WHERE relname = 'order_progress'",
+                  WHERE schemaname = 'public' AND relname = 'order_progress'",
                 &[],
             )
             .await
@@ -3710,12 +3710,12 @@ async fn inbox_cleanup_deletes_old_rows_and_stale_copies_stay_rejected() {
 async fn an_inbox_cleanup_under_an_old_snapshot_reads_each_deleted_row_once() {
     let name = unique("t5-clean-snapshot");
     let (database, url) = system_tests::create_database(Database::Loyalty).await;
-    let mut settings = kit::settings::DatabaseSettings::local(Database::Loyalty.name());
-    settings.url = url.clone();
-    settings.pool_size = 1;
-    kit::migrations::run(&kit::db::pool(&settings).expect("pool"), Database::Loyalty)
-        .await
-        .expect("migrate");
+    kit::migrations::run(
+        &system_tests::pool_of_url(Database::Loyalty, &url),
+        Database::Loyalty,
+    )
+    .await
+    .expect("migrate");
     let db = system_tests::connect_url(&url).await;
     db.execute(
         "INSERT INTO processed_events (consumer_name, event_id, tenant_id, processed_at) \
@@ -5931,9 +5931,9 @@ async fn a_kept_letter_goes_back_uncounted_and_a_crash_leaves_no_lasting_copy() 
         .wait_metric("consumer_dead_lettered_total", "", 1.0)
         .await;
     // A return counts (and the header is read): the letter now has two.
-    let returned = return_a_dead_letter(&name).await;
+    let returned = peek_a_dead_letter(&name).await.delivery_count;
     assert_eq!(returned.unwrap_or(0), 0, "never delivered before");
-    assert_eq!(return_a_dead_letter(&name).await, Some(1));
+    assert_eq!(peek_a_dead_letter(&name).await.delivery_count, Some(1));
     // Redrives of another order keep the letter each time.
     let other = Uuid::now_v7().to_string();
     let args = ["--order", other.as_str()];

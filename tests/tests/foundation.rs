@@ -43,10 +43,7 @@ async fn all_four_databases_are_migrated_and_migrations_are_idempotent() {
         // one applies every migration and the other nothing, without a
         // collision on a table or the history.
         let (fresh, url) = system_tests::create_database(db).await;
-        let mut settings = kit::settings::DatabaseSettings::local(db.name());
-        settings.url = url;
-        settings.pool_size = 4;
-        let fresh_pool = kit::db::pool(&settings).expect("pool");
+        let fresh_pool = system_tests::pool_of_url(db, &url);
         let (a, b) = tokio::join!(
             kit::migrations::run(&fresh_pool, db),
             kit::migrations::run(&fresh_pool, db)
@@ -420,11 +417,12 @@ async fn the_runbook_s_replacement_keeps_the_event_s_position_time_and_trace() {
     let (_, block) = after.split_once("```sql\n").expect("its SQL");
     let (sql, _) = block.split_once("```").expect("its end");
     let (database, url) = system_tests::create_database(Database::Orders).await;
-    let mut settings = kit::settings::DatabaseSettings::local(Database::Orders.name());
-    settings.url = url.clone();
-    kit::migrations::run(&kit::db::pool(&settings).expect("pool"), Database::Orders)
-        .await
-        .expect("migrate");
+    kit::migrations::run(
+        &system_tests::pool_of_url(Database::Orders, &url),
+        Database::Orders,
+    )
+    .await
+    .expect("migrate");
     let client = system_tests::connect_url(&url).await;
     let order = uuid::Uuid::now_v7().to_string();
     let row = |event_id: uuid::Uuid, set: &'static str| {
@@ -605,11 +603,12 @@ async fn ledger_v5_applied_by_hand_is_skipped_by_the_release() {
         }
     }
     held.await.expect("the older transaction");
-    let mut settings = kit::settings::DatabaseSettings::local(Database::Ledger.name());
-    settings.url = url.clone();
-    let applied = kit::migrations::run(&kit::db::pool(&settings).expect("pool"), Database::Ledger)
-        .await
-        .expect("the release migrates past the V5 applied by hand");
+    let applied = kit::migrations::run(
+        &system_tests::pool_of_url(Database::Ledger, &url),
+        Database::Ledger,
+    )
+    .await
+    .expect("the release migrates past the V5 applied by hand");
     let ledger: Vec<&String> = applied.iter().filter(|m| m.contains("journal")).collect();
     assert_eq!(
         ledger,
@@ -707,11 +706,11 @@ async fn a_migration_that_deadlocks_is_tried_again() {
     // The migration's session checks for a deadlock 5 s into a wait (its
     // lock bound follows: 5.5 s), time enough for the transaction's order
     // below on a slow machine.
-    let mut settings = kit::settings::DatabaseSettings::local(Database::Orders.name());
     let separator = if url.contains('?') { '&' } else { '?' };
-    settings.url = format!("{url}{separator}options=-c%20deadlock_timeout%3D5s");
-    settings.pool_size = 1;
-    let pool = kit::db::pool(&settings).expect("pool");
+    let pool = system_tests::pool_of_url(
+        Database::Orders,
+        &format!("{url}{separator}options=-c%20deadlock_timeout%3D5s"),
+    );
     let migration =
         tokio::spawn(async move { kit::migrations::run(&pool, Database::Orders).await });
     // V19 holds `orders` and waits for `tenants`.

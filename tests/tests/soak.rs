@@ -295,7 +295,8 @@ async fn backlog_drains_in_order_and_the_oldest_pending_age_falls_back() {
         pg(Database::Orders)
             .await
             .query_one(
-                "SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox_events'",
+                "SELECT n_tup_upd FROM pg_stat_user_tables \
+                 WHERE schemaname = 'public' AND relname = 'outbox_events'",
                 &[],
             )
             .await

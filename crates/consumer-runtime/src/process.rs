@@ -796,8 +796,7 @@ impl<D: Domain> Processor<D> {
         counted: &Incoming<'_>,
         tier: usize,
     ) -> Result<(), Infra> {
-        let incoming = counted;
-        let mut table = topology::clean_headers(incoming.delivery.properties.headers().as_ref());
+        let mut table = topology::clean_headers(counted.delivery.properties.headers().as_ref());
         topology::set_int(&mut table, headers::ATTEMPTS, i64::from(counted.attempts));
         topology::set_int(&mut table, headers::DEFERRALS, i64::from(counted.deferrals));
         if counted.gap_failures > 0 {
@@ -811,8 +810,8 @@ impl<D: Domain> Processor<D> {
             publisher,
             "",
             &self.topology.retry_queue(tier),
-            &incoming.delivery.data,
-            &incoming.delivery.properties,
+            &counted.delivery.data,
+            &counted.delivery.properties,
             table,
         )
         .await?;

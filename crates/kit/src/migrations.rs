@@ -171,10 +171,17 @@ fn deadlocked(error: &refinery::Error) -> bool {
 
 /// The SQLSTATE of the database error refinery failed on, if any.
 fn sqlstate(error: &refinery::Error) -> Option<&tokio_postgres::error::SqlState> {
+    database_error(error)?
+        .downcast_ref::<tokio_postgres::Error>()
+        .and_then(tokio_postgres::Error::code)
+}
+
+/// The database's error refinery failed on (applying a migration), if any.
+fn database_error(
+    error: &refinery::Error,
+) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
     match error.kind() {
-        refinery::error::Kind::Connection(_, source) => source
-            .downcast_ref::<tokio_postgres::Error>()
-            .and_then(tokio_postgres::Error::code),
+        refinery::error::Kind::Connection(_, source) => Some(source.as_ref()),
         _ => None,
     }
 }
@@ -277,12 +284,8 @@ async fn migrate(
                 // deadlock): the migration's transaction rolled back; its
                 // writers went on. Again, still holding the advisory lock.
                 Err(source) if lock_timeout(&source) && attempt < DDL_LOCK_ATTEMPTS => {
-                    let cause = match source.kind() {
-                        refinery::error::Kind::Connection(_, cause) => {
-                            crate::db::describe(cause.as_ref())
-                        }
-                        _ => source.to_string(),
-                    };
+                    let cause = database_error(&source)
+                        .map_or_else(|| source.to_string(), |cause| crate::db::describe(cause));
                     if deadlocked(&source) {
                         // Not a wait: its lock order crosses the live
                         // transactions' (a migration to fix, though it

@@ -799,6 +799,7 @@ pub async fn execute(
         tracing::warn!(endpoint, key_hash, %error, "commit failed (a retry under the same key replays it if it committed)");
         error
     })?;
+    // (A crash here loses the wake-up, not the event: `wake`.)
     crash_point("order_api.after_commit");
     if wrote_an_event {
         state.relay_waker.wake();

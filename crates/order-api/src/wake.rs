@@ -19,7 +19,9 @@
 //!
 //! Crash window: a process that dies between its COMMIT and the NOTIFY
 //! loses the wake-up, not the event: the relay's poll (1 s by default)
-//! claims the row. A NOTIFY that fails (the database restarting) is retried
+//! claims the row (fail point `order_api.after_commit`, which lies before
+//! the wake; test `order_api_crash_after_commit_before_response`: every
+//! event of the crashed traffic delivered). A NOTIFY that fails (the database restarting) is retried
 //! with a backoff until sent or the process stops.
 
 use std::sync::Arc;
